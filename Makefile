@@ -1,0 +1,35 @@
+# One-command set-up for a CPU-only machine. On a GPU machine: pip install -e .[vllm,test]
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.nixlkv-installed
+
+.PHONY: venv test rehearse lock clean
+
+venv: $(STAMP)
+
+# torch 2.13.0 (CPU) must come first: a plain torch requirement would pull GBs of CUDA wheels.
+# vLLM 0.33.0 pins torch 2.14.0 and GPU-only packages, so it goes in with --no-deps on top of the
+# exact set of packages its CPU-importable modules need (requirements/cpu-lock.txt).
+$(STAMP): pyproject.toml requirements/cpu-lock.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c requirements/cpu-lock.txt nixl==1.5.1 -r requirements/cpu-lock.txt
+	$(BIN)/python -m pip install -q --no-deps vllm==0.33.0
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip install -q --no-deps -e tests/plugins/nixlkv_example_plugin
+	$(BIN)/python -c "import nixlkv, nixl._api, vllm.v1.kv_cache_interface" 
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+rehearse: venv
+	$(BIN)/nixlkv rehearse
+
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm|nixl|nixl-cu12|nixl-cu13)==' > requirements/cpu-lock.txt
+
+clean:
+	rm -rf $(VENV)

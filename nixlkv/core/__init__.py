@@ -1,0 +1,38 @@
+"""Engine-agnostic core: numpy and pluggy only. Never import vllm, torch or nixl here."""
+
+from .dispatcher import Dispatcher
+from .errors import (
+    HandshakeError,
+    IncompatibleGeometry,
+    IncompatibleTopology,
+    NixlkvError,
+    NoStrategyError,
+    PlanError,
+    PlanValidationError,
+    RegistryError,
+    RequestError,
+    StrategyConflict,
+)
+from .geometry import LayerCache, PageLayout, RankGeometry, Region, Segment, box_copy_runs
+from .hookspecs import hookimpl, hookspec
+from .plan import ReadOp, ResolvedRequest, TransferPlan
+from .registry import StrategyRegistry, plugin_manager
+from .strategy import Strategy, tail_aligned
+from .topology import (
+    HeadRun,
+    Topology,
+    consumers_per_remote_rank,
+    covered_remote_ranks,
+    head_sources,
+    heads_held,
+    heads_per_rank,
+)
+
+__all__ = [
+    "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
+    "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PlanError", "PlanValidationError",
+    "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
+    "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
+    "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held", "heads_per_rank",
+    "hookimpl", "hookspec", "plugin_manager", "tail_aligned",
+]

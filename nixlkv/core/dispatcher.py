@@ -1,0 +1,163 @@
+"""The dispatcher: strategies per layer in, one validated TransferPlan per remote engine out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import pluggy
+
+from .errors import IncompatibleGeometry, PlanError
+from .geometry import LayerCache, RankGeometry, Region, Segment
+from .plan import GroupPairing, TransferPlan
+from .registry import StrategyRegistry, plugin_manager
+from .strategy import Strategy
+from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks
+
+Unwrap = Callable[[Any, str], Any]
+MAX_UNWRAP_DEPTH = 8
+
+
+class Dispatcher:
+    """Asks the strategy of every layer for its region, and of every region for its segments."""
+
+    def __init__(self, registry: StrategyRegistry, unwrap: Unwrap | None = None) -> None:
+        self.registry = registry
+        self._unwrap = unwrap
+
+    @classmethod
+    def from_plugins(cls, pm: pluggy.PluginManager | None = None, **registry_options: Any) -> Dispatcher:
+        pm = pm or plugin_manager()
+        registry = StrategyRegistry.from_plugins(pm, **registry_options)
+        return cls(registry, unwrap=lambda spec, name: pm.hook.nixlkv_unwrap_spec(spec=spec, layer_name=name))
+
+    # ---------------------------------------------------------------- local side
+    def layer_spec(self, spec: Any, layer_name: str) -> Any:
+        """The layer's own spec, with group-level wrappers removed."""
+        for _ in range(MAX_UNWRAP_DEPTH):
+            inner = self._unwrap(spec, layer_name) if self._unwrap else None
+            if inner is None:
+                return spec
+            spec = inner
+        raise PlanError(f"layer {layer_name!r}: spec wrappers nest deeper than {MAX_UNWRAP_DEPTH}")
+
+    def strategy_for(self, spec: Any, layer_name: str) -> Strategy:
+        return self.registry.for_type(type(self.layer_spec(spec, layer_name)))
+
+    def local_geometry(
+        self,
+        engine_id: str,
+        topology: Topology,
+        layers: Iterable[LayerCache],
+        memory: Sequence[tuple[int, int]],
+        device_id: int = 0,
+        mem_type: str = "DRAM",
+    ) -> RankGeometry:
+        """This rank's regions, one per layer, as its strategies describe them."""
+        regions = []
+        for layer in layers:
+            spec = self.layer_spec(layer.spec, layer.name)
+            strategy = self.registry.for_type(type(spec))
+            region = strategy.local_region(_with_spec(layer, spec), topology)
+            if region.strategy != strategy.name:
+                raise PlanError(
+                    f"strategy {strategy.name!r} described layer {layer.name!r} as served by {region.strategy!r}"
+                )
+            regions.append(region)
+        return RankGeometry(
+            engine_id=engine_id,
+            tp_size=topology.tp_size,
+            tp_rank=topology.tp_rank,
+            regions=tuple(regions),
+            memory=tuple((int(a), int(n)) for a, n in memory),
+            device_id=device_id,
+            mem_type=mem_type,
+        )
+
+    # ---------------------------------------------------------------- pairing with a remote
+    def plan(self, local: RankGeometry, remote: Mapping[int, RankGeometry]) -> TransferPlan:
+        """One plan for ``local`` reading from the remote engine whose ranks are ``remote``.
+
+        ``remote`` must hold at least every remote rank this local rank covers.
+        """
+        if not remote:
+            raise PlanError("no remote rank geometry given")
+        engines = {g.engine_id for g in remote.values()}
+        sizes = {g.tp_size for g in remote.values()}
+        if len(engines) != 1 or len(sizes) != 1:
+            raise IncompatibleGeometry(f"remote ranks disagree on engine id / tp size: {engines} / {sizes}")
+        remote_tp = sizes.pop()
+        for rank, g in remote.items():
+            if g.tp_rank != rank:
+                raise IncompatibleGeometry(f"remote geometry keyed as rank {rank} says it is rank {g.tp_rank}")
+        topology = Topology(local.tp_size, local.tp_rank)
+        covered = covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp)
+        missing = [p for p in covered if p not in remote]
+        if missing:
+            raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
+        _check_same_layers(local, {p: remote[p] for p in covered})
+
+        segments: list[tuple[Segment, int]] = []
+        keys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> key
+        bounds: list[list[int]] = []  # per key: smallest local / remote num_blocks
+        group_map: dict[int, int] = {}
+        for region in local.regions:
+            strategy = self.registry.by_name(region.strategy)
+            peers = {p: _peer(remote[p], region) for p in covered}
+            remote_group = peers[covered[0]].group
+            if group_map.setdefault(region.group, remote_group) != remote_group:
+                raise IncompatibleGeometry(
+                    f"local KV group {region.group} holds layers of remote groups "
+                    f"{group_map[region.group]} and {remote_group} (e.g. {region.name!r}): "
+                    "both engines must group layers the same way"
+                )
+            key = keys.setdefault((region.group, remote_group, strategy.name), len(keys))
+            if key == len(bounds):
+                bounds.append([region.num_blocks, min(r.num_blocks for r in peers.values())])
+            bounds[key][0] = min(bounds[key][0], region.num_blocks)
+            bounds[key][1] = min([bounds[key][1], *(r.num_blocks for r in peers.values())])
+            segments.extend((seg, key) for seg in strategy.segments(region, peers, topology, remote_tp))
+        pairings = [
+            GroupPairing(lg, rg, self.registry.by_name(name), *bounds[key])
+            for (lg, rg, name), key in keys.items()
+        ]
+        return TransferPlan(
+            local=local,
+            remote={p: remote[p] for p in covered},
+            covered=covered,
+            consumers=consumers_per_remote_rank(local.tp_size, remote_tp),
+            segments=segments,
+            pairings=pairings,
+        )
+
+
+def _with_spec(layer: LayerCache, spec: Any) -> LayerCache:
+    if spec is layer.spec:
+        return layer
+    return dataclasses.replace(layer, spec=spec)
+
+
+def _peer(geometry: RankGeometry, region: Region) -> Region:
+    peer = geometry.region(region.name)
+    if peer is None:  # _check_same_layers ran first; this guards direct callers
+        raise IncompatibleGeometry(f"layer {region.name!r} missing on remote rank {geometry.tp_rank}")
+    if peer.strategy != region.strategy:
+        raise IncompatibleGeometry(
+            f"layer {region.name!r} is a {region.strategy!r} cache here but a {peer.strategy!r} cache on "
+            f"remote rank {geometry.tp_rank}: both engines must run the same model with the same KV-cache kinds"
+        )
+    return peer
+
+
+def _check_same_layers(local: RankGeometry, remote: Mapping[int, RankGeometry]) -> None:
+    mine = {r.name for r in local.regions}
+    for rank, g in remote.items():
+        theirs = {r.name for r in g.regions}
+        if mine != theirs:
+            only_here = sorted(mine - theirs)[:3]
+            only_there = sorted(theirs - mine)[:3]
+            raise IncompatibleGeometry(
+                f"local rank {local.tp_rank} and remote rank {rank} hold different layers "
+                f"(only here: {only_here}, only there: {only_there}): P and D must serve the same model"
+            )

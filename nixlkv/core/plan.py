@@ -1,0 +1,300 @@
+"""The transfer plan: segments turned into NIXL descriptor lists, validated once, resolved per request.
+
+Every segment becomes one strided descriptor row on each side, ``(address, nbytes, device,
+block_stride, num_blocks)``; the descriptor ID of block ``b`` in that row is
+``row_start + b``. A request's block IDs therefore resolve to descriptor IDs with one broadcast
+add per (remote rank, group): no Python loop per block. Rows are segment-major, so consecutive
+blocks of a whole-page segment are adjacent on both sides and NIXL merges them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanValidationError, RequestError
+from .geometry import RankGeometry, Region, Segment
+from .strategy import Strategy
+
+
+@dataclass(frozen=True)
+class GroupPairing:
+    """Local KV group ``local_group`` is read from remote group ``remote_group`` by ``strategy``."""
+
+    local_group: int
+    remote_group: int
+    strategy: Strategy
+    local_num_blocks: int  # smallest num_blocks over its local regions: the valid id bound
+    remote_num_blocks: int  # same over its remote regions on every rank read
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """One NIXL READ: these local descriptor IDs from these descriptor IDs of one remote rank."""
+
+    remote_rank: int
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.local_ids.size)
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """What one request needs: READs, ranks that only need telling, and the consumer count
+    every notified remote rank waits for before it frees the request's blocks."""
+
+    reads: tuple[ReadOp, ...]
+    notify_only: tuple[int, ...]
+    consumers: int
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for r in self.reads)
+
+    @property
+    def notified_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r.remote_rank for r in self.reads} | set(self.notify_only)))
+
+
+class TransferPlan:
+    """Immutable plan for one local rank reading from one remote engine."""
+
+    def __init__(
+        self,
+        local: RankGeometry,
+        remote: Mapping[int, RankGeometry],
+        covered: Sequence[int],
+        consumers: int,
+        segments: Sequence[tuple[Segment, int]],
+        pairings: Sequence[GroupPairing],
+    ) -> None:
+        self.local = local
+        self.remote = dict(remote)
+        self.covered = tuple(covered)
+        self.consumers = consumers
+        self.pairings = tuple(pairings)
+        self.segments = tuple(s for s, _ in segments)
+        self._seg_key = np.array([k for _, k in segments], dtype=np.int64)
+        self._validate()
+        self._build_rows()
+
+    # ---------------------------------------------------------------- construction
+    def _local_region(self, seg: Segment) -> Region:
+        region = self.local.region(seg.local_region)
+        if region is None:
+            raise PlanValidationError(f"segment names unknown local region {seg.local_region!r}")
+        return region
+
+    def _remote_region(self, seg: Segment) -> Region:
+        if seg.remote_rank not in self.covered:
+            raise PlanValidationError(
+                f"segment of {seg.local_region!r} reads remote rank {seg.remote_rank}, outside the "
+                f"ranks this local rank covers {list(self.covered)}: that rank could free the "
+                "blocks before the read"
+            )
+        region = self.remote[seg.remote_rank].region(seg.remote_region)
+        if region is None:
+            raise PlanValidationError(
+                f"segment reads unknown region {seg.remote_region!r} on remote rank {seg.remote_rank}"
+            )
+        return region
+
+    def _validate(self) -> None:
+        by_region: dict[str, list[Segment]] = {}
+        for seg in self.segments:
+            local, remote = self._local_region(seg), self._remote_region(seg)
+            if seg.nbytes <= 0:
+                raise PlanValidationError(f"segment {seg} moves no bytes")
+            if seg.local_offset < 0 or seg.local_offset + seg.nbytes > local.page.nbytes:
+                raise PlanValidationError(
+                    f"segment {seg} leaves local page of {local.name!r} ({local.page.nbytes} B)"
+                )
+            if seg.remote_offset < 0 or seg.remote_offset + seg.nbytes > remote.page.nbytes:
+                raise PlanValidationError(
+                    f"segment {seg} leaves the page of {remote.name!r} on remote rank "
+                    f"{seg.remote_rank} ({remote.page.nbytes} B)"
+                )
+            by_region.setdefault(seg.local_region, []).append(seg)
+        for geometry in (self.local, *(self.remote[p] for p in self.covered)):
+            for region in geometry.regions:
+                _check_registered(region, geometry)
+        for name, segs in by_region.items():
+            segs = sorted(segs, key=lambda s: s.local_offset)
+            for a, b in zip(segs, segs[1:]):
+                if a.local_offset + a.nbytes > b.local_offset:
+                    raise PlanValidationError(
+                        f"two segments write the same bytes of local region {name!r}: {a} and {b}"
+                    )
+        by_group: dict[int, list[Region]] = {}
+        for region in (r for r in self.local.regions if r.name in by_region):
+            by_group.setdefault(region.group, []).append(region)
+        for regions in by_group.values():
+            regions.sort(key=lambda r: r.base)
+            for i, a in enumerate(regions):
+                for b in regions[i + 1 :]:
+                    if b.base >= a.end:
+                        break
+                    _check_disjoint(a, b)
+
+    def _build_rows(self) -> None:
+        n = len(self.segments)
+        local_rows = np.zeros((n, 5), dtype=np.uint64)
+        self._local_start = np.zeros(n, dtype=np.int64)
+        self._remote_start = np.zeros(n, dtype=np.int64)
+        self._seg_rank = np.array([s.remote_rank for s in self.segments], dtype=np.int64)
+        remote_rows: dict[int, list[tuple[int, int, int, int, int]]] = {p: [] for p in self.covered}
+        remote_next = {p: 0 for p in self.covered}
+        local_next = 0
+        for i, seg in enumerate(self.segments):
+            loc, rem = self._local_region(seg), self._remote_region(seg)
+            local_rows[i] = (loc.base + seg.local_offset, seg.nbytes, self.local.device_id, loc.block_stride, loc.num_blocks)
+            self._local_start[i] = local_next
+            local_next += loc.num_blocks
+            p = seg.remote_rank
+            remote_rows[p].append(
+                (rem.base + seg.remote_offset, seg.nbytes, self.remote[p].device_id, rem.block_stride, rem.num_blocks)
+            )
+            self._remote_start[i] = remote_next[p]
+            remote_next[p] += rem.num_blocks
+        self.local_descs = local_rows
+        self.remote_descs = {
+            p: np.array(rows, dtype=np.uint64).reshape(-1, 5) for p, rows in remote_rows.items() if rows
+        }
+        self.read_ranks = tuple(sorted(self.remote_descs))
+        # (rank, key) -> segment indices, precomputed so resolve() is a few broadcasts.
+        self._rank_keys: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for p in self.read_ranks:
+            entries = []
+            for key in range(len(self.pairings)):
+                idx = np.nonzero((self._seg_rank == p) & (self._seg_key == key))[0]
+                if idx.size:
+                    entries.append((key, idx))
+            self._rank_keys[p] = entries
+
+    # ---------------------------------------------------------------- per request
+    def resolve(
+        self,
+        local_block_ids: Sequence[Sequence[int] | np.ndarray],
+        remote_block_ids: Sequence[Sequence[int] | np.ndarray],
+    ) -> ResolvedRequest:
+        """Descriptor IDs for one request, given its block IDs per KV group on each side."""
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        for pairing in self.pairings:
+            lids = _ids(local_block_ids, pairing.local_group, "local")
+            rids = _ids(remote_block_ids, pairing.remote_group, "remote")
+            lp, rp = pairing.strategy.pair_blocks(lids, rids)
+            lp = np.asarray(lp, dtype=np.int64)
+            rp = np.asarray(rp, dtype=np.int64)
+            if lp.shape != rp.shape or lp.ndim != 1:
+                raise RequestError(
+                    f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
+                )
+            if lp.size:
+                _check_bounds(lp, pairing.local_num_blocks, f"local group {pairing.local_group}")
+                _check_bounds(rp, pairing.remote_num_blocks, f"remote group {pairing.remote_group}")
+            pairs.append((lp, rp))
+        reads = []
+        for p in self.read_ranks:
+            lparts, rparts = [], []
+            for key, idx in self._rank_keys[p]:
+                lp, rp = pairs[key]
+                if lp.size:
+                    lparts.append((self._local_start[idx, None] + lp[None, :]).ravel())
+                    rparts.append((self._remote_start[idx, None] + rp[None, :]).ravel())
+            if lparts:
+                reads.append(ReadOp(p, np.concatenate(lparts), np.concatenate(rparts)))
+        read = {r.remote_rank for r in reads}
+        return ResolvedRequest(
+            reads=tuple(reads),
+            notify_only=tuple(p for p in self.covered if p not in read),
+            consumers=self.consumers,
+        )
+
+    def byte_moves(self, resolved: ResolvedRequest) -> list[tuple[int, int, int, int]]:
+        """``(local_address, remote_rank, remote_address, nbytes)`` for every descriptor of a
+        resolved request: what ``explain`` prints and what tests check against the physics."""
+        out: list[tuple[int, int, int, int]] = []
+        for read in resolved.reads:
+            la, ln = expand_ids(self.local_descs, read.local_ids)
+            ra, rn = expand_ids(self.remote_descs[read.remote_rank], read.remote_ids)
+            if not np.array_equal(ln, rn):
+                raise PlanValidationError(f"descriptor lengths differ between sides for remote rank {read.remote_rank}")
+            out.extend(zip(la.tolist(), [read.remote_rank] * len(la), ra.tolist(), ln.tolist()))
+        return out
+
+    # ---------------------------------------------------------------- reporting
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "local_engine": self.local.engine_id,
+            "local_rank": self.local.tp_rank,
+            "local_tp": self.local.tp_size,
+            "remote_engine": next(iter(self.remote.values())).engine_id if self.remote else None,
+            "remote_tp": next(iter(self.remote.values())).tp_size if self.remote else None,
+            "covered_remote_ranks": list(self.covered),
+            "read_ranks": list(self.read_ranks),
+            "consumers_per_remote_rank": self.consumers,
+            "groups": [
+                {"local_group": g.local_group, "remote_group": g.remote_group, "strategy": g.strategy.name}
+                for g in self.pairings
+            ],
+            "segments": [
+                {**s.to_dict(), "strategy": self.pairings[int(k)].strategy.name}
+                for s, k in zip(self.segments, self._seg_key)
+            ],
+            "registered_descriptors": {
+                "local": int(self.local_descs[:, 4].sum()) if len(self.local_descs) else 0,
+                **{f"remote_rank_{p}": int(d[:, 4].sum()) for p, d in self.remote_descs.items()},
+            },
+        }
+
+
+def _ids(ids: Sequence[Any], group: int, side: str) -> np.ndarray:
+    if group >= len(ids):
+        raise RequestError(f"{side} block ids cover {len(ids)} KV groups; group {group} is missing")
+    arr = np.asarray(ids[group], dtype=np.int64)
+    if arr.ndim != 1:
+        raise RequestError(f"{side} block ids of group {group} must be a flat list")
+    return arr
+
+
+def _check_bounds(ids: np.ndarray, limit: int, what: str) -> None:
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= limit:
+        raise RequestError(f"{what}: block id {lo if lo < 0 else hi} outside [0, {limit})")
+
+
+def expand_ids(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses, lengths) of descriptor IDs in a list of strided rows ``(addr, len, dev, stride, count)``."""
+    starts = np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
+    row = np.searchsorted(starts, ids, side="right") - 1
+    block = ids - starts[row]
+    addr = rows[row, 0].astype(np.int64) + block * rows[row, 3].astype(np.int64)
+    return addr, rows[row, 1].astype(np.int64)
+
+
+def _check_registered(region: Region, geometry: RankGeometry) -> None:
+    for addr, nbytes in geometry.memory:
+        if addr <= region.base and region.end <= addr + nbytes:
+            return
+    raise PlanValidationError(
+        f"region {region.name!r} of engine {geometry.engine_id!r} rank {geometry.tp_rank} spans "
+        f"[{region.base:#x}, {region.end:#x}), outside every registered memory range"
+    )
+
+
+def _check_disjoint(a: Region, b: Region) -> None:
+    """Pages of two regions of one KV group must never share a byte (block IDs are shared)."""
+    if a.block_stride == b.block_stride and a.num_blocks > 1 and b.num_blocks > 1:
+        d = (b.base - a.base) % a.block_stride
+        if d >= a.page.nbytes and d + b.page.nbytes <= a.block_stride:
+            return
+    raise PlanValidationError(
+        f"regions {a.name!r} and {b.name!r} of KV group {a.group} overlap in memory: one block's "
+        "write would clobber the other layer"
+    )

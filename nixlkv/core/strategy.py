@@ -1,0 +1,66 @@
+"""The strategy contract: what a per-spec-type plugin answers. Geometry only, no I/O, no NIXL."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import numpy as np
+
+from .errors import RequestError
+from .geometry import LayerCache, Region, Segment
+from .topology import Topology
+
+
+class Strategy:
+    """Base class of every strategy. Subclass it, set the class attributes, override the methods.
+
+    - ``name``: unique, stable (it travels in the handshake: both sides must agree per layer).
+    - ``spec_types``: the spec classes served; subclasses are served too unless another
+      strategy claims a more specific class (dispatch walks the spec type's MRO).
+    - ``overrides``: names of strategies this one deliberately replaces for the same types.
+    """
+
+    name: ClassVar[str] = ""
+    spec_types: ClassVar[tuple[type, ...]] = ()
+    overrides: ClassVar[tuple[str, ...]] = ()
+
+    def local_region(self, layer: LayerCache, topology: Topology) -> Region:
+        """Describe one local layer as a region, with the facts a peer needs to pair with it."""
+        raise NotImplementedError(f"strategy {self.name!r} does not implement local_region")
+
+    def segments(
+        self,
+        local: Region,
+        remote: Mapping[int, Region],
+        local_topology: Topology,
+        remote_tp: int,
+    ) -> list[Segment]:
+        """Which bytes of ``local``'s page come from which remote rank's page.
+
+        ``remote`` holds the same-named region on every remote rank this local rank covers.
+        Raise :class:`IncompatibleGeometry` / :class:`IncompatibleTopology` for what cannot be
+        served; never assert.
+        """
+        raise NotImplementedError(f"strategy {self.name!r} does not implement segments")
+
+    def pair_blocks(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Pair a request's local and remote block IDs of one KV group (vectorised).
+
+        Default: token blocks aligned at the tail. The local list may be shorter than the
+        remote one (the local engine already holds a prefix); it may not be longer.
+        """
+        return tail_aligned(local_ids, remote_ids)
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.name} for {', '.join(t.__name__ for t in self.spec_types)}>"
+
+
+def tail_aligned(local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pair the last ``len(local_ids)`` remote blocks with the local ones, position by position."""
+    if len(local_ids) > len(remote_ids):
+        raise RequestError(
+            f"block count mismatch: {len(local_ids)} local blocks to fill but the remote engine "
+            f"sent only {len(remote_ids)} block ids; the remote must send at least as many"
+        )
+    return local_ids, remote_ids[len(remote_ids) - len(local_ids) :]

@@ -1,0 +1,125 @@
+"""Tensor-parallel math for a P/D pair: who holds which heads, who reads from whom, who frees when.
+
+Pure functions of (rank, TP size, head count). Both directions (local TP larger or smaller than
+remote TP) and replication (TP larger than the number of KV heads) are covered. "Local" is the
+reading side (the decode engine), "remote" the side read from (the prefill engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import IncompatibleTopology
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One rank's place in its engine's tensor-parallel group."""
+
+    tp_size: int
+    tp_rank: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise IncompatibleTopology(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise IncompatibleTopology(
+                f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}"
+            )
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """``count`` consecutive local head slots filled from consecutive slots of one remote rank."""
+
+    remote_rank: int
+    remote_slot: int
+    local_slot: int
+    count: int
+
+
+def check_tp_pair(local_tp: int, remote_tp: int) -> None:
+    """P and D TP sizes must divide one another (vLLM's own rule, for the same reason: every
+    rank of the larger side maps onto exactly one rank of the smaller side)."""
+    big, small = max(local_tp, remote_tp), min(local_tp, remote_tp)
+    if big % small:
+        raise IncompatibleTopology(
+            f"TP sizes must divide one another: local tp={local_tp}, remote tp={remote_tp}. "
+            f"Use sizes where one is a multiple of the other (e.g. {small} and {small * (big // small)} "
+            f"or {small} and {small * (big // small + 1)})."
+        )
+
+
+def check_heads_shardable(tp: int, num_heads: int) -> None:
+    """vLLM shards KV heads evenly (tp <= heads) or replicates each head on tp/heads ranks."""
+    if num_heads < 1:
+        raise IncompatibleTopology(f"num_kv_heads must be >= 1, got {num_heads}")
+    if (tp <= num_heads and num_heads % tp) or (tp > num_heads and tp % num_heads):
+        raise IncompatibleTopology(
+            f"num_kv_heads={num_heads} cannot be sharded over tp={tp}: vLLM needs num_kv_heads "
+            f"divisible by tp, or tp a multiple of num_kv_heads."
+        )
+
+
+def heads_per_rank(tp: int, num_heads: int) -> int:
+    """Head slots one rank holds (at least one: replicated heads)."""
+    check_heads_shardable(tp, num_heads)
+    return max(1, num_heads // tp)
+
+
+def heads_held(rank: int, tp: int, num_heads: int) -> range:
+    """Global KV heads held by ``rank`` (slot i holds head ``start + i``)."""
+    per_rank = heads_per_rank(tp, num_heads)
+    if tp <= num_heads:
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    replicas = tp // num_heads
+    head = rank // replicas
+    return range(head, head + 1)
+
+
+def covered_remote_ranks(local_rank: int, local_tp: int, remote_tp: int) -> range:
+    """The remote ranks this local rank answers for: it may read only from them and it notifies
+    each of them once per request, so every remote rank hears from a fixed number of readers."""
+    check_tp_pair(local_tp, remote_tp)
+    if remote_tp >= local_tp:
+        k = remote_tp // local_tp
+        return range(local_rank * k, (local_rank + 1) * k)
+    k = local_tp // remote_tp
+    return range(local_rank // k, local_rank // k + 1)
+
+
+def consumers_per_remote_rank(local_tp: int, remote_tp: int) -> int:
+    """How many local ranks cover (read from or notify) each remote rank for one request."""
+    check_tp_pair(local_tp, remote_tp)
+    return max(1, local_tp // remote_tp)
+
+
+def head_sources(local_rank: int, local_tp: int, remote_tp: int, num_heads: int) -> tuple[HeadRun, ...]:
+    """Where each local head slot is read from, de-duplicated: one remote copy per head.
+
+    Among the covered remote ranks that hold a head, the first is chosen, so reads are
+    deterministic and a replicated head is read once, not once per replica.
+    """
+    check_heads_shardable(local_tp, num_heads)
+    check_heads_shardable(remote_tp, num_heads)
+    covered = covered_remote_ranks(local_rank, local_tp, remote_tp)
+    runs: list[HeadRun] = []
+    for slot, head in enumerate(heads_held(local_rank, local_tp, num_heads)):
+        holder = next((p for p in covered if head in heads_held(p, remote_tp, num_heads)), None)
+        if holder is None:  # unreachable for divisible pairs; kept as a clear failure, not a guess
+            raise IncompatibleTopology(
+                f"no remote rank among {list(covered)} holds KV head {head} "
+                f"(local tp={local_tp}, remote tp={remote_tp}, num_kv_heads={num_heads})"
+            )
+        remote_slot = heads_held(holder, remote_tp, num_heads).index(head)
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.remote_rank == holder
+            and last.remote_slot + last.count == remote_slot
+            and last.local_slot + last.count == slot
+        ):
+            runs[-1] = HeadRun(holder, last.remote_slot, last.local_slot, last.count + 1)
+        else:
+            runs.append(HeadRun(holder, remote_slot, slot, 1))
+    return tuple(runs)

@@ -1,0 +1,135 @@
+"""GQA / MHA attention: each rank holds a contiguous slice of KV heads; K and V share a page.
+
+A local page is filled head run by head run (``core.topology.head_sources``): one segment per
+run, read from the remote rank that holds those heads, at that rank's head offset. This is a
+direct byte copy only where a head run is one contiguous run of bytes on both sides (heads
+outermost in the page: LBHNC / BLHNC, or the whole page at equal TP in any layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from ..core import (
+    IncompatibleGeometry,
+    LayerCache,
+    Region,
+    RequestError,
+    Segment,
+    Strategy,
+    Topology,
+    box_copy_runs,
+    head_sources,
+    heads_held,
+    tail_aligned,
+)
+
+# Facts both sides must agree on, with what a mismatch means for the operator.
+MATCHING_FACTS = {
+    "total_kv_heads": "the model's KV head count",
+    "head_size": "head size",
+    "head_size_v": "V head size",
+    "dtype": "KV-cache dtype",
+    "kv_quant_mode": "KV-cache quantisation",
+    "content_bytes": "bytes per head and token",
+    "tokens_per_block": "tokens per block (block_size)",
+}
+
+
+class FullAttentionStrategy(Strategy):
+    name = "full_attention"
+    spec_types = (AttentionSpec,)
+
+    def local_region(self, layer: LayerCache, topology: Topology) -> Region:
+        spec = layer.spec
+        total = layer.hints.get("total_kv_heads")
+        if not isinstance(total, int) or total < 1:
+            raise IncompatibleGeometry(
+                f"layer {layer.name!r}: the engine must give total_kv_heads (the model's KV head "
+                "count for this layer); a per-rank spec cannot tell it when heads are replicated"
+            )
+        held = heads_held(topology.tp_rank, topology.tp_size, total)
+        if spec.num_heads != len(held) or spec.num_kv_heads != len(held):
+            raise IncompatibleGeometry(
+                f"layer {layer.name!r}: spec holds {spec.num_kv_heads} KV heads ({spec.num_heads} slots) "
+                f"but {total} heads over tp={topology.tp_size} give {len(held)} per rank"
+            )
+        page = layer.page
+        for axis, size in (("head", len(held)), ("token", spec.num_states), ("byte", spec.state_content_size_bytes)):
+            if page.size(axis) != size:
+                raise IncompatibleGeometry(f"layer {layer.name!r}: page axis {axis!r} is {page.size(axis)}, spec says {size}")
+        return Region(
+            name=layer.name,
+            group=layer.group,
+            strategy=self.name,
+            base=layer.base,
+            num_blocks=layer.num_blocks,
+            block_stride=layer.block_stride,
+            page=page,
+            facts={
+                "total_kv_heads": total,
+                "head_start": held.start,
+                "num_heads": len(held),
+                "head_size": spec.head_size,
+                "head_size_v": spec.head_size_v,
+                "dtype": str(spec.dtype).removeprefix("torch."),
+                "kv_quant_mode": int(spec.kv_quant_mode),
+                "content_bytes": spec.state_content_size_bytes,
+                "tokens_per_block": spec.block_size,
+            },
+        )
+
+    def segments(
+        self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
+    ) -> list[Segment]:
+        for peer in remote.values():
+            check_matching_facts(local, peer, MATCHING_FACTS)
+        total = local.fact("total_kv_heads")
+        out = []
+        for run in head_sources(local_topology.tp_rank, local_topology.tp_size, remote_tp, total):
+            peer = remote[run.remote_rank]
+            expected_start = heads_held(run.remote_rank, remote_tp, total).start
+            if peer.fact("head_start") != expected_start:
+                raise IncompatibleGeometry(
+                    f"layer {local.name!r}: remote rank {run.remote_rank} advertises head_start="
+                    f"{peer.fact('head_start')}, but {total} heads over tp={remote_tp} put it at {expected_start}"
+                )
+            try:
+                runs = box_copy_runs(local.page, {"head": run.local_slot}, peer.page, {"head": run.remote_slot}, {"head": run.count})
+            except IncompatibleGeometry as exc:
+                raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)} ({exc})") from None
+            if len(runs) != 1:
+                raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)}")
+            (loff, roff, nbytes), = runs
+            out.append(Segment(local.name, loff, run.remote_rank, peer.name, roff, nbytes))
+        return out
+
+    def pair_blocks(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
+            raise RequestError(
+                "block id 0 (vLLM's null block) in a full-attention group: a full-attention request "
+                "owns every one of its blocks; a windowed cache needs its own strategy"
+            )
+        return tail_aligned(local_ids, remote_ids)
+
+
+def check_matching_facts(local: Region, peer: Region, facts: Mapping[str, str]) -> None:
+    """Both sides must describe the same cache: name the first fact that differs, with both values."""
+    for key, meaning in facts.items():
+        mine, theirs = local.fact(key), peer.fact(key)
+        if mine != theirs:
+            raise IncompatibleGeometry(
+                f"layer {local.name!r}: {meaning} ({key}) is {mine!r} here but {theirs!r} on the remote "
+                "engine; both engines must use the same value"
+            )
+
+
+def layout_advice(local: Region, peer: Region) -> str:
+    return (
+        f"a head slice is not one contiguous byte run (local page {local.page.describe()}, remote page "
+        f"{peer.page.describe()}); heterogeneous TP needs heads outermost in the page on both sides "
+        "(KV-cache layout LBHNC or BLHNC), or the same layout and the same TP on both sides"
+    )

@@ -1,0 +1,113 @@
+"""Fabricated engine ranks: KV caches built the way vLLM 0.33 builds them on that rank.
+
+Per-rank specs come from the scenario's model and the rank's TP size; vLLM's own grouping
+(``get_kv_cache_groups``), tensor placement (``get_kv_cache_config_from_groups``) and
+allocation (``allocate_kv_cache``) then put every byte where a real engine would.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.topology import heads_per_rank
+from .scenario import LayerKind, Scenario, Side
+
+DATA = Path(__file__).parent / "data"
+
+
+def layer_name(index: int) -> str:
+    return f"model.layers.{index}.self_attn.attn"
+
+
+@functools.lru_cache(maxsize=1)
+def planning_config() -> Any:
+    """A real VllmConfig built offline from a shipped config.json (no weights, no GPU).
+
+    Only cache-planning fields are read from it; the layout and block count are set per
+    engine right before planning (see :func:`build_rank`).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+
+    model = ModelConfig(model=str(DATA / "tiny-llama"), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16")
+    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=16))
+
+
+def layer_spec(kind: LayerKind, side: Side) -> Any:
+    """The spec vLLM's attention layer would report on one rank of ``side``."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    p = kind.params
+    if kind.kind == "full_attention":
+        return FullAttentionSpec(
+            block_size=side.block_size,
+            num_kv_heads=heads_per_rank(side.tp, p["num_kv_heads"]),
+            head_size=p["head_size"],
+            head_size_v=p["head_size_v"] if p["head_size_v"] is not None else p["head_size"],
+            dtype=getattr(torch, p["dtype"]),
+        )
+    raise NotImplementedError(f"layer kind {kind.kind!r} has no fabricator yet")
+
+
+@dataclass
+class FabricatedRank:
+    """One rank's KV caches: vLLM's KVCacheConfig, per-layer views and the backing buffer."""
+
+    engine_id: str
+    side: Side
+    tp_rank: int
+    kv_cache_config: Any
+    kv_caches: dict[str, torch.Tensor]
+    buffer: torch.Tensor  # the whole int8 backing allocation
+    total_heads: dict[str, int]  # layer -> model KV heads (what a per-rank spec cannot tell)
+    layer_index: dict[str, int]  # layer -> index in model order
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_config.kv_cache_groups)
+
+    def group_layers(self, group: int) -> list[str]:
+        return list(self.kv_cache_config.kv_cache_groups[group].layer_names)
+
+    def group_block_size(self, group: int) -> int:
+        return int(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size)
+
+
+def request_blocks(scenario: Scenario, side: Side) -> int:
+    return -(-scenario.request.num_tokens // side.block_size)
+
+
+def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    side = scenario.prefill if role == "prefill" else scenario.decode
+    kinds = scenario.layer_kinds()
+    specs = {layer_name(i): layer_spec(k, side) for i, k in enumerate(kinds)}
+    num_blocks = side.num_blocks or 2 * request_blocks(scenario, side) + 8
+    vc = planning_config()
+    vc.cache_config.kv_cache_layout = side.layout
+    vc.cache_config.num_gpu_blocks_override = num_blocks
+    groups = get_kv_cache_groups(vc, specs)
+    kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1)
+    kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout])
+    first = next(iter(kv.values()))
+    buffer = torch.empty(0, dtype=torch.int8).set_(first.untyped_storage())
+    return FabricatedRank(
+        engine_id=role,
+        side=side,
+        tp_rank=rank,
+        kv_cache_config=kcc,
+        kv_caches=kv,
+        buffer=buffer,
+        total_heads={layer_name(i): k.params["num_kv_heads"] for i, k in enumerate(kinds)},
+        layer_index={layer_name(i): i for i in range(len(kinds))},
+    )

@@ -1,0 +1,173 @@
+"""Scenario files: a model and a P/D pair, in YAML or JSON. See docs/scenarios.md."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..core.errors import NixlkvError
+
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
+
+
+class ScenarioError(NixlkvError):
+    """A scenario file is malformed: the message names the field."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """``count`` consecutive layers of one kind; ``params`` are the kind's own fields."""
+
+    kind: str
+    count: int
+    params: Mapping[str, Any]
+
+
+# kind -> (required params, optional params with defaults)
+KINDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "full_attention": (("num_kv_heads", "head_size"), {"dtype": "bfloat16", "head_size_v": None}),
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    tp: int
+    block_size: int
+    layout: str
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    num_tokens: int
+    seed: int = 0
+    cached_blocks: int = 0  # blocks D already holds (prefix hit): only the rest moves
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    layers: tuple[LayerKind, ...]
+    prefill: Side
+    decode: Side
+    request: Request
+    expect_error: str | None = None
+    source: str = field(default="<inline>", compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(k.count for k in self.layers)
+
+    def layer_kinds(self) -> list[LayerKind]:
+        """One entry per layer, in model order."""
+        return [k for k in self.layers for _ in range(k.count)]
+
+
+def load(path: str | Path) -> Scenario:
+    path = Path(path)
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    return parse(data, source=str(path))
+
+
+def parse(data: Any, source: str = "<inline>") -> Scenario:
+    where = source
+    d = _mapping(data, where)
+    _only(d, {"name", "model", "prefill", "decode", "request", "expect"}, where)
+    model = _mapping(_req(d, "model", where), f"{where}: model")
+    _only(model, {"layers"}, f"{where}: model")
+    raw_layers = _req(model, "layers", f"{where}: model")
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise ScenarioError(f"{where}: model.layers must be a non-empty list")
+    layers = tuple(_layer(x, f"{where}: model.layers[{i}]") for i, x in enumerate(raw_layers))
+    expect = d.get("expect", "ok")
+    expect_error = None
+    if expect != "ok":
+        e = _mapping(expect, f"{where}: expect")
+        _only(e, {"error"}, f"{where}: expect")
+        expect_error = str(_req(e, "error", f"{where}: expect"))
+    req = _mapping(_req(d, "request", where), f"{where}: request")
+    _only(req, {"num_tokens", "seed", "cached_blocks"}, f"{where}: request")
+    return Scenario(
+        name=str(d.get("name") or Path(source).stem),
+        layers=layers,
+        prefill=_side(_req(d, "prefill", where), f"{where}: prefill"),
+        decode=_side(_req(d, "decode", where), f"{where}: decode"),
+        request=Request(
+            num_tokens=_pos(_req(req, "num_tokens", f"{where}: request"), f"{where}: request.num_tokens"),
+            seed=_nonneg(req.get("seed", 0), f"{where}: request.seed"),
+            cached_blocks=_nonneg(req.get("cached_blocks", 0), f"{where}: request.cached_blocks"),
+        ),
+        expect_error=expect_error,
+        source=source,
+    )
+
+
+def _layer(x: Any, where: str) -> LayerKind:
+    d = dict(_mapping(x, where))
+    kind = d.pop("kind", None)
+    if kind not in KINDS:
+        raise ScenarioError(f"{where}: kind must be one of {sorted(KINDS)}, got {kind!r}")
+    count = _pos(d.pop("count", 1), f"{where}.count")
+    required, optional = KINDS[kind]
+    _only(d, set(required) | set(optional), where)
+    params = {**optional, **d}
+    for key in required:
+        _req(params, key, where)
+    if params.get("dtype", "bfloat16") not in DTYPES:
+        raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {params['dtype']!r}")
+    return LayerKind(kind, count, params)
+
+
+def _side(x: Any, where: str) -> Side:
+    d = _mapping(x, where)
+    _only(d, {"tp", "block_size", "layout", "num_blocks"}, where)
+    layout = d.get("layout", "LBHNC")
+    if layout not in LAYOUTS:
+        raise ScenarioError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+    nb = d.get("num_blocks")
+    return Side(
+        tp=_pos(_req(d, "tp", where), f"{where}.tp"),
+        block_size=_pos(d.get("block_size", 16), f"{where}.block_size"),
+        layout=layout,
+        num_blocks=None if nb is None else _pos(nb, f"{where}.num_blocks"),
+    )
+
+
+def _mapping(x: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(x, Mapping):
+        raise ScenarioError(f"{where}: expected a mapping, got {type(x).__name__}")
+    return x
+
+
+def _req(d: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise ScenarioError(f"{where}: missing required field {key!r}")
+    return d[key]
+
+
+def _only(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    extra = set(d) - allowed
+    if extra:
+        raise ScenarioError(f"{where}: unknown field(s) {sorted(extra)}; allowed: {sorted(allowed)}")
+
+
+def _pos(x: Any, where: str) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+        raise ScenarioError(f"{where}: must be a positive integer, got {x!r}")
+    return x
+
+
+def _nonneg(x: Any, where: str) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ScenarioError(f"{where}: must be a non-negative integer, got {x!r}")
+    return x

@@ -1,0 +1,168 @@
+"""Runs a TransferPlan with NIXL: one agent per rank, prepped descriptor lists, READs, notifications.
+
+Shared by the rehearsal and the connector. The plan's descriptor rows are NIXL's strided
+``(address, nbytes, device, stride, count)`` form, so preparation is one call per side and a
+request is one ``make_prepped_xfer`` per remote rank with the IDs ``TransferPlan.resolve`` gave.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .core.errors import NixlkvError
+from .core.plan import ResolvedRequest, TransferPlan, expand_ids
+
+NOTIF_PREFIX = "nixlkv"
+
+
+class TransferError(NixlkvError):
+    """A NIXL transfer failed or timed out; the request's blocks must be treated as invalid."""
+
+
+def notification(remote_request_id: str, consumers: int) -> bytes:
+    """What a remote rank receives once per covering reader: it frees after ``consumers`` of them."""
+    return f"{NOTIF_PREFIX}:{remote_request_id}:{consumers}".encode()
+
+
+def parse_notification(msg: bytes) -> tuple[str, int] | None:
+    """(request id, consumers) of a nixlkv notification, or None for anything else."""
+    try:
+        prefix, rest = msg.decode().split(":", 1)
+        request_id, consumers = rest.rsplit(":", 1)
+        if prefix != NOTIF_PREFIX or not request_id:
+            return None
+        return request_id, int(consumers)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+@dataclass
+class PreparedPlan:
+    """NIXL handles for one plan: the local descriptor list and one list per remote rank read."""
+
+    plan: TransferPlan
+    local: object
+    remote: dict[int, object]
+    agents: dict[int, str]  # remote rank -> NIXL agent name
+
+
+@dataclass
+class InFlight:
+    handles: list[object] = field(default_factory=list)
+    posted_at: float = 0.0
+    post_seconds: float = 0.0
+    descriptors: int = 0
+    nbytes: int = 0
+
+
+class NixlRank:
+    """One rank's NIXL agent with its KV memory registered."""
+
+    def __init__(
+        self,
+        name: str,
+        memory: Iterable[tuple[int, int]],
+        mem_type: str = "DRAM",
+        device_id: int = 0,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+    ) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.mem_type = mem_type
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends), num_threads=num_threads))
+        regs = [(int(a), int(n), device_id, "") for a, n in memory]
+        self._reg = self.agent.register_memory(regs, mem_type)
+        self._prepped: list[object] = []
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def prepare(self, plan: TransferPlan, agents: Mapping[int, str]) -> PreparedPlan:
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.local_descs, self.mem_type)
+        self._prepped.append(local)
+        remote = {}
+        for rank, rows in plan.remote_descs.items():
+            handle = self.agent.prep_xfer_dlist(agents[rank], rows, plan.remote[rank].mem_type)
+            self._prepped.append(handle)
+            remote[rank] = handle
+        return PreparedPlan(plan, local, remote, dict(agents))
+
+    def post(self, prepared: PreparedPlan, resolved: ResolvedRequest, remote_request_id: str) -> InFlight:
+        """Post every READ (each carries the notification, delivered after its data) and tell the
+        covered ranks that are not read from."""
+        msg = notification(remote_request_id, resolved.consumers)
+        flight = InFlight(posted_at=time.perf_counter())
+        try:
+            for read in resolved.reads:
+                handle = self.agent.make_prepped_xfer(
+                    "READ", prepared.local, read.local_ids, prepared.remote[read.remote_rank], read.remote_ids, msg
+                )
+                flight.handles.append(handle)
+                state = self.agent.transfer(handle)
+                if state == "ERR":
+                    raise TransferError(f"NIXL refused the READ from remote rank {read.remote_rank}")
+                flight.descriptors += read.num_descriptors
+                flight.nbytes += int(expand_ids(prepared.plan.local_descs, read.local_ids)[1].sum())
+        except TransferError:
+            self.release(flight)
+            raise
+        except Exception as exc:  # nixl raises its own types (e.g. nixlInvalidParamError)
+            self.release(flight)
+            raise TransferError(f"posting the READs failed: {type(exc).__name__}: {exc}") from exc
+        for rank in resolved.notify_only:
+            self.agent.send_notif(prepared.agents[rank], msg)
+        flight.post_seconds = time.perf_counter() - flight.posted_at
+        return flight
+
+    def wait(self, flight: InFlight, timeout: float = 60.0) -> float:
+        """Block until every READ is done; seconds from post to done. Raises TransferError."""
+        deadline = time.perf_counter() + timeout
+        pending = list(flight.handles)
+        while pending:
+            still = []
+            for handle in pending:
+                state = self.agent.check_xfer_state(handle)
+                if state == "ERR":
+                    self.release(flight)
+                    raise TransferError("a NIXL READ ended in error")
+                if state != "DONE":
+                    still.append(handle)
+            pending = still
+            if pending and time.perf_counter() > deadline:
+                self.release(flight)
+                raise TransferError(f"READs not done after {timeout} s")
+        elapsed = time.perf_counter() - flight.posted_at
+        self.release(flight)
+        return elapsed
+
+    def release(self, flight: InFlight) -> None:
+        for handle in flight.handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # a handle still in flight cannot be released; NIXL frees it with the agent
+                pass
+        flight.handles.clear()
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        for handle in self._prepped:
+            try:
+                self.agent.release_dlist_handle(handle)
+            except Exception:
+                pass
+        self._prepped.clear()
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception:
+            pass

@@ -1,0 +1,95 @@
+"""vLLM 0.33 KV caches as nixlkv layers: read each layer's geometry off its real tensor view.
+
+The only module besides the strategies and the connector that knows vLLM's objects. The page
+structure is taken from the tensor strides vLLM built (``create_kv_cache_views``), so whatever
+layout the engine resolved is what the plan sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .core.errors import IncompatibleGeometry
+from .core.geometry import LayerCache, PageLayout
+
+# Logical axes of a vLLM per-layer view [B, H, N, C]; C is counted in bytes after a uint8 view.
+VIEW_AXES = ("head", "token", "byte")
+
+
+def page_of(view: torch.Tensor, num_blocks: int) -> tuple[PageLayout, int]:
+    """(page layout, block stride in bytes) of one layer's ``[B, H, N, C]`` view.
+
+    When the view holds kernel blocks (``B = num_blocks * ratio``), a logical block is
+    ``ratio`` consecutive kernel pages and the page gets an outer ``kblock`` axis.
+    """
+    if view.dim() != 4:
+        raise IncompatibleGeometry(f"expected a [B, H, N, C] view, got shape {tuple(view.shape)}")
+    raw = view.view(torch.uint8) if view.dtype != torch.uint8 else view
+    sizes = list(raw.shape[1:])
+    strides = list(raw.stride()[1:])
+    order = sorted(range(3), key=lambda i: -strides[i])
+    axes = tuple((VIEW_AXES[i], int(sizes[i])) for i in order)
+    page = PageLayout(axes)
+    expected = page.strides()
+    for i in range(3):
+        if sizes[i] > 1 and strides[i] != expected[VIEW_AXES[i]]:
+            raise IncompatibleGeometry(
+                f"page of shape {tuple(raw.shape)} with byte strides {tuple(raw.stride())} is not dense; "
+                "nixlkv needs each block's page to be one contiguous run"
+            )
+    kernel_stride = int(raw.stride(0))
+    blocks = int(raw.shape[0])
+    if blocks == num_blocks:
+        return page, kernel_stride
+    ratio, rem = divmod(blocks, num_blocks)
+    if rem or kernel_stride != page.nbytes:
+        raise IncompatibleGeometry(
+            f"view holds {blocks} kernel blocks for {num_blocks} logical blocks with stride "
+            f"{kernel_stride} and page {page.nbytes}: kernel pages are not dense"
+        )
+    return PageLayout((("kblock", ratio), *axes)), kernel_stride * ratio
+
+
+def layer_caches(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, torch.Tensor],
+    total_kv_heads: Callable[[str], int] | int,
+) -> list[LayerCache]:
+    """One :class:`LayerCache` per layer of every transferable KV group, in group then layer order.
+
+    ``total_kv_heads`` gives the model's KV head count of a layer (per layer, since models
+    like Gemma4 mix head counts): a per-rank spec cannot tell it when heads are replicated.
+    """
+    heads_of = total_kv_heads if callable(total_kv_heads) else (lambda _name: total_kv_heads)
+    layers = []
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        for name in group.layer_names:
+            view = kv_caches[name]
+            page, stride = page_of(view, kv_cache_config.num_blocks)
+            layers.append(
+                LayerCache(
+                    name=name,
+                    group=group_id,
+                    spec=group.kv_cache_spec,
+                    base=int(view.data_ptr()),
+                    num_blocks=int(kv_cache_config.num_blocks),
+                    block_stride=stride,
+                    page=page,
+                    hints={"total_kv_heads": int(heads_of(name))},
+                )
+            )
+    return layers
+
+
+def registered_memory(kv_caches: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """The distinct backing allocations under the layer views, as (address, nbytes)."""
+    seen: dict[int, int] = {}
+    for view in kv_caches.values():
+        storage = view.untyped_storage()
+        seen[int(storage.data_ptr())] = int(storage.nbytes())
+    return sorted(seen.items())
