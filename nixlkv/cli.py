@@ -1,0 +1,179 @@
+"""``nixlkv strategies | explain | rehearse``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SCENARIO = "default.yaml"
+
+
+def _default_scenario() -> Path:
+    return Path(str(resources.files("nixlkv.testing") / "scenarios" / DEFAULT_SCENARIO))
+
+
+def _quiet() -> None:
+    """vLLM and NIXL log at INFO on import; keep the CLI's output readable."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def cmd_strategies(args: argparse.Namespace) -> int:
+    from .core import StrategyRegistry
+
+    registry = StrategyRegistry.from_plugins()
+    rows = [
+        {
+            "name": r.strategy.name,
+            "spec_types": [f"{t.__module__}.{t.__qualname__}" for t in r.strategy.spec_types],
+            "origin": r.origin,
+            "pending": getattr(r.strategy, "reason", None),
+        }
+        for r in registry.registered()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        types = ", ".join(t.rsplit(".", 1)[-1] for t in row["spec_types"])
+        status = f"  [not implemented yet: {row['pending']}]" if row["pending"] else ""
+        print(f"{row['name']:<18} {types:<48} from {row['origin']}{status}")
+    return 0
+
+
+def _load(path: str | None):
+    from .testing.scenario import load
+
+    return load(path or _default_scenario())
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .core import NixlkvError
+    from .core.dispatcher import Dispatcher
+    from .testing.rehearsal import build, choose_blocks
+
+    scenario = _load(args.scenario)
+    try:
+        engines = build(scenario, Dispatcher.from_plugins())
+    except (NixlkvError, NotImplementedError) as exc:
+        print(f"rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(scenario.request.seed)
+    p_blocks = choose_blocks(engines.prefill[0], scenario.request.num_tokens, 0, rng)
+    d_blocks = choose_blocks(engines.decode[0], scenario.request.num_tokens, scenario.request.cached_blocks, rng)
+    out = []
+    for plan in engines.plans:
+        resolved = plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks])
+        d = plan.to_dict()
+        d["request"] = {
+            "num_tokens": scenario.request.num_tokens,
+            "descriptors": resolved.num_descriptors,
+            "reads": {f"remote_rank_{r.remote_rank}": r.num_descriptors for r in resolved.reads},
+            "notify_only": list(resolved.notify_only),
+        }
+        out.append(d)
+    if args.json:
+        print(json.dumps({"scenario": scenario.name, "plans": out}, indent=2))
+        return 0
+    print(f"scenario {scenario.name}: prefill tp={scenario.prefill.tp} -> decode tp={scenario.decode.tp}")
+    for d in out:
+        _print_plan(d)
+    return 0
+
+
+def _print_plan(d: dict[str, Any]) -> None:
+    print(
+        f"\ndecode rank {d['local_rank']}: reads prefill ranks {d['read_ranks']} "
+        f"(covers {d['covered_remote_ranks']}; each waits for {d['consumers_per_remote_rank']} notification(s))"
+    )
+    for g in d["groups"]:
+        print(f"  KV group {g['local_group']} <- remote group {g['remote_group']} via {g['strategy']}")
+    patterns: dict[tuple, list[str]] = {}
+    for s in d["segments"]:
+        patterns.setdefault((s["local_region"],), []).append(
+            f"[{s['local_offset']}, {s['local_offset'] + s['nbytes']}) <- P{s['remote_rank']} "
+            f"[{s['remote_offset']}, {s['remote_offset'] + s['nbytes']})"
+        )
+    by_text: dict[str, list[str]] = {}
+    for (region,), parts in patterns.items():
+        by_text.setdefault("; ".join(parts), []).append(region)
+    print("  segments (byte offsets within a block's page of each layer region):")
+    for text, regions in by_text.items():
+        who = regions[0] if len(regions) == 1 else f"{regions[0]} .. {regions[-1]} ({len(regions)} layers)"
+        print(f"    {who}: {text}")
+    regd = d["registered_descriptors"]
+    print(f"  descriptors registered: {', '.join(f'{k} {v}' for k, v in regd.items())}")
+    r = d["request"]
+    print(
+        f"  request of {r['num_tokens']} tokens: {r['descriptors']} descriptors in {len(r['reads'])} READ(s) "
+        f"{r['reads']}, notify-only ranks {r['notify_only']}"
+    )
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from .testing.rehearsal import rehearse
+
+    scenario = _load(args.scenario)
+    result = rehearse(scenario)
+    if args.json:
+        d = result.to_dict()
+        if not args.plans:
+            d.pop("plans")
+        print(json.dumps(d, indent=2))
+        return 0 if result.ok else 1
+    print(f"scenario {scenario.name}: prefill tp={scenario.prefill.tp} {scenario.prefill.layout} -> "
+          f"decode tp={scenario.decode.tp} {scenario.decode.layout}, {scenario.num_layers} layers, "
+          f"{scenario.request.num_tokens} tokens")
+    for d in result.plans:
+        print(f"  decode rank {d['local_rank']}: reads prefill ranks {d['read_ranks']}, "
+              f"{len(d['segments'])} segments, strategies {sorted({g['strategy'] for g in d['groups']})}")
+    if result.outcome == "byte-exact":
+        gbps = result.bytes_moved / result.transfer_seconds / 1e9 if result.transfer_seconds else 0.0
+        print(f"moved {result.bytes_moved} bytes in {result.descriptors} descriptors / {result.reads} READs "
+              f"in {result.transfer_seconds * 1e3:.1f} ms ({gbps:.2f} GB/s); notifications {result.notifications}")
+        print(f"byte-exact: {result.message}")
+    else:
+        print(f"{result.outcome}: {result.message}")
+    return 0 if result.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nixlkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("strategies", help="installed strategies, the spec types each serves, where it comes from")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_strategies)
+    p = sub.add_parser("explain", help="the transfer plan of a scenario, per decode rank")
+    p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
+    p = sub.add_parser("rehearse", help="run a scenario through real NIXL and check every byte")
+    p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
+    p.add_argument("--json", action="store_true", help="print a machine-readable result")
+    p.add_argument("--plans", action="store_true", help="with --json: include the full plans")
+    p.set_defaults(func=cmd_rehearse)
+    args = parser.parse_args(argv)
+    _quiet()
+    from .testing.scenario import ScenarioError
+
+    try:
+        return args.func(args)
+    except ScenarioError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
