@@ -28,6 +28,15 @@ def test_strategies_lists_builtins_with_origin() -> None:
     assert text.returncode == 0 and "full_attention" in text.stdout
 
 
+def test_strategies_lists_the_installed_example_plugin() -> None:
+    """`make venv` installs tests/plugins/nixlkv_example_plugin; its entry point must show up."""
+    out = nixlkv("strategies", "--json")
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert "example_attention" in rows, "install it: pip install --no-deps -e tests/plugins/nixlkv_example_plugin"
+    assert "nixlkv-example-plugin" in rows["example_attention"]["origin"]
+    assert rows["example_attention"]["spec_types"] == ["nixlkv_example_plugin.ExampleAttentionSpec"]
+
+
 @pytest.mark.nixl
 def test_rehearse_default_scenario_is_byte_exact() -> None:
     out = nixlkv("rehearse")
@@ -77,3 +86,10 @@ def test_bad_scenario_file_is_a_clear_error(tmp_path: Path) -> None:
     out = nixlkv("rehearse", "--scenario", str(bad))
     assert out.returncode == 2
     assert "kind must be one of" in out.stderr
+
+
+def test_connector_placeholder_refuses_loudly() -> None:
+    from nixlkv.connector import NixlkvConnector
+
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        NixlkvConnector(None, None)

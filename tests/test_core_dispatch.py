@@ -673,6 +673,12 @@ def test_overlapping_segments_in_one_region_are_rejected() -> None:
     with pytest.raises(PlanValidationError, match="same bytes"):
         _scripted_plan(script)
 
+    def one_byte(local: Region, remote: Mapping[int, Region]) -> list[Segment]:
+        return [Segment(local.name, 64, 0, local.name, 0, 64), Segment(local.name, 0, 0, local.name, 32, 65)]
+
+    with pytest.raises(PlanValidationError, match="same bytes"):
+        _scripted_plan(one_byte)
+
 
 def test_adjacent_segments_are_fine() -> None:
     def script(local: Region, remote: Mapping[int, Region]) -> list[Segment]:

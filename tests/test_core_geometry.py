@@ -324,24 +324,19 @@ def test_malformed_region_dict_raises_handshake_error(mutation: str) -> None:
         Region.from_dict(d)
 
 
-# Well-typed but impossible values in a peer's handshake. from_dict documents HandshakeError for a
-# malformed description; these currently escape as IncompatibleGeometry from the dataclass checks.
+# Well-typed but impossible values in a peer's handshake must also be HandshakeErrors (they used to
+# escape as IncompatibleGeometry from the dataclass checks).
 SEMANTICALLY_INVALID: dict[str, Callable[[dict], None]] = {
     "zero page axis": _set(("regions", 0, "page", 0, 1), 0),
     "empty page": _set(("regions", 0, "page"), []),
     "zero num_blocks": _set(("regions", 0, "num_blocks"), 0),
     "page larger than stride": _set(("regions", 0, "block_stride"), 8),
     "duplicate region names": _set(("regions", 1, "name"), "L0"),
+    "zero tp_size": _set(("tp_size",), 0),
+    "tp_rank beyond tp_size": _set(("tp_rank",), 7),
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IncompatibleGeometry,
-    reason="core bug: geometry.py Region.from_dict/RankGeometry.from_dict catch only "
-    "KeyError/TypeError/ValueError, so IncompatibleGeometry raised by PageLayout/Region/"
-    "RankGeometry __post_init__ escapes instead of HandshakeError",
-)
 @pytest.mark.parametrize("mutation", sorted(SEMANTICALLY_INVALID))
 def test_invalid_values_in_handshake_raise_handshake_error(mutation: str) -> None:
     d = copy.deepcopy(_geometry().to_dict())

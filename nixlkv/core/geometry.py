@@ -213,8 +213,8 @@ class Region:
                 page=page,
                 facts=dict(d.get("facts", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HandshakeError(f"malformed region description: {exc!r}") from None
+        except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
+            raise HandshakeError(f"malformed region description: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -281,17 +281,20 @@ class RankGeometry:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankGeometry:
         try:
+            tp_size, tp_rank = _int(d["tp_size"], "tp_size"), _int(d["tp_rank"], "tp_rank")
+            if not 0 <= tp_rank < tp_size:
+                raise HandshakeError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
             return cls(
                 engine_id=_str(d["engine_id"], "engine_id"),
-                tp_size=_int(d["tp_size"], "tp_size"),
-                tp_rank=_int(d["tp_rank"], "tp_rank"),
+                tp_size=tp_size,
+                tp_rank=tp_rank,
                 regions=tuple(Region.from_dict(r) for r in d["regions"]),
                 memory=tuple((_int(a, "memory address"), _int(n, "memory size")) for a, n in d["memory"]),
                 device_id=_int(d.get("device_id", 0), "device_id"),
                 mem_type=_str(d.get("mem_type", "DRAM"), "mem_type"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HandshakeError(f"malformed rank geometry: {exc!r}") from None
+        except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
+            raise HandshakeError(f"malformed rank geometry: {exc}") from None
 
 
 def _int(value: Any, what: str) -> int:
