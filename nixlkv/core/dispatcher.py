@@ -101,6 +101,7 @@ class Dispatcher:
         segments: list[tuple[Segment, int]] = []
         keys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> key
         bounds: list[list[int]] = []  # per key: smallest local / remote num_blocks
+        representatives: list[tuple[Region, Region]] = []
         group_map: dict[int, int] = {}
         for region in local.regions:
             strategy = self.registry.by_name(region.strategy)
@@ -115,11 +116,12 @@ class Dispatcher:
             key = keys.setdefault((region.group, remote_group, strategy.name), len(keys))
             if key == len(bounds):
                 bounds.append([region.num_blocks, min(r.num_blocks for r in peers.values())])
+                representatives.append((region, peers[covered[0]]))
             bounds[key][0] = min(bounds[key][0], region.num_blocks)
             bounds[key][1] = min([bounds[key][1], *(r.num_blocks for r in peers.values())])
             segments.extend((seg, key) for seg in strategy.segments(region, peers, topology, remote_tp))
         pairings = [
-            GroupPairing(lg, rg, self.registry.by_name(name), *bounds[key])
+            GroupPairing(lg, rg, self.registry.by_name(name), *bounds[key], *representatives[key])
             for (lg, rg, name), key in keys.items()
         ]
         return TransferPlan(

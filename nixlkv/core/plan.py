@@ -29,6 +29,8 @@ class GroupPairing:
     strategy: Strategy
     local_num_blocks: int  # smallest num_blocks over its local regions: the valid id bound
     remote_num_blocks: int  # same over its remote regions on every rank read
+    local_region: Region  # a representative region of the group on each side, for pair_blocks
+    remote_region: Region
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ class TransferPlan:
         for pairing in self.pairings:
             lids = _ids(local_block_ids, pairing.local_group, "local")
             rids = _ids(remote_block_ids, pairing.remote_group, "remote")
-            lp, rp = pairing.strategy.pair_blocks(lids, rids)
+            lp, rp = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region)
             lp = np.asarray(lp, dtype=np.int64)
             rp = np.asarray(rp, dtype=np.int64)
             if lp.shape != rp.shape or lp.ndim != 1:

@@ -44,11 +44,15 @@ class Strategy:
         """
         raise NotImplementedError(f"strategy {self.name!r} does not implement segments")
 
-    def pair_blocks(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pair_blocks(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Pair a request's local and remote block IDs of one KV group (vectorised).
 
-        Default: token blocks aligned at the tail. The local list may be shorter than the
-        remote one (the local engine already holds a prefix); it may not be longer.
+        ``local`` / ``remote`` are one region of the group on each side, for the facts the
+        pairing depends on (tokens per block, window...). Default: token blocks aligned at the
+        tail. The local list may be shorter than the remote one (the local engine already holds
+        a prefix); it may not be longer.
         """
         return tail_aligned(local_ids, remote_ids)
 

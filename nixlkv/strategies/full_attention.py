@@ -107,7 +107,9 @@ class FullAttentionStrategy(Strategy):
             out.append(Segment(local.name, loff, run.remote_rank, peer.name, roff, nbytes))
         return out
 
-    def pair_blocks(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pair_blocks(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
+    ) -> tuple[np.ndarray, np.ndarray]:
         if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
             raise RequestError(
                 "block id 0 (vLLM's null block) in a full-attention group: a full-attention request "

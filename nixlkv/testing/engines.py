@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..core.topology import heads_per_rank
+from .kinds import KINDS
 from .scenario import LayerKind, Scenario, Side
 
 DATA = Path(__file__).parent / "data"
@@ -41,19 +41,8 @@ def planning_config() -> Any:
 
 
 def layer_spec(kind: LayerKind, side: Side) -> Any:
-    """The spec vLLM's attention layer would report on one rank of ``side``."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    p = kind.params
-    if kind.kind == "full_attention":
-        return FullAttentionSpec(
-            block_size=side.block_size,
-            num_kv_heads=heads_per_rank(side.tp, p["num_kv_heads"]),
-            head_size=p["head_size"],
-            head_size_v=p["head_size_v"] if p["head_size_v"] is not None else p["head_size"],
-            dtype=getattr(torch, p["dtype"]),
-        )
-    raise NotImplementedError(f"layer kind {kind.kind!r} has no fabricator yet")
+    """The spec vLLM's layer of this kind would report on one rank of ``side``."""
+    return KINDS[kind.kind].build(kind.params, side.tp, side.block_size)
 
 
 @dataclass
@@ -108,6 +97,6 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
         kv_cache_config=kcc,
         kv_caches=kv,
         buffer=buffer,
-        total_heads={layer_name(i): k.params["num_kv_heads"] for i, k in enumerate(kinds)},
+        total_heads={layer_name(i): KINDS[k.kind].total_kv_heads(k.params) for i, k in enumerate(kinds)},
         layer_index={layer_name(i): i for i in range(len(kinds))},
     )

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import NixlkvError
+from .kinds import KINDS
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
@@ -28,11 +29,6 @@ class LayerKind:
     count: int
     params: Mapping[str, Any]
 
-
-# kind -> (required params, optional params with defaults)
-KINDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "full_attention": (("num_kv_heads", "head_size"), {"dtype": "bfloat16", "head_size_v": None}),
-}
 
 
 @dataclass(frozen=True)
@@ -118,7 +114,7 @@ def _layer(x: Any, where: str) -> LayerKind:
     if kind not in KINDS:
         raise ScenarioError(f"{where}: kind must be one of {sorted(KINDS)}, got {kind!r}")
     count = _pos(d.pop("count", 1), f"{where}.count")
-    required, optional = KINDS[kind]
+    required, optional = KINDS[kind].required, KINDS[kind].optional
     _only(d, set(required) | set(optional), where)
     params = {**optional, **d}
     for key in required:

@@ -1,0 +1,47 @@
+"""Layer kinds a scenario can name, and the per-rank vLLM spec each becomes.
+
+One entry per kind: its parameters (required, optional with defaults) and how to build the spec
+vLLM's layer would report on one rank. vLLM is imported only when a spec is built, so scenario
+files can be parsed and validated without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.topology import heads_per_rank
+
+
+@dataclass(frozen=True)
+class KindDef:
+    required: tuple[str, ...]
+    optional: Mapping[str, Any] = field(default_factory=dict)
+    build: Callable[[Mapping[str, Any], int, int], Any] | None = None  # (params, tp, block_size) -> spec
+
+    def total_kv_heads(self, params: Mapping[str, Any]) -> int:
+        return int(params.get("num_kv_heads", 1))
+
+
+def _attention_fields(p: Mapping[str, Any], tp: int, block_size: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "block_size": block_size,
+        "num_kv_heads": heads_per_rank(tp, p["num_kv_heads"]),
+        "head_size": p["head_size"],
+        "head_size_v": p["head_size_v"] if p["head_size_v"] is not None else p["head_size"],
+        "dtype": getattr(torch, p["dtype"]),
+    }
+
+
+def _full_attention(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(**_attention_fields(p, tp, block_size))
+
+
+KINDS: dict[str, KindDef] = {
+    "full_attention": KindDef(("num_kv_heads", "head_size"), {"dtype": "bfloat16", "head_size_v": None}, _full_attention),
+}
