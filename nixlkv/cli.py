@@ -71,8 +71,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     rng = np.random.default_rng(scenario.request.seed)
-    p_blocks = choose_blocks(engines.prefill[0], scenario.request.num_tokens, 0, rng)
-    d_blocks = choose_blocks(engines.decode[0], scenario.request.num_tokens, scenario.request.cached_blocks, rng)
+    p_blocks = choose_blocks(engines.prefill[0], scenario.request.num_tokens, 0, rng, "prefill")
+    d_blocks = choose_blocks(engines.decode[0], scenario.request.num_tokens, scenario.request.cached_blocks, rng, "decode")
     out = []
     for plan in engines.plans:
         resolved = plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks])

@@ -9,11 +9,12 @@ from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from ..core import Strategy, hookimpl
 from .full_attention import FullAttentionStrategy
 from .pending import PENDING
+from .sliding_window import SlidingWindowStrategy
 
 
 @hookimpl
 def nixlkv_strategies() -> list[Strategy]:
-    return [FullAttentionStrategy(), *PENDING]
+    return [FullAttentionStrategy(), SlidingWindowStrategy(), *PENDING]
 
 
 @hookimpl

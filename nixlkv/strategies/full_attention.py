@@ -9,6 +9,7 @@ outermost in the page: LBHNC / BLHNC, or the whole page at equal TP in any layou
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 from vllm.v1.kv_cache_interface import AttentionSpec
@@ -42,6 +43,12 @@ MATCHING_FACTS = {
 class FullAttentionStrategy(Strategy):
     name = "full_attention"
     spec_types = (AttentionSpec,)
+    # Facts both sides must agree on; subclasses extend it with their own.
+    matching_facts: ClassVar[Mapping[str, str]] = MATCHING_FACTS
+
+    def extra_facts(self, spec: AttentionSpec) -> dict[str, object]:
+        """Facts a subclass adds to the region (e.g. a window); none for plain attention."""
+        return {}
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         spec = layer.spec
@@ -79,6 +86,7 @@ class FullAttentionStrategy(Strategy):
                 "kv_quant_mode": int(spec.kv_quant_mode),
                 "content_bytes": spec.state_content_size_bytes,
                 "tokens_per_block": spec.block_size,
+                **self.extra_facts(spec),
             },
         )
 
@@ -86,7 +94,7 @@ class FullAttentionStrategy(Strategy):
         self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
     ) -> list[Segment]:
         for peer in remote.values():
-            check_matching_facts(local, peer, MATCHING_FACTS)
+            check_matching_facts(local, peer, self.matching_facts)
         total = local.fact("total_kv_heads")
         out = []
         for run in head_sources(local_topology.tp_rank, local_topology.tp_size, remote_tp, total):

@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import (
     EncoderOnlyAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
-    SlidingWindowSpec,
+    SlidingWindowMLASpec,
 )
 
 from ..core import LayerCache, Region, Strategy, Topology
@@ -37,7 +37,12 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 PENDING = [
     pending("mla", (MLAAttentionSpec,), "MLA latents are replicated on every rank and need a single read plus notifications"),
-    pending("sliding_window", (SlidingWindowSpec,), "only the window's blocks may move and null blocks must be skipped"),
+    pending(
+        "sliding_window_mla",
+        (SlidingWindowMLASpec,),
+        "a windowed MLA latent needs the sliding-window block selection composed with the MLA single-read "
+        "strategy, and the MLA strategy has not landed",
+    ),
     pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
     pending("chunked_local", (ChunkedLocalAttentionSpec,), "chunked local attention frees blocks outside the chunk"),

@@ -42,6 +42,15 @@ def _full_attention(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
     return FullAttentionSpec(**_attention_fields(p, tp, block_size))
 
 
+def _sliding_window(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(**_attention_fields(p, tp, block_size), sliding_window=p["window"])
+
+
+_ATTENTION_OPTIONAL = {"dtype": "bfloat16", "head_size_v": None}
+
 KINDS: dict[str, KindDef] = {
-    "full_attention": KindDef(("num_kv_heads", "head_size"), {"dtype": "bfloat16", "head_size_v": None}, _full_attention),
+    "full_attention": KindDef(("num_kv_heads", "head_size"), _ATTENTION_OPTIONAL, _full_attention),
+    "sliding_window": KindDef(("num_kv_heads", "head_size", "window"), _ATTENTION_OPTIONAL, _sliding_window),
 }
