@@ -4,6 +4,10 @@ A local page is filled head run by head run (``core.topology.head_sources``): on
 run, read from the remote rank that holds those heads, at that rank's head offset. This is a
 direct byte copy only where a head run is one contiguous run of bytes on both sides (heads
 outermost in the page: LBHNC / BLHNC, or the whole page at equal TP in any layout).
+
+Subclasses served through the MRO on purpose: ``RSWASpec`` (it evicts gap blocks only during
+decode, so at the P->D hand-off every prompt block is held, as in full attention; a null block
+in a request is refused, never moved).
 """
 
 from __future__ import annotations

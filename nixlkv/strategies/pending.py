@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import (
     EncoderOnlyAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
 )
 
@@ -45,6 +46,7 @@ PENDING = [
     ),
     pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
+    pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),
     pending("chunked_local", (ChunkedLocalAttentionSpec,), "chunked local attention frees blocks outside the chunk"),
     pending("cross_attention", (CrossAttentionSpec, EncoderOnlyAttentionSpec), "encoder caches are not part of P/D decode transfer"),
 ]

@@ -35,7 +35,7 @@ class RehearsalResult:
     descriptors: int = 0
     reads: int = 0
     transfer_seconds: float = 0.0
-    plan_seconds: float = 0.0
+    build_seconds: float = 0.0
     notifications: dict[str, int] = field(default_factory=dict)
     plans: list[dict[str, Any]] = field(default_factory=list)
 
@@ -114,7 +114,10 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
         else:
             result.message = f"planning failed: {type(exc).__name__}: {exc}"
         return result
-    result.plan_seconds = time.perf_counter() - t0
+    except Exception as exc:  # vLLM's own planner refusing the model (ValueError, AssertionError...)
+        result.message = f"vLLM could not build this scenario's caches: {type(exc).__name__}: {exc}"
+        return result
+    result.build_seconds = time.perf_counter() - t0
     result.plans = [p.to_dict() for p in engines.plans]
     if scenario.expect_error is not None:
         result.message = f"expected planning to fail with {scenario.expect_error!r}, but it succeeded"

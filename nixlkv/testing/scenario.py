@@ -119,8 +119,12 @@ def _layer(x: Any, where: str) -> LayerKind:
     params = {**optional, **d}
     for key in required:
         _req(params, key, where)
-    if params.get("dtype", "bfloat16") not in DTYPES:
-        raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {params['dtype']!r}")
+    for key, value in params.items():
+        if key == "dtype":
+            if value not in DTYPES:
+                raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {value!r}")
+        elif value is not None:
+            _pos(value, f"{where}.{key}")
     return LayerKind(kind, count, params)
 
 
