@@ -69,9 +69,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         engines = build(scenario, Dispatcher.from_plugins())
         rng = np.random.default_rng(scenario.request.seed)
         req = scenario.request
-        p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng, "prefill")
-        d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, "decode")
-        resolved_all = [plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks]) for plan in engines.plans]
+        p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
+        d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0])
+        resolved_all = [
+            plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks], req.num_tokens) for plan in engines.plans
+        ]
     except (NixlkvError, NotImplementedError) as exc:
         print(f"rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

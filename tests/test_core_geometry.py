@@ -239,8 +239,9 @@ def test_segment_to_dict() -> None:
     s = Segment("L0", 16, 1, "L0", 32, 8)
     assert s.to_dict() == {
         "local_region": "L0", "local_offset": 16, "remote_rank": 1,
-        "remote_region": "L0", "remote_offset": 32, "nbytes": 8,
+        "remote_region": "L0", "remote_offset": 32, "nbytes": 8, "phase": 0,
     }
+    assert Segment("L0", 0, 0, "L0", 0, 8, phase=3).to_dict()["phase"] == 3
 
 
 def _set(path: tuple, value: Any) -> Callable[[dict], None]:

@@ -220,7 +220,8 @@ class Region:
 @dataclass(frozen=True)
 class Segment:
     """Bytes ``[local_offset, +nbytes)`` of a local page come from ``[remote_offset, +nbytes)``
-    of ``remote_region``'s page on ``remote_rank``, for every block pair of the request."""
+    of ``remote_region``'s page on ``remote_rank``, for every block pair of the request whose
+    phase is ``phase`` (see :mod:`nixlkv.core.token_blocks`; 0 when block sizes match)."""
 
     local_region: str
     local_offset: int
@@ -228,6 +229,7 @@ class Segment:
     remote_region: str
     remote_offset: int
     nbytes: int
+    phase: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -237,6 +239,7 @@ class Segment:
             "remote_region": self.remote_region,
             "remote_offset": self.remote_offset,
             "nbytes": self.nbytes,
+            "phase": self.phase,
         }
 
 

@@ -122,19 +122,22 @@ class TransferPlan:
                     f"segment {seg} leaves the page of {remote.name!r} on remote rank "
                     f"{seg.remote_rank} ({remote.page.nbytes} B)"
                 )
-            by_region.setdefault(seg.local_region, []).append(seg)
+            if seg.phase < 0:
+                raise PlanValidationError(f"segment {seg} has a negative phase")
+            by_region.setdefault((seg.local_region, seg.phase), []).append(seg)
         for geometry in (self.local, *(self.remote[p] for p in self.covered)):
             for region in geometry.regions:
                 _check_registered(region, geometry)
-        for name, segs in by_region.items():
+        for (name, _phase), segs in by_region.items():
             segs = sorted(segs, key=lambda s: s.local_offset)
             for a, b in zip(segs, segs[1:]):
                 if a.local_offset + a.nbytes > b.local_offset:
                     raise PlanValidationError(
                         f"two segments write the same bytes of local region {name!r}: {a} and {b}"
                     )
+        written = {name for name, _ in by_region}
         by_group: dict[int, list[Region]] = {}
-        for region in (r for r in self.local.regions if r.name in by_region):
+        for region in (r for r in self.local.regions if r.name in written):
             by_group.setdefault(region.group, []).append(region)
         for regions in by_group.values():
             regions.sort(key=lambda r: r.base)
@@ -169,14 +172,16 @@ class TransferPlan:
             p: np.array(rows, dtype=np.uint64).reshape(-1, 5) for p, rows in remote_rows.items() if rows
         }
         self.read_ranks = tuple(sorted(self.remote_descs))
-        # (rank, key) -> segment indices, precomputed so resolve() is a few broadcasts.
-        self._rank_keys: dict[int, list[tuple[int, np.ndarray]]] = {}
+        # (rank, key, phase) -> segment indices, precomputed so resolve() is a few broadcasts.
+        seg_phase = np.array([s.phase for s in self.segments], dtype=np.int64)
+        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray]]] = {}
         for p in self.read_ranks:
             entries = []
             for key in range(len(self.pairings)):
-                idx = np.nonzero((self._seg_rank == p) & (self._seg_key == key))[0]
-                if idx.size:
-                    entries.append((key, idx))
+                for phase in np.unique(seg_phase[self._seg_key == key]).tolist():
+                    idx = np.nonzero((self._seg_rank == p) & (self._seg_key == key) & (seg_phase == phase))[0]
+                    if idx.size:
+                        entries.append((key, phase, idx))
             self._rank_keys[p] = entries
 
     # ---------------------------------------------------------------- per request
@@ -184,28 +189,40 @@ class TransferPlan:
         self,
         local_block_ids: Sequence[Sequence[int] | np.ndarray],
         remote_block_ids: Sequence[Sequence[int] | np.ndarray],
+        num_tokens: int | None = None,
     ) -> ResolvedRequest:
-        """Descriptor IDs for one request, given its block IDs per KV group on each side."""
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        """Descriptor IDs for one request, given its block IDs per KV group on each side.
+
+        Each list is the tail of that engine's block list for the request (see
+        :mod:`nixlkv.core.token_blocks`); ``num_tokens`` is needed where P and D hold a
+        different number of tokens per block.
+        """
+        pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for pairing in self.pairings:
             lids = _ids(local_block_ids, pairing.local_group, "local")
             rids = _ids(remote_block_ids, pairing.remote_group, "remote")
-            lp, rp = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region)
-            lp = np.asarray(lp, dtype=np.int64)
-            rp = np.asarray(rp, dtype=np.int64)
-            if lp.shape != rp.shape or lp.ndim != 1:
+            paired = pairing.strategy.pair_blocks(
+                lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens
+            )
+            lp = np.asarray(paired[0], dtype=np.int64)
+            rp = np.asarray(paired[1], dtype=np.int64)
+            phase = np.asarray(paired[2], dtype=np.int64) if len(paired) > 2 else np.zeros_like(lp)
+            if lp.shape != rp.shape or lp.ndim != 1 or phase.shape != lp.shape:
                 raise RequestError(
                     f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
                 )
             if lp.size:
                 _check_bounds(lp, pairing.local_num_blocks, f"local group {pairing.local_group}")
                 _check_bounds(rp, pairing.remote_num_blocks, f"remote group {pairing.remote_group}")
-            pairs.append((lp, rp))
+            pairs.append((lp, rp, phase))
         reads = []
         for p in self.read_ranks:
             lparts, rparts = [], []
-            for key, idx in self._rank_keys[p]:
-                lp, rp = pairs[key]
+            for key, ph, idx in self._rank_keys[p]:
+                lp, rp, phase = pairs[key]
+                in_phase = phase == ph
+                if not in_phase.all():
+                    lp, rp = lp[in_phase], rp[in_phase]
                 if lp.size:
                     lparts.append((self._local_start[idx, None] + lp[None, :]).ravel())
                     rparts.append((self._remote_start[idx, None] + rp[None, :]).ravel())

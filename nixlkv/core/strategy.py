@@ -45,14 +45,21 @@ class Strategy:
         raise NotImplementedError(f"strategy {self.name!r} does not implement segments")
 
     def pair_blocks(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        local: Region,
+        remote: Region,
+        num_tokens: int | None = None,
+    ) -> tuple[np.ndarray, ...]:
         """Pair a request's local and remote block IDs of one KV group (vectorised).
 
-        ``local`` / ``remote`` are one region of the group on each side, for the facts the
-        pairing depends on (tokens per block, window...). Default: token blocks aligned at the
-        tail. The local list may be shorter than the remote one (the local engine already holds
-        a prefix); it may not be longer.
+        Returns ``(local, remote)`` or ``(local, remote, phase)`` arrays of equal length; a
+        pair applies the segments of its phase. ``local`` / ``remote`` are one region of the
+        group on each side, for the facts the pairing depends on (tokens per block, window...);
+        ``num_tokens`` is the request's length when known. Default: blocks aligned at the tail.
+        The local list may be shorter than the remote one (the local engine already holds a
+        prefix); it may not be longer.
         """
         return tail_aligned(local_ids, remote_ids)
 

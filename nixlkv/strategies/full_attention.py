@@ -12,6 +12,7 @@ in a request is refused, never moved).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -19,7 +20,9 @@ import numpy as np
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..core import (
+    HeadRun,
     IncompatibleGeometry,
+    PageLayout,
     LayerCache,
     Region,
     RequestError,
@@ -29,8 +32,8 @@ from ..core import (
     box_copy_runs,
     head_sources,
     heads_held,
-    tail_aligned,
 )
+from ..core.token_blocks import pair_by_tokens, token_phases
 
 # Facts both sides must agree on, with what a mismatch means for the operator.
 MATCHING_FACTS = {
@@ -40,7 +43,6 @@ MATCHING_FACTS = {
     "dtype": "KV-cache dtype",
     "kv_quant_mode": "KV-cache quantisation",
     "content_bytes": "bytes per head and token",
-    "tokens_per_block": "tokens per block (block_size)",
 }
 
 
@@ -69,9 +71,15 @@ class FullAttentionStrategy(Strategy):
                 f"but {total} heads over tp={topology.tp_size} give {len(held)} per rank"
             )
         page = layer.page
-        for axis, size in (("head", len(held)), ("token", spec.num_states), ("byte", spec.state_content_size_bytes)):
-            if page.size(axis) != size:
-                raise IncompatibleGeometry(f"layer {layer.name!r}: page axis {axis!r} is {page.size(axis)}, spec says {size}")
+        kernel, _, _ = kernel_pages(page)
+        tokens = kernel.size("token") * (page.size("kblock") if page.names[0] == "kblock" else 1)
+        for axis, size, want in (
+            ("head", kernel.size("head"), len(held)),
+            ("token", tokens, spec.num_states),
+            ("byte", kernel.size("byte"), spec.state_content_size_bytes),
+        ):
+            if size != want:
+                raise IncompatibleGeometry(f"layer {layer.name!r}: page holds {size} along {axis!r}, spec says {want}")
         return Region(
             name=layer.name,
             group=layer.group,
@@ -97,11 +105,13 @@ class FullAttentionStrategy(Strategy):
     def segments(
         self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
     ) -> list[Segment]:
+        total = local.fact("total_kv_heads")
+        remote = {rank: with_page_facts(peer, total, rank, remote_tp) for rank, peer in remote.items()}
         for peer in remote.values():
             check_matching_facts(local, peer, self.matching_facts)
-        total = local.fact("total_kv_heads")
+        runs = head_sources(local_topology.tp_rank, local_topology.tp_size, remote_tp, total)
         out = []
-        for run in head_sources(local_topology.tp_rank, local_topology.tp_size, remote_tp, total):
+        for run in runs:
             peer = remote[run.remote_rank]
             expected_start = heads_held(run.remote_rank, remote_tp, total).start
             if peer.fact("head_start") != expected_start:
@@ -109,30 +119,101 @@ class FullAttentionStrategy(Strategy):
                     f"layer {local.name!r}: remote rank {run.remote_rank} advertises head_start="
                     f"{peer.fact('head_start')}, but {total} heads over tp={remote_tp} put it at {expected_start}"
                 )
-            try:
-                runs = box_copy_runs(local.page, {"head": run.local_slot}, peer.page, {"head": run.remote_slot}, {"head": run.count})
-            except IncompatibleGeometry as exc:
-                raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)} ({exc})") from None
-            if len(runs) != 1:
-                raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)}")
-            (loff, roff, nbytes), = runs
-            out.append(Segment(local.name, loff, run.remote_rank, peer.name, roff, nbytes))
+            phases = token_phases(tokens_per_block(local), tokens_per_block(peer))
+            for phase, (local_token, remote_token, tokens) in enumerate(phases):
+                for loff, roff, nbytes in head_token_runs(local, peer, run, local_token, remote_token, tokens):
+                    out.append(Segment(local.name, loff, run.remote_rank, peer.name, roff, nbytes, phase))
         return out
 
     def pair_blocks(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        local: Region,
+        remote: Region,
+        num_tokens: int | None = None,
+    ) -> tuple[np.ndarray, ...]:
         if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
             raise RequestError(
                 "block id 0 (vLLM's null block) in a full-attention group: a full-attention request "
                 "owns every one of its blocks; a windowed cache needs its own strategy"
             )
-        return tail_aligned(local_ids, remote_ids)
+        return pair_by_tokens(local_ids, remote_ids, tokens_per_block(local), tokens_per_block(remote), num_tokens)
+
+
+def tokens_per_block(region: Region) -> int:
+    """Tokens a block of the region holds: advertised, or read off its page."""
+    if "tokens_per_block" in region.facts:
+        return int(region.facts["tokens_per_block"])
+    kernel, tokens, _ = kernel_pages(region.page)
+    return tokens * (region.page.size("kblock") if region.page.names[0] == "kblock" else 1)
+
+
+def with_page_facts(peer: Region, total_kv_heads: int, rank: int, tp: int) -> Region:
+    """A remote region with the facts its page and topology imply filled in where it did not
+    advertise them (a minimal, homogeneous peer): tokens per block, heads held, content bytes.
+    What it did advertise is kept, and then checked like any other fact."""
+    kernel, _, _ = kernel_pages(peer.page)
+    held = heads_held(rank, tp, peer.facts.get("total_kv_heads", total_kv_heads))
+    derived = {
+        "total_kv_heads": total_kv_heads,
+        "head_start": held.start,
+        "num_heads": kernel.size("head"),
+        "content_bytes": kernel.size("byte"),
+        "tokens_per_block": tokens_per_block(peer),
+    }
+    if all(k in peer.facts for k in derived):
+        return peer
+    return dataclasses.replace(peer, facts={**derived, **peer.facts})
+
+
+def kernel_pages(page: PageLayout) -> tuple[PageLayout, int, int]:
+    """(kernel page layout, tokens per kernel page, bytes per kernel page) of a block's page.
+
+    A logical block split into kernel blocks is ``kblock`` consecutive kernel pages."""
+    if page.names[0] != "kblock":
+        return page, page.size("token"), page.nbytes
+    inner = PageLayout(page.axes[1:])
+    return inner, inner.size("token"), inner.nbytes
+
+
+def head_token_runs(
+    local: Region, peer: Region, run: HeadRun, local_token: int, remote_token: int, tokens: int
+) -> list[tuple[int, int, int]]:
+    """Byte runs copying ``run``'s heads for ``tokens`` tokens from ``remote_token`` of the remote
+    page to ``local_token`` of the local page, split where either side's kernel pages end.
+
+    A direct copy needs at most one contiguous run per head (heads outermost in the page, or
+    whole pages); anything finer is a permute and is refused."""
+    lpage, ltok, lbytes = kernel_pages(local.page)
+    rpage, rtok, rbytes = kernel_pages(peer.page)
+    out: list[tuple[int, int, int]] = []
+    done = 0
+    while done < tokens:
+        lk, lin = divmod(local_token + done, ltok)
+        rk, rin = divmod(remote_token + done, rtok)
+        n = min(ltok - lin, rtok - rin, tokens - done)
+        try:
+            runs = box_copy_runs(
+                lpage, {"head": run.local_slot, "token": lin}, rpage, {"head": run.remote_slot, "token": rin},
+                {"head": run.count, "token": n},
+            )
+        except IncompatibleGeometry as exc:
+            raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)} ({exc})") from None
+        if len(runs) > run.count:
+            raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)}")
+        out.extend((lk * lbytes + a, rk * rbytes + b, c) for a, b, c in runs)
+        done += n
+    return out
 
 
 def check_matching_facts(local: Region, peer: Region, facts: Mapping[str, str]) -> None:
-    """Both sides must describe the same cache: name the first fact that differs, with both values."""
+    """Both sides must describe the same cache: name the first fact that differs, with both values.
+
+    A fact the peer does not advertise is not compared (its page geometry still is)."""
     for key, meaning in facts.items():
+        if key not in peer.facts:
+            continue
         mine, theirs = local.fact(key), peer.fact(key)
         if mine != theirs:
             raise IncompatibleGeometry(

@@ -15,8 +15,9 @@ from typing import ClassVar
 import numpy as np
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-from ..core import Region, tail_aligned
-from .full_attention import MATCHING_FACTS, FullAttentionStrategy
+from ..core import Region
+from ..core.token_blocks import pair_by_tokens
+from .full_attention import MATCHING_FACTS, FullAttentionStrategy, tokens_per_block
 
 
 def window_blocks(window: int, block_size: int) -> int:
@@ -33,9 +34,17 @@ class SlidingWindowStrategy(FullAttentionStrategy):
         return {"sliding_window": spec.sliding_window}
 
     def pair_blocks(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
-    ) -> tuple[np.ndarray, np.ndarray]:
-        keep = window_blocks(local.fact("sliding_window"), local.fact("tokens_per_block"))
-        lp, rp = tail_aligned(local_ids[-keep:], remote_ids[-keep:])
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        local: Region,
+        remote: Region,
+        num_tokens: int | None = None,
+    ) -> tuple[np.ndarray, ...]:
+        window, ltok, rtok = local.fact("sliding_window"), tokens_per_block(local), tokens_per_block(remote)
+        lp, rp, phase = pair_by_tokens(
+            local_ids[-window_blocks(window, ltok) :], remote_ids[-window_blocks(window, rtok) :],
+            ltok, rtok, num_tokens, strict=False,
+        )
         real = (lp != 0) & (rp != 0)
-        return lp[real], rp[real]
+        return lp[real], rp[real], phase[real]

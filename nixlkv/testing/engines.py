@@ -88,7 +88,13 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     num_blocks = side.num_blocks or (len(groups) + 1) * request_blocks(scenario, side) + 8
     vc.cache_config.num_gpu_blocks_override = num_blocks
     kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1)
-    kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout])
+    kernel = side.kernel_block_size
+    kernel_sizes = None
+    if kernel is not None:
+        # Like vLLM's prepare_kernel_block_sizes: a group whose block the kernel size divides is
+        # stored as block_size // kernel kernel pages per block; others keep whole blocks.
+        kernel_sizes = [kernel if g.kv_cache_spec.block_size % kernel == 0 else None for g in groups]
+    kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout], kernel_block_sizes=kernel_sizes)
     first = next(iter(kv.values()))
     buffer = torch.empty(0, dtype=torch.int8).set_(first.untyped_storage())
     return FabricatedRank(

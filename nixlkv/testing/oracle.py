@@ -50,22 +50,36 @@ def pattern(layer: int, tokens: np.ndarray, heads: Sequence[int], content_bytes:
         return (x >> np.uint64(56)).astype(np.uint8)
 
 
-def bytes_view(view: torch.Tensor) -> np.ndarray:
-    """A layer's ``[B, H, N, C]`` view as uint8 numpy sharing its memory (C in bytes)."""
-    return view.view(torch.uint8).numpy()
+def bytes_view(view: torch.Tensor, num_blocks: int) -> np.ndarray:
+    """A layer's cache as uint8 numpy ``[B, K, H, k, C]`` sharing its memory (C in bytes).
+
+    vLLM's view is ``[B*K, H, k, C]`` when a logical block of ``K*k`` tokens is stored as ``K``
+    consecutive kernel pages of ``k`` tokens each (K = 1 otherwise)."""
+    arr = view.view(torch.uint8).numpy()
+    per = arr.shape[0] // num_blocks
+    shape = (num_blocks, per, *arr.shape[1:])
+    strides = (arr.strides[0] * per, arr.strides[0], *arr.strides[1:])
+    return np.lib.stride_tricks.as_strided(arr, shape, strides)
+
+
+def as_kernel_pages(values: np.ndarray, per: int) -> np.ndarray:
+    """Logical ``[nb, H, N, C]`` values laid out as ``[nb, K, H, N/K, C]`` kernel pages."""
+    nb, h, n, c = values.shape
+    return values.reshape(nb, h, per, n // per, c).transpose(0, 2, 1, 3, 4)
 
 
 @dataclass(frozen=True)
 class GroupBlocks:
     """A request's block IDs of one KV group on one side, and the token positions they hold.
 
-    ``holds`` marks the blocks that hold the request's KV after the step being rehearsed: on
-    prefill, every block but the null ones; on decode, only what the transfer must deliver.
+    ``holds[i, n]`` says whether token slot ``n`` of block ``ids[i]`` holds the request's KV
+    after the step being rehearsed: on prefill, every slot of every block but the null ones; on
+    decode, only what the transfer must deliver.
     """
 
     ids: np.ndarray
     first_position: int  # block position of ids[0] in the request (skipped prefix blocks)
-    holds: np.ndarray  # bool per id
+    holds: np.ndarray  # bool [len(ids), tokens per block]
 
 
 def window_of(rank: FabricatedRank, group: int) -> int | None:
@@ -84,14 +98,27 @@ def prefill_null_positions(num_tokens: int, window: int | None, block_size: int)
     return max(0, num_tokens - window + 1) // block_size
 
 
-def decode_needs(positions: np.ndarray, num_tokens: int, window: int | None, block_size: int) -> np.ndarray:
-    """Which block positions a decode engine must receive: all of them for full attention; for
-    a window, the last cdiv(window, block_size) + 1 blocks that the prefill engine still holds."""
-    if window is None:
-        return np.ones(positions.shape, dtype=bool)
-    n_blocks = -(-num_tokens // block_size)
-    tail = n_blocks - (-(-window // block_size) + 1)
-    return (positions >= tail) & (positions >= prefill_null_positions(num_tokens, window, block_size))
+def window_tail(num_tokens: int, window: int, block_size: int) -> int:
+    """First block position vLLM's connector exchanges for a window group: it keeps the last
+    cdiv(window, block_size) + 1 block ids (the window may straddle a block edge)."""
+    return -(-num_tokens // block_size) - (-(-window // block_size) + 1)
+
+
+def decode_receives(
+    positions: np.ndarray, num_tokens: int, window: int | None, decode_block: int, prefill_block: int
+) -> np.ndarray:
+    """bool ``[len(positions), decode_block]``: which token slots of the decode blocks at these
+    positions the transfer must fill. A slot is filled when the prefill block holding that token
+    exists and is exchanged: for a window, both engines exchange only their own window tail,
+    and prefill has nulled what fell below the window."""
+    tokens = positions[:, None] * decode_block + np.arange(decode_block)[None, :]
+    source = tokens // prefill_block
+    filled = source < -(-num_tokens // prefill_block)
+    if window is not None:
+        filled &= positions[:, None] >= window_tail(num_tokens, window, decode_block)
+        filled &= source >= window_tail(num_tokens, window, prefill_block)
+        filled &= source >= prefill_null_positions(num_tokens, window, prefill_block)
+    return filled
 
 
 def fill_prefill(rank: FabricatedRank, blocks: Sequence[GroupBlocks], seed: int) -> None:
@@ -119,12 +146,18 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             continue
         for name in rank.group_layers(group):
             view = _alias(rank.kv_caches[name], rank.buffer, target)
-            arr = bytes_view(view)
-            n_tokens = arr.shape[2]
-            positions = (gb.first_position + np.arange(gb.ids.size))[gb.holds]
+            arr = bytes_view(view, rank.kv_cache_config.num_blocks)
+            per = arr.shape[1]
+            n_tokens = per * arr.shape[3]
+            rows = gb.holds.any(axis=1)
+            positions = (gb.first_position + np.arange(gb.ids.size))[rows]
             tokens = positions[:, None] * n_tokens + np.arange(n_tokens)[None, :]
             heads = model_heads(rank.tp_rank, tp, rank.total_heads[name])
-            arr[gb.ids[gb.holds]] = pattern(rank.layer_index[name], tokens, heads, arr.shape[3], seed)
+            fresh = pattern(rank.layer_index[name], tokens, heads, arr.shape[4], seed)
+            mask = np.broadcast_to(gb.holds[rows][:, None, :, None], fresh.shape)
+            ids = gb.ids[rows]
+            fresh, mask = as_kernel_pages(fresh, per), as_kernel_pages(mask, per)
+            arr[ids] = fresh if mask.all() else np.where(mask, fresh, arr[ids])
 
 
 def _alias(view: torch.Tensor, buffer: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -163,12 +196,15 @@ def compare(rank: FabricatedRank, expected: torch.Tensor) -> Mismatch | None:
         return None
     first = int(np.argmax(diff))
     for name, view in rank.kv_caches.items():
-        a = bytes_view(view)
-        e = bytes_view(_alias(view, rank.buffer, expected))
+        a = bytes_view(view, rank.kv_cache_config.num_blocks)
+        e = bytes_view(_alias(view, rank.buffer, expected), rank.kv_cache_config.num_blocks)
         bad = np.argwhere(a != e)
         if bad.size:
-            b, h, n, c = (int(x) for x in bad[0])
+            b, kb, h, n, c = (int(x) for x in bad[0])
             heads = model_heads(rank.tp_rank, rank.side.tp, rank.total_heads[name])
-            where = f"layer {name} block {b} head slot {h} (global head {heads[h] if h < len(heads) else '?'}) token slot {n} byte {c}"
-            return Mismatch(rank.tp_rank, where, int(e[b, h, n, c]), int(a[b, h, n, c]), wrong)
+            where = (
+                f"layer {name} block {b} head slot {h} (global head {heads[h] if h < len(heads) else '?'}) "
+                f"token slot {kb * a.shape[3] + n} byte {c}"
+            )
+            return Mismatch(rank.tp_rank, where, int(e[b, kb, h, n, c]), int(a[b, kb, h, n, c]), wrong)
     return Mismatch(rank.tp_rank, f"buffer offset {first} (outside every layer page)", int(expected_np[first]), int(actual_np[first]), wrong)

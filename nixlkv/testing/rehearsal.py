@@ -71,14 +71,15 @@ def geometry(rank: FabricatedRank, dispatcher: Dispatcher):
 
 
 def choose_blocks(
-    rank: FabricatedRank, num_tokens: int, skip: int, rng: np.random.Generator, role: str
+    rank: FabricatedRank, num_tokens: int, skip: int, rng: np.random.Generator, peer: FabricatedRank | None = None
 ) -> list[oracle.GroupBlocks]:
     """A request's block IDs per group, as the engine's scheduler would hand them over.
 
     Random, non-contiguous and distinct across groups (groups alias one memory pool), never the
     null block 0 except where the scheduler itself put it: on prefill, window blocks already
     freed below the window. ``skip`` leading blocks of each group are left out (a prefix the
-    decode engine already holds).
+    decode engine already holds). Without ``peer`` this is the prefill side; with it, the
+    decode side, whose expected content depends on the prefill engine's blocks.
     """
     sizes = [rank.group_block_size(g) for g in range(rank.num_groups)]
     need = [-(-num_tokens // bs) for bs in sizes]
@@ -90,12 +91,13 @@ def choose_blocks(
         ids = pool[at : at + n].astype(np.int64)
         at += n
         window = oracle.window_of(rank, group)
-        positions = np.arange(n)
-        if role == "prefill":
+        if peer is None:
             ids[: oracle.prefill_null_positions(num_tokens, window, bs)] = 0
-            holds = ids != 0
+            holds = np.repeat((ids != 0)[:, None], bs, axis=1)
         else:
-            holds = oracle.decode_needs(positions, num_tokens, window, bs)
+            if peer.group_layers(group) != rank.group_layers(group):
+                raise NixlkvError(f"prefill and decode group their layers differently (group {group})")
+            holds = oracle.decode_receives(np.arange(n), num_tokens, window, bs, peer.group_block_size(group))
         first = min(skip, n)
         out.append(oracle.GroupBlocks(ids=ids[first:], first_position=first, holds=holds[first:]))
     return out
@@ -132,8 +134,8 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
 def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalResult, fault: Fault | None) -> None:
     req = scenario.request
     rng = np.random.default_rng(req.seed)
-    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng, "prefill")
-    d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, "decode")
+    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
+    d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0])
     for p in engines.prefill:
         oracle.fill_prefill(p, p_blocks, req.seed)
     for d in engines.decode:
@@ -147,7 +149,7 @@ def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalR
             agent = d_nixl[d.tp_rank]
             names = {rank: agent.add_remote(p_nixl[rank].metadata()) for rank in plan.covered}
             prepared = agent.prepare(plan, names)
-            resolved = plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks])
+            resolved = plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks], req.num_tokens)
             if fault is not None:
                 resolved = fault(d.tp_rank, resolved)
             result.descriptors += resolved.num_descriptors

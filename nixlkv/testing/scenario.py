@@ -37,6 +37,7 @@ class Side:
     block_size: int
     layout: str
     num_blocks: int | None = None
+    kernel_block_size: int | None = None  # attention kernels run on blocks this small
 
 
 @dataclass(frozen=True)
@@ -130,16 +131,18 @@ def _layer(x: Any, where: str) -> LayerKind:
 
 def _side(x: Any, where: str) -> Side:
     d = _mapping(x, where)
-    _only(d, {"tp", "block_size", "layout", "num_blocks"}, where)
+    _only(d, {"tp", "block_size", "layout", "num_blocks", "kernel_block_size"}, where)
     layout = d.get("layout", "LBHNC")
     if layout not in LAYOUTS:
         raise ScenarioError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
     nb = d.get("num_blocks")
+    kb = d.get("kernel_block_size")
     return Side(
         tp=_pos(_req(d, "tp", where), f"{where}.tp"),
         block_size=_pos(d.get("block_size", 16), f"{where}.block_size"),
         layout=layout,
         num_blocks=None if nb is None else _pos(nb, f"{where}.num_blocks"),
+        kernel_block_size=None if kb is None else _pos(kb, f"{where}.kernel_block_size"),
     )
 
 

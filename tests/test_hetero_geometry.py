@@ -1,0 +1,97 @@
+"""Heterogeneous geometry: per-group heads and tokens per block, block-size mismatch, minimal peers."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nixlkv.core import Dispatcher, IncompatibleGeometry, RequestError
+from nixlkv.core.token_blocks import pair_by_tokens, token_phases
+from nixlkv.testing.rehearsal import build
+from nixlkv.testing.scenario import load
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+
+
+def test_token_phases_both_directions() -> None:
+    assert token_phases(16, 16) == [(0, 0, 16)]
+    assert token_phases(32, 16) == [(0, 0, 16), (16, 0, 16)]  # a local block takes two remote ones
+    assert token_phases(16, 64) == [(0, 0, 16), (0, 16, 16), (0, 32, 16), (0, 48, 16)]
+    with pytest.raises(IncompatibleGeometry, match="24 here and 16 on the remote"):
+        token_phases(24, 16)
+
+
+def test_pair_larger_local_blocks() -> None:
+    # 100 tokens: 7 remote blocks of 16, 4 local blocks of 32; the last local block gets one.
+    local, remote = np.array([40, 41, 42, 43]), np.arange(10, 17)
+    l, r, ph = pair_by_tokens(local, remote, 32, 16, 100)
+    assert l.tolist() == [40, 40, 41, 41, 42, 42, 43]
+    assert r.tolist() == remote.tolist()
+    assert ph.tolist() == [0, 1, 0, 1, 0, 1, 0]
+
+
+def test_pair_smaller_local_blocks_with_a_prefix_hit() -> None:
+    # 100 tokens: 2 remote blocks of 64; local blocks of 16 at positions 3..6 (3 already held).
+    local, remote = np.array([50, 51, 52, 53]), np.array([7, 8])
+    l, r, ph = pair_by_tokens(local, remote, 16, 64, 100)
+    assert l.tolist() == [50, 51, 52, 53]
+    assert r.tolist() == [7, 8, 8, 8]
+    assert ph.tolist() == [3, 0, 1, 2]
+
+
+def test_pairing_needs_the_request_length_and_a_sufficient_remote_list() -> None:
+    with pytest.raises(RequestError, match="num_tokens"):
+        pair_by_tokens(np.array([1]), np.array([2, 3]), 32, 16, None)
+    with pytest.raises(RequestError, match="remote list starts at token 32"):
+        pair_by_tokens(np.array([1, 2, 3]), np.array([10]), 16, 32, 48)  # local needs tokens 0..47
+    with pytest.raises(RequestError, match="fill only"):
+        pair_by_tokens(np.array([1, 2, 3]), np.array([9]), 16, 32, 20)
+
+
+def _plan(name: str, decode_rank: int = 0):
+    return build(load(SCENARIOS / f"{name}.yaml"), Dispatcher.from_plugins()).plans[decode_rank]
+
+
+def test_gemma4_groups_keep_their_own_heads_and_block_sizes() -> None:
+    plan = _plan("hetero-gemma4-like-p4-d8", decode_rank=3)
+    segs = plan.to_dict()["segments"]
+    sliding = [s for s in segs if s["local_region"] == "model.layers.0.self_attn.attn"]
+    full = [s for s in segs if s["local_region"] == "model.layers.5.self_attn.attn"]
+    # Sliding: 16 heads, D8 rank 3 holds heads 6-7, which P4 rank 1 holds at slots 2-3 (4 per rank).
+    assert {s["remote_rank"] for s in sliding} == {1}
+    assert {s["phase"] for s in sliding} == {0}
+    # Full: 4 heads; D8 rank 3 holds head 1 (replicated), which P4 rank 1 holds alone. Blocks are 16
+    # tokens on D (TP8) and 32 on P (TP4): two phases, each the half of a P page's tokens.
+    assert {s["remote_rank"] for s in full} == {1}
+    assert sorted((s["phase"], s["remote_offset"]) for s in full) == [(0, 0), (1, 16 * 2048)]
+
+
+def test_minimal_remote_geometry_is_derived_from_its_pages() -> None:
+    """A homogeneous peer that advertises no per-region facts plans exactly like a full one."""
+    plan = _plan("hetero-gemma4-like-p2-d4")
+    bare = {
+        rank: dataclasses.replace(g, regions=tuple(dataclasses.replace(r, facts={}) for r in g.regions))
+        for rank, g in plan.remote.items()
+    }
+    again = Dispatcher.from_plugins().plan(plan.local, bare)
+    assert again.to_dict()["segments"] == plan.to_dict()["segments"]
+    ids = [np.arange(1, 40), np.arange(40, 79), np.arange(79, 118), np.arange(118, 157), np.arange(157, 196), np.arange(196, 215)]
+    assert [r.local_ids.tolist() for r in again.resolve(ids, ids, 600).reads] == [
+        r.local_ids.tolist() for r in plan.resolve(ids, ids, 600).reads
+    ]
+
+
+def test_minimal_remote_with_wrong_page_geometry_is_still_rejected() -> None:
+    plan = _plan("fa-p2-d4-h8")
+    bare = {}
+    for rank, g in plan.remote.items():
+        regions = []
+        for r in g.regions:
+            axes = tuple((n, s * 2 if n == "byte" else s) for n, s in r.page.axes)  # claims 2x head size
+            regions.append(dataclasses.replace(r, facts={}, page=dataclasses.replace(r.page, axes=axes), block_stride=r.block_stride * 2))
+        bare[rank] = dataclasses.replace(g, regions=tuple(regions), memory=((0, 1 << 62),))
+    with pytest.raises(IncompatibleGeometry, match="content_bytes"):
+        Dispatcher.from_plugins().plan(plan.local, bare)
