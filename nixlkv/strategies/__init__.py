@@ -8,12 +8,13 @@ from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
 from ..core import Strategy, hookimpl
 from .full_attention import FullAttentionStrategy
+from .mla import MLAStrategy
 from .pending import PENDING
 
 
 @hookimpl
 def nixlkv_strategies() -> list[Strategy]:
-    return [FullAttentionStrategy(), *PENDING]
+    return [FullAttentionStrategy(), MLAStrategy(), *PENDING]
 
 
 @hookimpl

@@ -110,12 +110,21 @@ class FullAttentionStrategy(Strategy):
     def pair_blocks(
         self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
     ) -> tuple[np.ndarray, np.ndarray]:
-        if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
-            raise RequestError(
-                "block id 0 (vLLM's null block) in a full-attention group: a full-attention request "
-                "owns every one of its blocks; a windowed cache needs its own strategy"
-            )
-        return tail_aligned(local_ids, remote_ids)
+        return pair_owned_blocks(local_ids, remote_ids, "full-attention")
+
+
+def pair_owned_blocks(local_ids: np.ndarray, remote_ids: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token blocks a request owns outright (no window, no state): tail-aligned, null block refused.
+
+    Shared by every strategy whose request keeps all its blocks, so regions of different kinds in
+    one KV group (GQA + MLA draft) pair the group's block IDs the same way.
+    """
+    if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
+        raise RequestError(
+            f"block id 0 (vLLM's null block) in a {kind} group: such a request owns every one of "
+            "its blocks; a windowed cache needs its own strategy"
+        )
+    return tail_aligned(local_ids, remote_ids)
 
 
 def check_matching_facts(local: Region, peer: Region, facts: Mapping[str, str]) -> None:

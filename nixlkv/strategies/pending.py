@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     MambaSpec,
-    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -36,7 +36,15 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 
 PENDING = [
-    pending("mla", (MLAAttentionSpec,), "MLA latents are replicated on every rank and need a single read plus notifications"),
+    # SlidingWindowMLASpec subclasses SlidingWindowSpec, not MLAAttentionSpec: claimed explicitly so
+    # neither the sliding-window placeholder nor, once it lands, the plain window logic takes it.
+    pending(
+        "sliding_window_mla",
+        (SlidingWindowMLASpec,),
+        "a windowed MLA latent needs both the sliding-window strategy's window logic (only the window's "
+        "blocks move, null blocks skipped), which has not landed, and the mla strategy's single read "
+        "plus notifications",
+    ),
     pending("sliding_window", (SlidingWindowSpec,), "only the window's blocks may move and null blocks must be skipped"),
     pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
