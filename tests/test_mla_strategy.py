@@ -6,8 +6,20 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nixlkv.core import Dispatcher, IncompatibleGeometry, LayerCache, PageLayout, RequestError, Topology
+from nixlkv.core import (
+    Dispatcher,
+    IncompatibleGeometry,
+    LayerCache,
+    PageLayout,
+    Region,
+    RequestError,
+    Topology,
+    consumers_per_remote_rank,
+    covered_remote_ranks,
+)
 from nixlkv.strategies.mla import MLAStrategy
 from nixlkv.testing.engines import layer_spec
 from nixlkv.testing.rehearsal import build, geometry
@@ -169,3 +181,33 @@ def test_uniform_members_vllm_does_not_group_as_uniform_are_an_error() -> None:
     """Identical MLA layers make a plain MLAAttentionSpec group, not a uniform one."""
     with pytest.raises(ScenarioError, match=r"model.layers\[0\] \(uniform\).*not in one UniformTypeKVCacheSpecs"):
         build(scenario([{"kind": "uniform", "members": [{"kind": "mla", "count": 2}]}]), Dispatcher.from_plugins())
+
+
+def _mla_region(rank_page: int = 64 * 656) -> Region:
+    return Region(
+        "L0", 0, "mla", 0x10000, 8, rank_page, PageLayout((("head", 1), ("token", 64), ("byte", 656))),
+        facts={"cache_role": "sparse", "head_size": 576, "dtype": "uint8", "cache_dtype": "fp8_ds_mla",
+               "kv_quant_mode": 1, "content_bytes": 656, "tokens_per_state": "1", "tokens_per_block": 64,
+               "page_bytes": rank_page},
+    )
+
+
+@given(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8, 16]))
+@settings(max_examples=40, deadline=None)
+def test_every_prefill_rank_is_read_or_told_exactly_consumers_times(p_tp: int, d_tp: int) -> None:
+    """Over all decode ranks: one whole-page read each, reads spread over distinct prefill ranks
+    when P > D, and every prefill rank covered by exactly ``consumers`` decode ranks."""
+    region = _mla_region()
+    reads: list[int] = []
+    heard = {p: 0 for p in range(p_tp)}
+    for r in range(d_tp):
+        covered = covered_remote_ranks(r, d_tp, p_tp)
+        (seg,) = MLAStrategy().segments(region, {p: region for p in covered}, Topology(d_tp, r), p_tp)
+        assert (seg.local_offset, seg.remote_offset, seg.nbytes) == (0, 0, region.page.nbytes)
+        assert seg.remote_rank == (r * p_tp // d_tp if p_tp >= d_tp else r // (d_tp // p_tp))
+        reads.append(seg.remote_rank)
+        for p in covered:
+            heard[p] += 1
+    assert set(heard.values()) == {consumers_per_remote_rank(d_tp, p_tp)}
+    if p_tp >= d_tp:
+        assert len(set(reads)) == d_tp
