@@ -67,15 +67,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
     scenario = _load(args.scenario)
     try:
         engines = build(scenario, Dispatcher.from_plugins())
+        rng = np.random.default_rng(scenario.request.seed)
+        req = scenario.request
+        p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng, "prefill")
+        d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, "decode")
+        resolved_all = [plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks]) for plan in engines.plans]
     except (NixlkvError, NotImplementedError) as exc:
         print(f"rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(scenario.request.seed)
-    p_blocks = choose_blocks(engines.prefill[0], scenario.request.num_tokens, 0, rng)
-    d_blocks = choose_blocks(engines.decode[0], scenario.request.num_tokens, scenario.request.cached_blocks, rng)
+    except Exception as exc:  # vLLM's planner refusing the model
+        print(f"error: vLLM could not build this scenario's caches: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     out = []
-    for plan in engines.plans:
-        resolved = plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks])
+    for plan, resolved in zip(engines.plans, resolved_all):
         d = plan.to_dict()
         d["request"] = {
             "num_tokens": scenario.request.num_tokens,
@@ -162,9 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("rehearse", help="run a scenario through real NIXL and check every byte")
     p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
-    p.add_argument("--plans", action="store_true", help="with --json: include the full plans")
+    p.add_argument("--plans", action="store_true", help="include the full plans in the --json output (needs --json)")
     p.set_defaults(func=cmd_rehearse)
     args = parser.parse_args(argv)
+    if getattr(args, "plans", False) and not args.json:
+        parser.error("--plans needs --json")
     _quiet()
     from .testing.scenario import ScenarioError
 
@@ -173,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `nixlkv strategies | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

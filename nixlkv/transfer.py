@@ -1,6 +1,6 @@
 """Runs a TransferPlan with NIXL: one agent per rank, prepped descriptor lists, READs, notifications.
 
-Shared by the rehearsal and the connector. The plan's descriptor rows are NIXL's strided
+Used by the rehearsal today and meant for the connector once it lands. The plan's descriptor rows are NIXL's strided
 ``(address, nbytes, device, stride, count)`` form, so preparation is one call per side and a
 request is one ``make_prepped_xfer`` per remote rank with the IDs ``TransferPlan.resolve`` gave.
 """

@@ -1,6 +1,6 @@
 """vLLM 0.33 KV caches as nixlkv layers: read each layer's geometry off its real tensor view.
 
-The only module besides the strategies and the connector that knows vLLM's objects. The page
+With the strategies (and, once it lands, the connector), the only code that knows vLLM's objects. The page
 structure is taken from the tensor strides vLLM built (``create_kv_cache_views``), so whatever
 layout the engine resolved is what the plan sees.
 """

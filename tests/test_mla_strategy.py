@@ -81,7 +81,7 @@ def test_sliding_window_mla_refuses_to_plan() -> None:
     layer = LayerCache("L0", 0, spec, 0x1000, 4, 73728, PageLayout((("head", 1), ("token", 64), ("byte", 1152))))
     with pytest.raises(NotImplementedError) as info:
         Dispatcher.from_plugins().local_geometry("D", Topology(1, 0), [layer], [(0x1000, 4 * 73728)])
-    assert "sliding-window" in str(info.value) and "mla" in str(info.value)
+    assert "sliding_window strategy" in str(info.value) and "mla strategy" in str(info.value)
 
 
 def test_mixed_group_gets_head_split_and_whole_page_segments() -> None:

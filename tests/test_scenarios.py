@@ -9,7 +9,7 @@ import pytest
 from nixlkv.testing.rehearsal import rehearse
 from nixlkv.testing.scenario import load
 
-SCENARIOS = sorted(p for p in (Path(__file__).parent / "scenarios").iterdir() if p.suffix in (".yaml", ".json"))
+SCENARIOS = sorted(p for p in (Path(__file__).parent / "scenarios").iterdir() if p.suffix in (".yaml", ".yml", ".json"))
 
 
 @pytest.mark.nixl
@@ -35,3 +35,14 @@ def test_scenario_directory_covers_the_foundation_matrix() -> None:
         "fa-reject-p3-d2", "fa-reject-lbnhc-hetero-tp",
     ):
         assert required in names
+
+
+def test_scenario_parameters_are_type_checked() -> None:
+    from nixlkv.testing.scenario import ScenarioError, parse
+
+    base = {
+        "model": {"layers": [{"kind": "full_attention", "num_kv_heads": "8", "head_size": 64}]},
+        "prefill": {"tp": 1}, "decode": {"tp": 1}, "request": {"num_tokens": 10},
+    }
+    with pytest.raises(ScenarioError, match=r"model.layers\[0\].num_kv_heads: must be a positive integer"):
+        parse(base)

@@ -106,7 +106,12 @@ class Dispatcher:
         for region in local.regions:
             strategy = self.registry.by_name(region.strategy)
             peers = {p: _peer(remote[p], region) for p in covered}
-            remote_group = peers[covered[0]].group
+            remote_groups = {peer.group for peer in peers.values()}
+            if len(remote_groups) != 1:
+                raise IncompatibleGeometry(
+                    f"layer {region.name!r} sits in different KV groups on different remote ranks {sorted(remote_groups)}"
+                )
+            remote_group = remote_groups.pop()
             if group_map.setdefault(region.group, remote_group) != remote_group:
                 raise IncompatibleGeometry(
                     f"local KV group {region.group} holds layers of remote groups "
@@ -120,6 +125,11 @@ class Dispatcher:
             bounds[key][0] = min(bounds[key][0], region.num_blocks)
             bounds[key][1] = min([bounds[key][1], *(r.num_blocks for r in peers.values())])
             segments.extend((seg, key) for seg in strategy.segments(region, peers, topology, remote_tp))
+        if len(set(group_map.values())) != len(group_map):
+            raise IncompatibleGeometry(
+                f"several local KV groups read the same remote group (local -> remote: {group_map}): "
+                "both engines must group layers the same way"
+            )
         pairings = [
             GroupPairing(lg, rg, self.registry.by_name(name), *bounds[key], *representatives[key])
             for (lg, rg, name), key in keys.items()

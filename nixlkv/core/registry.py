@@ -50,7 +50,8 @@ def _origins(pm: pluggy.PluginManager) -> dict[int, str]:
 class StrategyRegistry:
     """Resolves a spec type to one strategy.
 
-    ``pins`` maps a spec class name to a strategy name to force (it must serve that class or a
+    ``pins`` maps a spec class name (bare, or ``module.QualName`` to tell apart classes that
+    share a name) to a strategy name to force (it must serve that class or a
     base of it); ``disabled`` removes strategies by name; ``allow`` (when given) keeps only
     strategies from plugins whose name is listed.
     """
@@ -130,7 +131,7 @@ class StrategyRegistry:
 
     def for_type(self, spec_type: type) -> Strategy:
         """The strategy of the most specific class along ``spec_type``'s MRO (or the pinned one)."""
-        pinned = self._pins.get(spec_type.__name__)
+        pinned = self._pins.get(f"{spec_type.__module__}.{spec_type.__qualname__}", self._pins.get(spec_type.__name__))
         if pinned is not None:
             strategy = self.by_name(pinned)
             if not any(issubclass(spec_type, t) for t in strategy.spec_types):
@@ -146,5 +147,5 @@ class StrategyRegistry:
         served = sorted(f"{t.__name__} -> {r.strategy.name}" for t, r in self._by_type.items())
         raise NoStrategyError(
             f"no strategy serves KV-cache spec type {spec_type.__module__}.{spec_type.__qualname__}; "
-            f"installed: {served or 'none'}. Install a plugin for it or pin one with strategy_pins."
+            f"installed: {served or 'none'}. Install a plugin for it, or pin a strategy that serves a base class of it (registry pins)."
         )

@@ -45,8 +45,8 @@ def check_tp_pair(local_tp: int, remote_tp: int) -> None:
     if big % small:
         raise IncompatibleTopology(
             f"TP sizes must divide one another: local tp={local_tp}, remote tp={remote_tp}. "
-            f"Use sizes where one is a multiple of the other (e.g. {small} and {small * (big // small)} "
-            f"or {small} and {small * (big // small + 1)})."
+            f"With local tp={local_tp}, a remote tp of "
+            f"{sorted({d for d in range(1, local_tp + 1) if local_tp % d == 0} | {local_tp * 2, local_tp * 4})} works."
         )
 
 

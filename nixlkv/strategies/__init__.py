@@ -10,11 +10,12 @@ from ..core import Strategy, hookimpl
 from .full_attention import FullAttentionStrategy
 from .mla import MLAStrategy
 from .pending import PENDING
+from .sliding_window import SlidingWindowStrategy
 
 
 @hookimpl
 def nixlkv_strategies() -> list[Strategy]:
-    return [FullAttentionStrategy(), MLAStrategy(), *PENDING]
+    return [FullAttentionStrategy(), MLAStrategy(), SlidingWindowStrategy(), *PENDING]
 
 
 @hookimpl

@@ -4,11 +4,16 @@ A local page is filled head run by head run (``core.topology.head_sources``): on
 run, read from the remote rank that holds those heads, at that rank's head offset. This is a
 direct byte copy only where a head run is one contiguous run of bytes on both sides (heads
 outermost in the page: LBHNC / BLHNC, or the whole page at equal TP in any layout).
+
+Subclasses served through the MRO on purpose: ``RSWASpec`` (it evicts gap blocks only during
+decode, so at the P->D hand-off every prompt block is held, as in full attention; a null block
+in a request is refused, never moved).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 from vllm.v1.kv_cache_interface import AttentionSpec
@@ -42,6 +47,12 @@ MATCHING_FACTS = {
 class FullAttentionStrategy(Strategy):
     name = "full_attention"
     spec_types = (AttentionSpec,)
+    # Facts both sides must agree on; subclasses extend it with their own.
+    matching_facts: ClassVar[Mapping[str, str]] = MATCHING_FACTS
+
+    def extra_facts(self, spec: AttentionSpec) -> dict[str, object]:
+        """Facts a subclass adds to the region (e.g. a window); none for plain attention."""
+        return {}
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         spec = layer.spec
@@ -79,6 +90,7 @@ class FullAttentionStrategy(Strategy):
                 "kv_quant_mode": int(spec.kv_quant_mode),
                 "content_bytes": spec.state_content_size_bytes,
                 "tokens_per_block": spec.block_size,
+                **self.extra_facts(spec),
             },
         )
 
@@ -86,7 +98,7 @@ class FullAttentionStrategy(Strategy):
         self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
     ) -> list[Segment]:
         for peer in remote.values():
-            check_matching_facts(local, peer, MATCHING_FACTS)
+            check_matching_facts(local, peer, self.matching_facts)
         total = local.fact("total_kv_heads")
         out = []
         for run in head_sources(local_topology.tp_rank, local_topology.tp_size, remote_tp, total):

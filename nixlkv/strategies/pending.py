@@ -13,8 +13,8 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     MambaSpec,
+    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
-    SlidingWindowSpec,
 )
 
 from ..core import LayerCache, Region, Strategy, Topology
@@ -37,17 +37,17 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 PENDING = [
     # SlidingWindowMLASpec subclasses SlidingWindowSpec, not MLAAttentionSpec: claimed explicitly so
-    # neither the sliding-window placeholder nor, once it lands, the plain window logic takes it.
+    # the sliding-window strategy (head-split full-attention geometry) never takes a replicated latent.
     pending(
         "sliding_window_mla",
         (SlidingWindowMLASpec,),
-        "a windowed MLA latent needs both the sliding-window strategy's window logic (only the window's "
-        "blocks move, null blocks skipped), which has not landed, and the mla strategy's single read "
-        "plus notifications",
+        "a windowed MLA latent needs the sliding_window strategy's block selection (only the window's "
+        "blocks move, null blocks skipped) composed with the mla strategy's single whole-page read plus "
+        "notifications; that composition is not written or tested yet",
     ),
-    pending("sliding_window", (SlidingWindowSpec,), "only the window's blocks may move and null blocks must be skipped"),
     pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
+    pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),
     pending("chunked_local", (ChunkedLocalAttentionSpec,), "chunked local attention frees blocks outside the chunk"),
     pending("cross_attention", (CrossAttentionSpec, EncoderOnlyAttentionSpec), "encoder caches are not part of P/D decode transfer"),
 ]

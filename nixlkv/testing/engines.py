@@ -102,12 +102,13 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     side = scenario.prefill if role == "prefill" else scenario.decode
     kinds = scenario.layer_kinds(role)
     specs = {layer_name(i): layer_spec(k, side) for i, k in enumerate(kinds)}
-    num_blocks = side.num_blocks or 2 * request_blocks(scenario, side) + 8
     vc = planning_config()
     vc.cache_config.kv_cache_layout = side.layout
-    vc.cache_config.num_gpu_blocks_override = num_blocks
     groups = get_kv_cache_groups(vc, specs)
     _check_uniform_groups(scenario, role, groups)
+    # Every group's blocks come from one pool: room for each group's request plus spare blocks.
+    num_blocks = side.num_blocks or (len(groups) + 1) * request_blocks(scenario, side) + 8
+    vc.cache_config.num_gpu_blocks_override = num_blocks
     kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1)
     kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout])
     first = next(iter(kv.values()))

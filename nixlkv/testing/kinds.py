@@ -47,6 +47,14 @@ def _full_attention(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
     return FullAttentionSpec(**_attention_fields(p, tp, block_size))
 
 
+def _sliding_window(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(**_attention_fields(p, tp, block_size), sliding_window=p["window"])
+
+
+_ATTENTION_OPTIONAL = {"dtype": "bfloat16", "head_size_v": None}
+
 # Bytes per token of vLLM's packed DeepSeek MLA cache formats (MLAAttention.get_kv_cache_spec:
 # fp8_ds_mla = 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE); "auto" is (rank + rope) x dtype size.
 DS_MLA_STATE_BYTES = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
@@ -114,7 +122,8 @@ def _check_indexer(p: Mapping[str, Any]) -> list[str]:
 UNIFORM = "uniform"  # not a layer: its `members` become layers vLLM must put in one uniform group
 
 KINDS: dict[str, KindDef] = {
-    "full_attention": KindDef(("num_kv_heads", "head_size"), {"dtype": "bfloat16", "head_size_v": None}, _full_attention),
+    "full_attention": KindDef(("num_kv_heads", "head_size"), _ATTENTION_OPTIONAL, _full_attention),
+    "sliding_window": KindDef(("num_kv_heads", "head_size", "window"), _ATTENTION_OPTIONAL, _sliding_window),
     "mla": KindDef(
         (),
         {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto"},

@@ -57,10 +57,41 @@ def bytes_view(view: torch.Tensor) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GroupBlocks:
-    """A request's block IDs of one KV group on one side, and the token positions they hold."""
+    """A request's block IDs of one KV group on one side, and the token positions they hold.
+
+    ``holds`` marks the blocks that hold the request's KV after the step being rehearsed: on
+    prefill, every block but the null ones; on decode, only what the transfer must deliver.
+    """
 
     ids: np.ndarray
     first_position: int  # block position of ids[0] in the request (skipped prefix blocks)
+    holds: np.ndarray  # bool per id
+
+
+def window_of(rank: FabricatedRank, group: int) -> int | None:
+    """The group's sliding window in tokens, or None (every block is attended)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = rank.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+
+
+def prefill_null_positions(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Leading block positions a prefill engine has already nulled: once N tokens are computed,
+    vLLM's window manager frees every block wholly below token N - window + 1."""
+    if window is None:
+        return 0
+    return max(0, num_tokens - window + 1) // block_size
+
+
+def decode_needs(positions: np.ndarray, num_tokens: int, window: int | None, block_size: int) -> np.ndarray:
+    """Which block positions a decode engine must receive: all of them for full attention; for
+    a window, the last cdiv(window, block_size) + 1 blocks that the prefill engine still holds."""
+    if window is None:
+        return np.ones(positions.shape, dtype=bool)
+    n_blocks = -(-num_tokens // block_size)
+    tail = n_blocks - (-(-window // block_size) + 1)
+    return (positions >= tail) & (positions >= prefill_null_positions(num_tokens, window, block_size))
 
 
 def fill_prefill(rank: FabricatedRank, blocks: Sequence[GroupBlocks], seed: int) -> None:
@@ -90,10 +121,10 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             view = _alias(rank.kv_caches[name], rank.buffer, target)
             arr = bytes_view(view)
             n_tokens = arr.shape[2]
-            positions = gb.first_position + np.arange(gb.ids.size)
+            positions = (gb.first_position + np.arange(gb.ids.size))[gb.holds]
             tokens = positions[:, None] * n_tokens + np.arange(n_tokens)[None, :]
             heads = model_heads(rank.tp_rank, tp, rank.total_heads[name])
-            arr[gb.ids] = pattern(rank.layer_index[name], tokens, heads, arr.shape[3], seed)
+            arr[gb.ids[gb.holds]] = pattern(rank.layer_index[name], tokens, heads, arr.shape[3], seed)
 
 
 def _alias(view: torch.Tensor, buffer: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ class RehearsalResult:
     descriptors: int = 0
     reads: int = 0
     transfer_seconds: float = 0.0
-    plan_seconds: float = 0.0
+    build_seconds: float = 0.0
     notifications: dict[str, int] = field(default_factory=dict)  # per P rank: messages for REQUEST_ID
     # per P rank, every nixlkv notification received, as (request id, consumers it announces)
     notification_log: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
@@ -73,18 +73,34 @@ def geometry(rank: FabricatedRank, dispatcher: Dispatcher):
     )
 
 
-def choose_blocks(rank: FabricatedRank, num_tokens: int, skip: int, rng: np.random.Generator) -> list[oracle.GroupBlocks]:
-    """Random, non-contiguous, distinct block IDs per group from one pool (never the null block 0).
-    ``skip`` leading blocks of each group are left out (a prefix the side already holds)."""
-    need = [-(-num_tokens // rank.group_block_size(g)) for g in range(rank.num_groups)]
+def choose_blocks(
+    rank: FabricatedRank, num_tokens: int, skip: int, rng: np.random.Generator, role: str
+) -> list[oracle.GroupBlocks]:
+    """A request's block IDs per group, as the engine's scheduler would hand them over.
+
+    Random, non-contiguous and distinct across groups (groups alias one memory pool), never the
+    null block 0 except where the scheduler itself put it: on prefill, window blocks already
+    freed below the window. ``skip`` leading blocks of each group are left out (a prefix the
+    decode engine already holds).
+    """
+    sizes = [rank.group_block_size(g) for g in range(rank.num_groups)]
+    need = [-(-num_tokens // bs) for bs in sizes]
     pool = rng.permutation(np.arange(1, rank.kv_cache_config.num_blocks))
     if sum(need) > pool.size:
         raise NixlkvError(f"{rank.engine_id}: {sum(need)} blocks needed, only {pool.size} in the pool; raise num_blocks")
     out, at = [], 0
-    for n in need:
-        ids = pool[at : at + n]
+    for group, (n, bs) in enumerate(zip(need, sizes)):
+        ids = pool[at : at + n].astype(np.int64)
         at += n
-        out.append(oracle.GroupBlocks(ids=ids[min(skip, n):].astype(np.int64), first_position=min(skip, n)))
+        window = oracle.window_of(rank, group)
+        positions = np.arange(n)
+        if role == "prefill":
+            ids[: oracle.prefill_null_positions(num_tokens, window, bs)] = 0
+            holds = ids != 0
+        else:
+            holds = oracle.decode_needs(positions, num_tokens, window, bs)
+        first = min(skip, n)
+        out.append(oracle.GroupBlocks(ids=ids[first:], first_position=first, holds=holds[first:]))
     return out
 
 
@@ -101,7 +117,10 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
         else:
             result.message = f"planning failed: {type(exc).__name__}: {exc}"
         return result
-    result.plan_seconds = time.perf_counter() - t0
+    except Exception as exc:  # vLLM's own planner refusing the model (ValueError, AssertionError...)
+        result.message = f"vLLM could not build this scenario's caches: {type(exc).__name__}: {exc}"
+        return result
+    result.build_seconds = time.perf_counter() - t0
     result.plans = [p.to_dict() for p in engines.plans]
     if scenario.expect_error is not None:
         result.message = f"expected planning to fail with {scenario.expect_error!r}, but it succeeded"
@@ -116,8 +135,8 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
 def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalResult, fault: Fault | None) -> None:
     req = scenario.request
     rng = np.random.default_rng(req.seed)
-    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
-    d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng)
+    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng, "prefill")
+    d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, "decode")
     for p in engines.prefill:
         oracle.fill_prefill(p, p_blocks, req.seed)
     for d in engines.decode:

@@ -161,8 +161,14 @@ def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     params = {**optional, **d}
     for key in required:
         _req(params, key, where)
-    if params.get("dtype", "bfloat16") not in DTYPES:
-        raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {params['dtype']!r}")
+    for key, value in params.items():
+        if key == "dtype":
+            if value not in DTYPES:
+                raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {value!r}")
+        elif isinstance(optional.get(key), str):
+            continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
+        elif value is not None:
+            _pos(value, f"{where}.{key}")
     check = KINDS[kind].check
     errors = check(params) if check is not None else []
     if errors:
