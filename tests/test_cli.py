@@ -25,8 +25,8 @@ def test_strategies_lists_builtins_with_origin() -> None:
     assert "nixlkv" in rows["full_attention"]["origin"]
     assert rows["mla"]["pending"] is None
     assert "vllm.v1.kv_cache_interface.MLAAttentionSpec" in rows["mla"]["spec_types"]
-    # loudly not implemented, never silently served by the MLA or sliding-window strategies
-    assert rows["sliding_window_mla"]["pending"]
+    # its own entry: SlidingWindowMLASpec subclasses SlidingWindowSpec, never head-split as GQA
+    assert rows["sliding_window_mla"]["pending"] is None
     assert rows["sliding_window_mla"]["spec_types"] == ["vllm.v1.kv_cache_interface.SlidingWindowMLASpec"]
     text = nixlkv("strategies")
     assert text.returncode == 0 and "full_attention" in text.stdout

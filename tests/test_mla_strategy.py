@@ -73,15 +73,29 @@ def test_dispatch_by_spec_type() -> None:
     assert reg.for_type(SlidingWindowSpec).name == "sliding_window"
 
 
-def test_sliding_window_mla_refuses_to_plan() -> None:
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+def test_sliding_window_mla_is_a_windowed_whole_page_read() -> None:
+    """Served by sliding_window_mla: the MLA geometry plus the window, which both sides must share."""
+    dispatcher = Dispatcher.from_plugins()
+    engines = build(
+        scenario([{"kind": "sliding_window_mla", "count": 1, "window": 128}], p_tp=2, d_tp=1), dispatcher
+    )
+    plan = engines.plans[0]
+    assert [(s.remote_rank, s.local_offset, s.nbytes) for s in plan.segments] == [(0, 0, 1152 * 64)]
+    assert plan.to_dict()["groups"][0]["strategy"] == "sliding_window_mla"
+    # 10 block positions, window 128 at block 64: only the last cdiv(128, 64) + 1 = 3 move, never 0.
+    ids = np.arange(1, 11)
+    remote = np.arange(3, 13)
+    remote[:5] = 0  # prefill has already freed the blocks below the window
+    resolved = plan.resolve([ids], [remote])  # one segment at row 0: descriptor id == block id
+    assert [(r.local_ids.tolist(), r.remote_ids.tolist()) for r in resolved.reads] == [([8, 9, 10], [10, 11, 12])]
+    assert resolved.notify_only == (1,)
 
-    spec = SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128)
-    layer = LayerCache("L0", 0, spec, 0x1000, 4, 73728, PageLayout((("head", 1), ("token", 64), ("byte", 1152))))
-    with pytest.raises(NotImplementedError) as info:
-        Dispatcher.from_plugins().local_geometry("D", Topology(1, 0), [layer], [(0x1000, 4 * 73728)])
-    assert "sliding_window strategy" in str(info.value) and "mla strategy" in str(info.value)
+    local = geometry(engines.decode[0], dispatcher).regions[0]
+    peer = geometry(engines.prefill[0], dispatcher).regions[0]
+    assert local.facts["sliding_window"] == 128 and local.facts["cache_role"] == "sparse"
+    other_window = dataclasses.replace(peer, facts={**peer.facts, "sliding_window": 256})
+    with pytest.raises(IncompatibleGeometry, match="sliding window"):
+        MLAStrategy.segments(dispatcher.registry.by_name("sliding_window_mla"), local, {0: other_window}, Topology(1, 0), 2)
 
 
 def test_mixed_group_gets_head_split_and_whole_page_segments() -> None:

@@ -11,11 +11,12 @@ from .full_attention import FullAttentionStrategy
 from .mla import MLAStrategy
 from .pending import PENDING
 from .sliding_window import SlidingWindowStrategy
+from .sliding_window_mla import SlidingWindowMLAStrategy
 
 
 @hookimpl
 def nixlkv_strategies() -> list[Strategy]:
-    return [FullAttentionStrategy(), MLAStrategy(), SlidingWindowStrategy(), *PENDING]
+    return [FullAttentionStrategy(), MLAStrategy(), SlidingWindowStrategy(), SlidingWindowMLAStrategy(), *PENDING]
 
 
 @hookimpl

@@ -15,6 +15,7 @@ and may mix them with head-split GQA regions served by the full-attention strate
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -48,6 +49,15 @@ MATCHING_FACTS = {
 class MLAStrategy(Strategy):
     name = "mla"
     spec_types = (MLAAttentionSpec,)
+    matching_facts: ClassVar[Mapping[str, str]] = MATCHING_FACTS
+
+    def cache_role(self, spec: Any) -> str:
+        """Latent ("sparse") or DeepSeek indexer cache: both copy the same way, never into each other."""
+        return str(spec.cache_role.value)
+
+    def extra_facts(self, spec: Any) -> dict[str, object]:
+        """Facts a subclass adds to the region (e.g. a window); none for plain MLA."""
+        return {}
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         spec = layer.spec
@@ -68,7 +78,7 @@ class MLAStrategy(Strategy):
             block_stride=layer.block_stride,
             page=layer.page,
             facts={
-                "cache_role": str(spec.cache_role.value),
+                "cache_role": self.cache_role(spec),
                 "head_size": spec.head_size,
                 "dtype": str(spec.dtype).removeprefix("torch."),
                 "cache_dtype": spec.cache_dtype_str or "auto",
@@ -77,6 +87,7 @@ class MLAStrategy(Strategy):
                 "tokens_per_state": str(spec.tokens_per_state),
                 "tokens_per_block": spec.block_size,
                 "page_bytes": layer.page.nbytes,
+                **self.extra_facts(spec),
             },
         )
 
@@ -84,7 +95,7 @@ class MLAStrategy(Strategy):
         self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
     ) -> list[Segment]:
         for peer in remote.values():
-            check_matching_facts(local, peer, MATCHING_FACTS)
+            check_matching_facts(local, peer, self.matching_facts)
             # The peer described itself; check its page is the same dense token-major bytes.
             _check_token_major(peer.name, peer.page, peer.fact("content_bytes"), None)
         source = covered_remote_ranks(local_topology.tp_rank, local_topology.tp_size, remote_tp)[0]

@@ -14,7 +14,6 @@ from vllm.v1.kv_cache_interface import (
     EncoderOnlyAttentionSpec,
     MambaSpec,
     SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
 )
 
 from ..core import LayerCache, Region, Strategy, Topology
@@ -36,15 +35,6 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 
 PENDING = [
-    # SlidingWindowMLASpec subclasses SlidingWindowSpec, not MLAAttentionSpec: claimed explicitly so
-    # the sliding-window strategy (head-split full-attention geometry) never takes a replicated latent.
-    pending(
-        "sliding_window_mla",
-        (SlidingWindowMLASpec,),
-        "a windowed MLA latent needs the sliding_window strategy's block selection (only the window's "
-        "blocks move, null blocks skipped) composed with the mla strategy's single whole-page read plus "
-        "notifications; that composition is not written or tested yet",
-    ),
     pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
     pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),

@@ -35,7 +35,13 @@ class SlidingWindowStrategy(FullAttentionStrategy):
     def pair_blocks(
         self, local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region
     ) -> tuple[np.ndarray, np.ndarray]:
-        keep = window_blocks(local.fact("sliding_window"), local.fact("tokens_per_block"))
-        lp, rp = tail_aligned(local_ids[-keep:], remote_ids[-keep:])
-        real = (lp != 0) & (rp != 0)
-        return lp[real], rp[real]
+        return pair_window_blocks(local_ids, remote_ids, local)
+
+
+def pair_window_blocks(local_ids: np.ndarray, remote_ids: np.ndarray, local: Region) -> tuple[np.ndarray, np.ndarray]:
+    """The window's block pairs, tail-aligned, without null blocks; ``local`` must advertise
+    ``sliding_window`` and ``tokens_per_block``. Shared by every windowed strategy."""
+    keep = window_blocks(local.fact("sliding_window"), local.fact("tokens_per_block"))
+    lp, rp = tail_aligned(local_ids[-keep:], remote_ids[-keep:])
+    real = (lp != 0) & (rp != 0)
+    return lp[real], rp[real]

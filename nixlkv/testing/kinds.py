@@ -81,6 +81,24 @@ def _mla(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
     )
 
 
+def _sliding_window_mla(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
+    """Like MLAAttention.get_kv_cache_spec for a layer with a sliding window (DeepSeek V4 SWA)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    mla = _mla(p, tp, block_size)
+    return SlidingWindowMLASpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=mla.head_size,
+        dtype=mla.dtype,
+        cache_dtype_str=mla.cache_dtype_str,
+        kv_quant_mode=mla.kv_quant_mode,
+        state_content_bytes=mla.state_content_bytes,
+        sliding_window=p["window"],
+    )
+
+
 def _check_mla(p: Mapping[str, Any]) -> list[str]:
     errors = []
     for key in ("kv_lora_rank", "qk_rope_head_dim"):
@@ -128,6 +146,13 @@ KINDS: dict[str, KindDef] = {
         (),
         {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto"},
         _mla,
+        check=_check_mla,
+        replicated=True,
+    ),
+    "sliding_window_mla": KindDef(
+        ("window",),
+        {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto"},
+        _sliding_window_mla,
         check=_check_mla,
         replicated=True,
     ),
