@@ -23,7 +23,11 @@ def test_strategies_lists_builtins_with_origin() -> None:
     assert "vllm.v1.kv_cache_interface.AttentionSpec" in rows["full_attention"]["spec_types"]
     assert rows["full_attention"]["pending"] is None
     assert "nixlkv" in rows["full_attention"]["origin"]
-    assert rows["mla"]["pending"]  # loudly not implemented, never silently served by full attention
+    assert rows["mla"]["pending"] is None
+    assert "vllm.v1.kv_cache_interface.MLAAttentionSpec" in rows["mla"]["spec_types"]
+    # its own entry: SlidingWindowMLASpec subclasses SlidingWindowSpec, never head-split as GQA
+    assert rows["sliding_window_mla"]["pending"] is None
+    assert rows["sliding_window_mla"]["spec_types"] == ["vllm.v1.kv_cache_interface.SlidingWindowMLASpec"]
     text = nixlkv("strategies")
     assert text.returncode == 0 and "full_attention" in text.stdout
 

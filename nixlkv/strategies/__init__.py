@@ -8,13 +8,15 @@ from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
 from ..core import Strategy, hookimpl
 from .full_attention import FullAttentionStrategy
+from .mla import MLAStrategy
 from .pending import PENDING
 from .sliding_window import SlidingWindowStrategy
+from .sliding_window_mla import SlidingWindowMLAStrategy
 
 
 @hookimpl
 def nixlkv_strategies() -> list[Strategy]:
-    return [FullAttentionStrategy(), SlidingWindowStrategy(), *PENDING]
+    return [FullAttentionStrategy(), MLAStrategy(), SlidingWindowStrategy(), SlidingWindowMLAStrategy(), *PENDING]
 
 
 @hookimpl

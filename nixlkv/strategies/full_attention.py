@@ -133,12 +133,24 @@ class FullAttentionStrategy(Strategy):
         remote: Region,
         num_tokens: int | None = None,
     ) -> tuple[np.ndarray, ...]:
-        if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
-            raise RequestError(
-                "block id 0 (vLLM's null block) in a full-attention group: a full-attention request "
-                "owns every one of its blocks; a windowed cache needs its own strategy"
-            )
-        return pair_by_tokens(local_ids, remote_ids, tokens_per_block(local), tokens_per_block(remote), num_tokens)
+        return pair_owned_blocks(local_ids, remote_ids, local, remote, num_tokens, "full-attention")
+
+
+def pair_owned_blocks(
+    local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region, num_tokens: int | None, kind: str
+) -> tuple[np.ndarray, ...]:
+    """Token blocks a request owns outright (no window, no state): paired by token range from the
+    tail, null block refused.
+
+    Shared by every strategy whose request keeps all its blocks, so regions of different kinds in
+    one KV group (GQA + MLA draft) pair the group's block IDs the same way.
+    """
+    if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
+        raise RequestError(
+            f"block id 0 (vLLM's null block) in a {kind} group: such a request owns every one of "
+            "its blocks; a windowed cache needs its own strategy"
+        )
+    return pair_by_tokens(local_ids, remote_ids, tokens_per_block(local), tokens_per_block(remote), num_tokens)
 
 
 def tokens_per_block(region: Region) -> int:

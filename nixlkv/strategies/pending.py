@@ -13,9 +13,7 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     MambaSpec,
-    MLAAttentionSpec,
     SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
 )
 
 from ..core import LayerCache, Region, Strategy, Topology
@@ -37,13 +35,6 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 
 PENDING = [
-    pending("mla", (MLAAttentionSpec,), "MLA latents are replicated on every rank and need a single read plus notifications"),
-    pending(
-        "sliding_window_mla",
-        (SlidingWindowMLASpec,),
-        "a windowed MLA latent needs the sliding-window block selection composed with the MLA single-read "
-        "strategy, and the MLA strategy has not landed",
-    ),
     pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
     pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),

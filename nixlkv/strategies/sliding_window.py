@@ -41,10 +41,18 @@ class SlidingWindowStrategy(FullAttentionStrategy):
         remote: Region,
         num_tokens: int | None = None,
     ) -> tuple[np.ndarray, ...]:
-        window, ltok, rtok = local.fact("sliding_window"), tokens_per_block(local), tokens_per_block(remote)
-        lp, rp, phase = pair_by_tokens(
-            local_ids[-window_blocks(window, ltok) :], remote_ids[-window_blocks(window, rtok) :],
-            ltok, rtok, num_tokens, strict=False,
-        )
-        real = (lp != 0) & (rp != 0)
-        return lp[real], rp[real], phase[real]
+        return pair_window_blocks(local_ids, remote_ids, local, remote, num_tokens)
+
+
+def pair_window_blocks(
+    local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region, num_tokens: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The window's block pairs by token range from the tail, without null blocks; ``local``
+    must advertise ``sliding_window``. Shared by every windowed strategy."""
+    window, ltok, rtok = local.fact("sliding_window"), tokens_per_block(local), tokens_per_block(remote)
+    lp, rp, phase = pair_by_tokens(
+        local_ids[-window_blocks(window, ltok) :], remote_ids[-window_blocks(window, rtok) :],
+        ltok, rtok, num_tokens, strict=False,
+    )
+    real = (lp != 0) & (rp != 0)
+    return lp[real], rp[real], phase[real]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .kinds import KINDS
-from .scenario import LayerKind, Scenario, Side
+from .scenario import LayerKind, Scenario, ScenarioError, Side
 
 DATA = Path(__file__).parent / "data"
 
@@ -73,17 +73,39 @@ def request_blocks(scenario: Scenario, side: Side) -> int:
     return -(-scenario.request.num_tokens // side.block_size)
 
 
+def _check_uniform_groups(scenario: Scenario, role: str, groups: list[Any]) -> None:
+    """A ``uniform`` entry promises one UniformTypeKVCacheSpecs group; vLLM's own grouping decides.
+
+    vLLM groups layers that need the same token slots (GQA + MLA, MLA latent + indexer) into one
+    such group by itself, so nothing is forced here: a scenario whose members vLLM would split is
+    an error in the scenario, named, not a group nixlkv invents.
+    """
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for where, indices in scenario.uniform_members(role):
+        names = {layer_name(i) for i in indices}
+        holders = [g for g in groups if names & set(g.layer_names)]
+        if len(holders) != 1 or not isinstance(holders[0].kv_cache_spec, UniformTypeKVCacheSpecs):
+            got = [f"{type(g.kv_cache_spec).__name__}{sorted(names & set(g.layer_names))}" for g in holders]
+            raise ScenarioError(
+                f"{scenario.source}: {where} (uniform): vLLM's get_kv_cache_groups put its members in {got} "
+                f"on the {role} side, not in one UniformTypeKVCacheSpecs group; use member kinds vLLM "
+                "groups together (same token slots), or list them as plain layers"
+            )
+
+
 def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
     side = scenario.prefill if role == "prefill" else scenario.decode
-    kinds = scenario.layer_kinds()
+    kinds = scenario.layer_kinds(role)
     specs = {layer_name(i): layer_spec(k, side) for i, k in enumerate(kinds)}
     vc = planning_config()
     vc.cache_config.kv_cache_layout = side.layout
     groups = get_kv_cache_groups(vc, specs)
+    _check_uniform_groups(scenario, role, groups)
     # Every group's blocks come from one pool: room for each group's request plus spare blocks.
     num_blocks = side.num_blocks or (len(groups) + 1) * request_blocks(scenario, side) + 8
     vc.cache_config.num_gpu_blocks_override = num_blocks

@@ -21,7 +21,8 @@ from . import oracle
 from .engines import FabricatedRank, build_rank
 from .scenario import Scenario
 
-REQUEST_ID = "rehearsal-req-0"
+REQUEST_ID = "rehearsal-req-0"  # the request's id on the prefill (remote) engine
+NOTIFICATION_TIMEOUT = 10.0  # seconds every prefill rank may take to hear from all its readers
 Fault = Callable[[int, ResolvedRequest], ResolvedRequest]
 
 
@@ -36,7 +37,9 @@ class RehearsalResult:
     reads: int = 0
     transfer_seconds: float = 0.0
     build_seconds: float = 0.0
-    notifications: dict[str, int] = field(default_factory=dict)
+    notifications: dict[str, int] = field(default_factory=dict)  # per P rank: messages for REQUEST_ID
+    # per P rank, every nixlkv notification received, as (request id, consumers it announces)
+    notification_log: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     plans: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -161,7 +164,10 @@ def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalR
             result.bytes_moved += flight.nbytes
         result.transfer_seconds = time.perf_counter() - t_start
         consumers = engines.plans[0].consumers
-        result.notifications = _collect_notifications(p_nixl, consumers)
+        result.notification_log = _collect_notifications(p_nixl, consumers)
+        result.notifications = {
+            rank: sum(1 for rid, _ in log if rid == REQUEST_ID) for rank, log in result.notification_log.items()
+        }
     except TransferError as exc:
         result.outcome, result.message = "failed", str(exc)
         return
@@ -169,7 +175,7 @@ def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalR
         for n in (*p_nixl.values(), *d_nixl.values()):
             n.close()
 
-    wrong = [f"P rank {r}: {n} notifications, expected {consumers}" for r, n in result.notifications.items() if n != consumers]
+    wrong = _notification_errors(result.notification_log, consumers)
     mismatches = []
     for d in engines.decode:
         expected = oracle.expected_decode(d, d_blocks, req.seed)
@@ -185,22 +191,37 @@ def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalR
         result.outcome, result.message = "byte-exact", f"{result.bytes_checked} decode bytes checked"
 
 
-def _collect_notifications(p_nixl: dict[int, NixlRank], consumers: int, timeout: float = 10.0) -> dict[str, int]:
-    """Count nixlkv notifications for the request per prefill rank, until each has ``consumers``
-    (then a short grace period, so duplicates are counted too)."""
-    counts = {f"P{r}": 0 for r in p_nixl}
-    deadline = time.perf_counter() + timeout
+def _notification_errors(log: dict[str, list[tuple[str, int]]], consumers: int) -> list[str]:
+    """Every prefill rank holds the request, so each must hear exactly ``consumers`` times, each time
+    with the prefill-side request id and the consumer count: else it frees too early or never."""
+    errors = []
+    for rank, messages in log.items():
+        if len(messages) != consumers:
+            errors.append(f"{rank}: {len(messages)} notifications, expected {consumers}")
+        for rid, announced in messages:
+            if rid != REQUEST_ID:
+                errors.append(f"{rank}: notification carries request id {rid!r}, expected the remote id {REQUEST_ID!r}")
+            if announced != consumers:
+                errors.append(f"{rank}: notification announces {announced} consumers, expected {consumers}")
+    return errors
+
+
+def _collect_notifications(p_nixl: dict[int, NixlRank], consumers: int) -> dict[str, list[tuple[str, int]]]:
+    """Every nixlkv notification per prefill rank, until each has ``consumers`` of them (then a
+    short grace period, so duplicates are seen too)."""
+    log: dict[str, list[tuple[str, int]]] = {f"P{r}": [] for r in p_nixl}
+    deadline = time.perf_counter() + NOTIFICATION_TIMEOUT
     grace_until = None
     while time.perf_counter() < deadline:
         for rank, n in p_nixl.items():
             for msgs in n.notifications().values():
                 for msg in msgs:
                     parsed = parse_notification(msg)
-                    if parsed is not None and parsed[0] == REQUEST_ID:
-                        counts[f"P{rank}"] += 1
-        if all(c >= consumers for c in counts.values()):
+                    if parsed is not None:
+                        log[f"P{rank}"].append(parsed)
+        if all(len(m) >= consumers for m in log.values()):
             grace_until = grace_until or time.perf_counter() + 0.05
             if time.perf_counter() >= grace_until:
                 break
         time.sleep(0.001)
-    return counts
+    return log

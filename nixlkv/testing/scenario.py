@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import NixlkvError
-from .kinds import KINDS
+from .kinds import KINDS, UNIFORM
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
@@ -23,12 +23,22 @@ class ScenarioError(NixlkvError):
 
 @dataclass(frozen=True)
 class LayerKind:
-    """``count`` consecutive layers of one kind; ``params`` are the kind's own fields."""
+    """``count`` consecutive layers of one kind; ``params`` are the kind's own fields.
+
+    A ``uniform`` entry has no layers of its own: its ``members`` (leaf kinds) are the layers, and
+    vLLM must group all of them into one ``UniformTypeKVCacheSpecs`` KV group.
+    """
 
     kind: str
     count: int
     params: Mapping[str, Any]
+    members: tuple[LayerKind, ...] = ()
 
+    def leaves(self) -> list[LayerKind]:
+        """One leaf entry per layer, in model order."""
+        if self.members:
+            return [leaf for m in self.members for leaf in m.leaves()]
+        return [self] * self.count
 
 
 @dataclass(frozen=True)
@@ -56,14 +66,31 @@ class Scenario:
     request: Request
     expect_error: str | None = None
     source: str = field(default="<inline>", compare=False)
+    # A different model on the decode side: only for rejection tests (the engines must refuse).
+    decode_layers: tuple[LayerKind, ...] | None = None
 
     @property
     def num_layers(self) -> int:
-        return sum(k.count for k in self.layers)
+        return len(self.layer_kinds())
 
-    def layer_kinds(self) -> list[LayerKind]:
-        """One entry per layer, in model order."""
-        return [k for k in self.layers for _ in range(k.count)]
+    def layers_of(self, role: str = "prefill") -> tuple[LayerKind, ...]:
+        if role == "decode" and self.decode_layers is not None:
+            return self.decode_layers
+        return self.layers
+
+    def layer_kinds(self, role: str = "prefill") -> list[LayerKind]:
+        """One entry per layer, in model order, on the ``role`` ("prefill" or "decode") side."""
+        return [leaf for k in self.layers_of(role) for leaf in k.leaves()]
+
+    def uniform_members(self, role: str = "prefill") -> list[tuple[str, range]]:
+        """(where in the file, layer indices) of every ``uniform`` entry on the ``role`` side."""
+        out, at = [], 0
+        for i, k in enumerate(self.layers_of(role)):
+            n = len(k.leaves())
+            if k.kind == UNIFORM:
+                out.append((f"model.layers[{i}]", range(at, at + n)))
+            at += n
+        return out
 
 
 def load(path: str | Path) -> Scenario:
@@ -79,19 +106,22 @@ def load(path: str | Path) -> Scenario:
 def parse(data: Any, source: str = "<inline>") -> Scenario:
     where = source
     d = _mapping(data, where)
-    _only(d, {"name", "model", "prefill", "decode", "request", "expect"}, where)
-    model = _mapping(_req(d, "model", where), f"{where}: model")
-    _only(model, {"layers"}, f"{where}: model")
-    raw_layers = _req(model, "layers", f"{where}: model")
-    if not isinstance(raw_layers, list) or not raw_layers:
-        raise ScenarioError(f"{where}: model.layers must be a non-empty list")
-    layers = tuple(_layer(x, f"{where}: model.layers[{i}]") for i, x in enumerate(raw_layers))
+    _only(d, {"name", "model", "decode_model", "prefill", "decode", "request", "expect"}, where)
+    layers = _model(_req(d, "model", where), f"{where}: model")
     expect = d.get("expect", "ok")
     expect_error = None
     if expect != "ok":
         e = _mapping(expect, f"{where}: expect")
         _only(e, {"error"}, f"{where}: expect")
         expect_error = str(_req(e, "error", f"{where}: expect"))
+    decode_layers = None
+    if "decode_model" in d:
+        if expect_error is None:
+            raise ScenarioError(
+                f"{where}: decode_model (a different model on the decode side) is only for rejection "
+                "tests; add expect: {error: <text of the expected planning error>}"
+            )
+        decode_layers = _model(d["decode_model"], f"{where}: decode_model")
     req = _mapping(_req(d, "request", where), f"{where}: request")
     _only(req, {"num_tokens", "seed", "cached_blocks"}, f"{where}: request")
     return Scenario(
@@ -106,14 +136,26 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
         ),
         expect_error=expect_error,
         source=source,
+        decode_layers=decode_layers,
     )
 
 
-def _layer(x: Any, where: str) -> LayerKind:
+def _model(x: Any, where: str) -> tuple[LayerKind, ...]:
+    model = _mapping(x, where)
+    _only(model, {"layers"}, where)
+    raw_layers = _req(model, "layers", where)
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise ScenarioError(f"{where}.layers must be a non-empty list")
+    return tuple(_layer(x, f"{where}.layers[{i}]") for i, x in enumerate(raw_layers))
+
+
+def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     d = dict(_mapping(x, where))
     kind = d.pop("kind", None)
     if kind not in KINDS:
         raise ScenarioError(f"{where}: kind must be one of {sorted(KINDS)}, got {kind!r}")
+    if kind == UNIFORM:
+        return _uniform(d, where, in_uniform)
     count = _pos(d.pop("count", 1), f"{where}.count")
     required, optional = KINDS[kind].required, KINDS[kind].optional
     _only(d, set(required) | set(optional), where)
@@ -124,9 +166,26 @@ def _layer(x: Any, where: str) -> LayerKind:
         if key == "dtype":
             if value not in DTYPES:
                 raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {value!r}")
+        elif isinstance(optional.get(key), str):
+            continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
         elif value is not None:
             _pos(value, f"{where}.{key}")
+    check = KINDS[kind].check
+    errors = check(params) if check is not None else []
+    if errors:
+        raise ScenarioError(f"{where} ({kind}): {'; '.join(errors)}")
     return LayerKind(kind, count, params)
+
+
+def _uniform(d: Mapping[str, Any], where: str, in_uniform: bool) -> LayerKind:
+    if in_uniform:
+        raise ScenarioError(f"{where}: a uniform group cannot contain another uniform group; list its members directly")
+    _only(d, {"members"}, where)
+    raw = _req(d, "members", where)
+    if not isinstance(raw, list) or not raw:
+        raise ScenarioError(f"{where}.members must be a non-empty list of layer kinds")
+    members = tuple(_layer(m, f"{where}.members[{j}]", in_uniform=True) for j, m in enumerate(raw))
+    return LayerKind(UNIFORM, 1, {}, members)
 
 
 def _side(x: Any, where: str) -> Side:
