@@ -25,13 +25,16 @@ def window_blocks(window: int, block_size: int) -> int:
     return -(-window // block_size) + 1
 
 
-class SlidingWindowStrategy(FullAttentionStrategy):
-    name = "sliding_window"
-    spec_types = (SlidingWindowSpec,)
-    matching_facts: ClassVar[Mapping[str, str]] = {**MATCHING_FACTS, "sliding_window": "sliding window (tokens)"}
+WINDOW_FACT = {"sliding_window": "sliding window (tokens)"}
+
+
+class Windowed:
+    """Mixin for a strategy whose storage is its base's but whose request keeps only a window:
+    advertises the window (both sides must agree on it) and pairs only the window's blocks.
+    Compose it in front of the storage strategy: ``class X(Windowed, FullAttentionStrategy)``."""
 
     def extra_facts(self, spec: SlidingWindowSpec) -> dict[str, object]:
-        return {"sliding_window": spec.sliding_window}
+        return {**super().extra_facts(spec), "sliding_window": spec.sliding_window}  # type: ignore[misc]
 
     def pair_blocks(
         self,
@@ -42,6 +45,12 @@ class SlidingWindowStrategy(FullAttentionStrategy):
         num_tokens: int | None = None,
     ) -> tuple[np.ndarray, ...]:
         return pair_window_blocks(local_ids, remote_ids, local, remote, num_tokens)
+
+
+class SlidingWindowStrategy(Windowed, FullAttentionStrategy):
+    name = "sliding_window"
+    spec_types = (SlidingWindowSpec,)
+    matching_facts: ClassVar[Mapping[str, str]] = {**MATCHING_FACTS, **WINDOW_FACT}
 
 
 def pair_window_blocks(

@@ -11,31 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
-from ..core import Region
 from .mla import MATCHING_FACTS, MLAStrategy
-from .sliding_window import pair_window_blocks
+from .sliding_window import WINDOW_FACT, Windowed
 
 
-class SlidingWindowMLAStrategy(MLAStrategy):
+class SlidingWindowMLAStrategy(Windowed, MLAStrategy):
     name = "sliding_window_mla"
     spec_types = (SlidingWindowMLASpec,)
-    matching_facts: ClassVar[Mapping[str, str]] = {**MATCHING_FACTS, "sliding_window": "sliding window (tokens)"}
+    matching_facts: ClassVar[Mapping[str, str]] = {**MATCHING_FACTS, **WINDOW_FACT}
 
     def cache_role(self, spec: Any) -> str:
         return "sparse"  # SlidingWindowMLASpec has no cache_role: it is always the attention latent
-
-    def extra_facts(self, spec: Any) -> dict[str, object]:
-        return {"sliding_window": spec.sliding_window}
-
-    def pair_blocks(
-        self,
-        local_ids: np.ndarray,
-        remote_ids: np.ndarray,
-        local: Region,
-        remote: Region,
-        num_tokens: int | None = None,
-    ) -> tuple[np.ndarray, ...]:
-        return pair_window_blocks(local_ids, remote_ids, local, remote, num_tokens)
