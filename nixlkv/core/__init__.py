@@ -1,4 +1,4 @@
-"""Engine-agnostic core: numpy and pluggy only. Never import vllm, torch or nixl here."""
+"""Engine-agnostic core: numpy and pluggy only; no engine, tensor or transfer library (enforced by tests)."""
 
 from .dispatcher import Dispatcher
 from .errors import (
