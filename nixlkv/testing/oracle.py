@@ -10,13 +10,15 @@ everywhere else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from .engines import FabricatedRank
+from .kinds import KINDS
 
 SENTINEL = 0x5A
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -47,6 +49,52 @@ def pattern(layer: int, tokens: np.ndarray, heads: Sequence[int], content_bytes:
         c = np.arange(content_bytes, dtype=np.uint64)[None, None, None, :]
         key = _mix(np.uint64(layer + 1) * _K[0] + np.uint64(seed) * _K[1])
         x = _mix(key ^ (t * _K[2]) ^ _mix(h * _K[3] + c))
+        return (x >> np.uint64(56)).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class CoordinateQuery:
+    """What an element-coordinate function is asked: one layer's blocks on one rank.
+
+    ``shape`` is the layer view's per-block shape ``(H, N, C)`` with C in bytes; ``positions``
+    are the request's block positions being written (one per block). ``params`` are the
+    scenario kind's parameters (head counts, sizes...).
+    """
+
+    layer_index: int
+    tp_rank: int
+    tp_size: int
+    params: Mapping[str, Any]
+    total_kv_heads: int
+    positions: np.ndarray
+    shape: tuple[int, int, int]
+
+
+# (query) -> {coordinate name: integer array broadcastable to (len(positions), H, N, C)}
+Coordinates = Callable[[CoordinateQuery], Mapping[str, np.ndarray]]
+
+
+def attention_coordinates(q: CoordinateQuery) -> dict[str, np.ndarray]:
+    """Attention physics: slot h of a page holds global KV head ``model_heads(...)[h]``, token
+    slot n of block position b holds token ``b * N + n``, byte c is byte c of that head's K|V."""
+    h, n, c = q.shape
+    heads = np.asarray(model_heads(q.tp_rank, q.tp_size, q.total_kv_heads), dtype=np.int64)
+    return {
+        "token": (q.positions[:, None] * n + np.arange(n))[:, None, :, None],
+        "head": heads[None, :, None, None],
+        "byte": np.arange(c)[None, None, None, :],
+    }
+
+
+def element_pattern(layer: int, coords: Mapping[str, np.ndarray], shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Pattern bytes of shape ``shape`` from named coordinates: every coordinate is mixed in, so
+    a byte landing at another token, head, channel or state part differs from the right value."""
+    with np.errstate(over="ignore"):
+        x = np.full(shape, _mix(np.uint64(layer + 1) * _K[0] + np.uint64(seed) * _K[1]), dtype=np.uint64)
+        for i, name in enumerate(sorted(coords)):
+            salt = np.uint64(sum(ord(ch) << (8 * (j % 7)) for j, ch in enumerate(name)) + 1)
+            value = np.broadcast_to(np.asarray(coords[name]).astype(np.uint64), shape)
+            x = _mix(x ^ (value * _K[(i + 2) % 4] + salt * _K[(i + 3) % 4]))
         return (x >> np.uint64(56)).astype(np.uint8)
 
 
@@ -123,8 +171,18 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             n_tokens = arr.shape[2]
             positions = (gb.first_position + np.arange(gb.ids.size))[gb.holds]
             tokens = positions[:, None] * n_tokens + np.arange(n_tokens)[None, :]
-            heads = model_heads(rank.tp_rank, tp, rank.total_heads[name])
-            arr[gb.ids[gb.holds]] = pattern(rank.layer_index[name], tokens, heads, arr.shape[3], seed)
+            kind = rank.layer_kinds.get(name)
+            custom = KINDS[kind.kind].coordinates if kind is not None and kind.kind in KINDS else None
+            if custom is None:
+                heads = model_heads(rank.tp_rank, tp, rank.total_heads[name])
+                arr[gb.ids[gb.holds]] = pattern(rank.layer_index[name], tokens, heads, arr.shape[3], seed)
+            else:
+                query = CoordinateQuery(
+                    layer_index=rank.layer_index[name], tp_rank=rank.tp_rank, tp_size=tp, params=kind.params,
+                    total_kv_heads=rank.total_heads[name], positions=positions, shape=tuple(arr.shape[1:]),
+                )
+                shape = (positions.size, *arr.shape[1:])
+                arr[gb.ids[gb.holds]] = element_pattern(rank.layer_index[name], custom(query), shape, seed)
 
 
 def _alias(view: torch.Tensor, buffer: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
