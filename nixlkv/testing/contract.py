@@ -189,10 +189,13 @@ class ContractCase:
         ]
 
     def _default_points(self) -> list[Point]:
-        bs, tokens, hit = self.block_sizes[0], self.token_counts[-1], max(self.prefix_hits)
-        hetero = [pair for pair in self.tp_pairs if pair[0] != pair[1]] or list(self.tp_pairs)
+        bs, tokens, hit, lay0 = self.block_sizes[0], self.token_counts[-1], max(self.prefix_hits), self.layouts[0]
+        # Variations (request lengths, block sizes, prefix hits...) go where the strategy serves
+        # the base point, preferring TP pairs of different sizes (the hard case).
+        served = [pr for pr in self.tp_pairs if self.refusal(Point(*pr, lay0, lay0, bs, bs, tokens)) is None]
+        hetero = [pr for pr in served if pr[0] != pr[1]] or served or list(self.tp_pairs)
         pts = [Point(p, d, lay, lay, bs, bs, tokens) for (p, d) in self.tp_pairs for lay in self.layouts[:2]]
-        pts += [Point(p, d, self.layouts[0], self.layouts[0], bs, bs, tokens, hit) for (p, d) in hetero[:2]]
+        pts += [Point(p, d, lay0, lay0, bs, bs, tokens, hit) for (p, d) in hetero[:2]]
         p0, d0 = hetero[-1]
         pts += [Point(p0, d0, self.layouts[0], self.layouts[0], bs, bs, t) for t in self.token_counts[:-1]]
         pts += [Point(p0, d0, self.layouts[0], self.layouts[0], b, b, tokens, hit) for b in self.block_sizes[1:]]
@@ -200,8 +203,9 @@ class ContractCase:
         if len(self.layouts) > 1:
             pts.append(Point(p0, d0, self.layouts[0], self.layouts[1], bs, bs, tokens))
         # Refusal probes: tokens per block differing, and a page with tokens outside heads.
-        pts.append(Point(2, 2, self.layouts[0], self.layouts[0], bs, 2 * bs, tokens))
-        pts.append(Point(p0, d0, "LBNHC", "LBNHC", bs, bs, tokens))
+        equal = next((pr for pr in self.tp_pairs if pr[0] == pr[1]), (2, 2))
+        pts.append(Point(*equal, lay0, lay0, bs, 2 * bs, tokens))
+        pts += [Point(p, d, "LBNHC", "LBNHC", bs, bs, tokens) for (p, d) in _dedup([hetero[0], equal])]
         return pts
 
     def _full_points(self) -> list[Point]:
