@@ -243,3 +243,63 @@ def test_pytest_plugin_reports_the_broken_invariant(pytester: pytest.Pytester, m
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed") == 2 and outcomes.get("passed") == 1, outcomes
     assert "already registered" not in result.stdout.str() + result.stderr.str()
+
+
+def _attention_kind(coordinates):
+    from nixlkv.testing.kinds import KINDS, KindDef
+
+    builtin = KINDS["full_attention"]
+    return KindDef(builtin.required, builtin.optional, builtin.build, coordinates=coordinates)
+
+
+def test_an_element_coordinate_function_drives_both_fill_and_expectation() -> None:
+    """A kind's coordinates replace the attention default on both sides: attention physics
+    written as a coordinate function passes; a wrong physics (every rank's slot h is "head h",
+    as if heads were not sharded) makes the same correct strategy fail the byte oracle."""
+    from nixlkv.testing.oracle import attention_coordinates
+
+    right = dataclasses.replace(
+        BUILTIN_CASES["full_attention"], kind="contract_test_attention_coords", kind_def=_attention_kind(attention_coordinates)
+    )
+    contract.check_point(right, P1_D2)
+
+    def unsharded(q):
+        coords = attention_coordinates(q)
+        return {**coords, "head": np.arange(q.shape[0])[None, :, None, None]}
+
+    wrong = dataclasses.replace(
+        BUILTIN_CASES["full_attention"], kind="contract_test_unsharded_coords", kind_def=_attention_kind(unsharded)
+    )
+    with pytest.raises(ContractViolation, match="contract: byte-oracle violated: P1-D2-.*decode rank 1"):
+        contract.check_point(wrong, P1_D2)
+
+
+def test_a_kind_name_cannot_be_taken_over_by_another_definition() -> None:
+    from nixlkv.testing.kinds import KINDS, register_kind
+
+    register_kind("full_attention", KINDS["full_attention"])  # the same definition: a no-op
+    with pytest.raises(ValueError, match="already registered with another definition"):
+        register_kind("full_attention", _attention_kind(None).__class__(("num_kv_heads",), {}, KINDS["sliding_window"].build))
+
+
+def test_pytest11_entry_point_names_the_plugin_module_itself() -> None:
+    """Auto-registration and `-p nixlkv.testing` must use one plugin name, or pytest refuses to
+    register the module twice ("Plugin already registered under a different name")."""
+    import re
+
+    text = (REPO / "pyproject.toml").read_text()
+    section = re.search(r"^\[project\.entry-points\.pytest11\]\n(.*?)(?=^\[)", text, re.MULTILINE | re.DOTALL)
+    assert section is not None, "pyproject.toml lacks [project.entry-points.pytest11]"
+    entries = dict(re.findall(r'^"?([\w.]+)"?\s*=\s*"([\w.]+)"', section.group(1), re.MULTILINE))
+    assert entries == {"nixlkv.testing": "nixlkv.testing"}
+
+
+def test_the_auto_loaded_plugin_imports_nothing_heavy() -> None:
+    """pytest loads the plugin in every run wherever nixlkv is installed: no vLLM, torch or NIXL."""
+    import subprocess
+    import sys
+
+    code = "import sys, nixlkv.testing; print(sorted(m for m in ('torch', 'vllm', 'nixl', 'pytest') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

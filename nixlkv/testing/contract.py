@@ -595,6 +595,7 @@ def check_reads_inside_request(run: PointRun) -> None:
     prefill engine holds (never a freed, null or foreign block)."""
     _require_plan(run, READS_INSIDE_REQUEST)
     p_blocks, _, resolved = _resolved(run)
+    held = [set(gb.ids[gb.holds].tolist()) for gb in p_blocks]
     for plan, res in zip(run.plans, resolved):
         for la, rank, ra, n in plan.byte_moves(res):
             regions = [r for r in plan.remote[rank].regions if r.strategy == run.strategy.name]
@@ -606,8 +607,7 @@ def check_reads_inside_request(run: PointRun) -> None:
                     "outside every page of its regions",
                 )
             region, block, _ = hit
-            gb = p_blocks[region.group]
-            if block not in set(gb.ids[gb.holds].tolist()):
+            if block not in held[region.group]:
                 raise ContractViolation(
                     READS_INSIDE_REQUEST,
                     f"{run.point.id}: decode rank {plan.local.tp_rank} reads block {block} of layer {region.name!r} on "
