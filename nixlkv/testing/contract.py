@@ -103,24 +103,34 @@ class Point:
 
 def attention_refusals(point: Point, params: Mapping[str, Any]) -> str | None:
     """Where an attention-like strategy (full attention and its subclasses) must refuse, and
-    with which error type: different tokens per block, pages whose axes are ordered differently
-    (a permute, not a copy), head slices that are not one byte run (ranks holding different
-    head counts, unless heads are outermost in both pages), and layouts that put the head axis
-    outside the block (pages not contiguous)."""
+    with which error type: different tokens per block; a layer's block page that is not one
+    contiguous run (the head axis outside the block or layer axes); pages whose axes are
+    ordered differently (a permute, not a copy); and, where ranks hold different head counts,
+    head slices that are not one byte run (heads not outermost in the page). A page holding a
+    single head has no head order, so it is compatible with either."""
     from ..core.topology import heads_per_rank
 
-    p, d = point.prefill_layout, point.decode_layout
     heads = int(params.get("num_kv_heads", 1))
+    sides = [
+        (point.prefill_layout, heads_per_rank(point.prefill_tp, heads)),
+        (point.decode_layout, heads_per_rank(point.decode_tp, heads)),
+    ]
     if point.prefill_block_size != point.decode_block_size:
         return "IncompatibleGeometry"
-    if any(lay.index("H") < lay.index("B") for lay in (p, d)):
+    if not all(_page_dense(layout, held) for layout, held in sides):
         return "IncompatibleGeometry"
-    if (p.index("H") < p.index("N")) != (d.index("H") < d.index("N")):
+    heads_outer = [held == 1 or layout.index("H") < layout.index("N") for layout, held in sides]
+    if heads_outer[0] != heads_outer[1]:
         return "IncompatibleGeometry"
-    same_heads = heads_per_rank(point.prefill_tp, heads) == heads_per_rank(point.decode_tp, heads)
-    if not same_heads and not (p in HEADS_OUTERMOST and d in HEADS_OUTERMOST):
+    if sides[0][1] != sides[1][1] and not all(heads_outer):
         return "IncompatibleGeometry"
     return None
+
+
+def _page_dense(layout: str, heads_held: int) -> bool:
+    """One layer's block page is one contiguous run when the head axis sits inside the block
+    and layer axes, or holds a single head (then its position does not matter)."""
+    return heads_held == 1 or layout.index("H") > max(layout.index("B"), layout.index("L"))
 
 
 @dataclass(frozen=True)
