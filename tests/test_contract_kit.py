@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nixlkv.core import Segment, hookimpl
+from nixlkv.core import hookimpl
 from nixlkv.strategies.full_attention import FullAttentionStrategy
 from nixlkv.testing import contract
 from nixlkv.testing.cases import BUILTIN_CASES

@@ -35,7 +35,6 @@ from ..core import (
     RequestError,
     Segment,
     Strategy,
-    StrategyRegistry,
     Topology,
     TransferPlan,
 )
@@ -62,7 +61,6 @@ INVARIANTS = (
 EXEMPTABLE = {"full-coverage"}
 
 FULL_MATRIX_ENV = "NIXLKV_CONTRACT_MATRIX"  # "full" runs the full matrix; see docs/contract.md
-HEADS_OUTERMOST = ("LBHNC", "BLHNC")  # layouts whose page puts the head axis outermost
 ALL_LAYOUTS = ("LBHNC", "BLHNC", "LBNHC", "BLNHC", "LHBNC", "BHLNC")
 
 
@@ -835,7 +833,3 @@ def check_case(case: ContractCase, points: Sequence[Point] | None = None) -> Non
     check_documented_errors_probe(case)
     for point in points if points is not None else case.points():
         check_point(case, point)
-
-
-def registry_strategies(registry: StrategyRegistry) -> list[Strategy]:
-    return [r.strategy for r in registry.registered()]
