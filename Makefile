@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(BIN)/python -m pip install -q -c requirements/cpu-lock.txt nixl==1.5.1 -r requirements/cpu-lock.txt
 	$(BIN)/python -m pip install -q --no-deps vllm==0.33.0
 	$(BIN)/python -m pip install -q --no-deps -e .
-	$(BIN)/python -m pip install -q --no-deps -e tests/plugins/nixlkv_example_plugin
+	$(BIN)/python -m pip install -q --no-deps -e examples/nixlkv-example-plugin
 	$(BIN)/python -c "import nixlkv, nixl._api, vllm.v1.kv_cache_interface" 
 	touch $(STAMP)
 
+# pyproject's testpaths: tests/ and examples/nixlkv-example-plugin/tests (the example plugin's own
+# tests, which run nixlkv's contract suite through the auto-registered pytest plugin).
 test: venv
 	$(BIN)/python -m pytest -q
 

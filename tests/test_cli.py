@@ -33,10 +33,10 @@ def test_strategies_lists_builtins_with_origin() -> None:
 
 
 def test_strategies_lists_the_installed_example_plugin() -> None:
-    """`make venv` installs tests/plugins/nixlkv_example_plugin; its entry point must show up."""
+    """`make venv` installs examples/nixlkv-example-plugin; its entry point must show up."""
     out = nixlkv("strategies", "--json")
     rows = {r["name"]: r for r in json.loads(out.stdout)}
-    assert "example_attention" in rows, "install it: pip install --no-deps -e tests/plugins/nixlkv_example_plugin"
+    assert "example_attention" in rows, "install it: pip install --no-deps -e examples/nixlkv-example-plugin"
     assert "nixlkv-example-plugin" in rows["example_attention"]["origin"]
     assert rows["example_attention"]["spec_types"] == ["nixlkv_example_plugin.ExampleAttentionSpec"]
 

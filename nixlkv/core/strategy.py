@@ -19,11 +19,16 @@ class Strategy:
     - ``spec_types``: the spec classes served; subclasses are served too unless another
       strategy claims a more specific class (dispatch walks the spec type's MRO).
     - ``overrides``: names of strategies this one deliberately replaces for the same types.
+    - ``contract_exempt``: invariants of the contract suite (docs/contract.md) this strategy
+      deliberately does not hold, each with the reason. Only ``"full-coverage"`` may be
+      exempted (a strategy that leaves some bytes of a request's blocks to the decode engine);
+      the suite then checks that those bytes stay untouched instead.
     """
 
     name: ClassVar[str] = ""
     spec_types: ClassVar[tuple[type, ...]] = ()
     overrides: ClassVar[tuple[str, ...]] = ()
+    contract_exempt: ClassVar[Mapping[str, str]] = {}
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         """Describe one local layer as a region, with the facts a peer needs to pair with it."""

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-from ..core import Region
+from ..core import Region, RequestError
 from ..core.token_blocks import pair_by_tokens
 from .full_attention import MATCHING_FACTS, FullAttentionStrategy, tokens_per_block
 
@@ -59,9 +59,15 @@ def pair_window_blocks(
     """The window's block pairs by token range from the tail, without null blocks; ``local``
     must advertise ``sliding_window``. Shared by every windowed strategy."""
     window, ltok, rtok = local.fact("sliding_window"), tokens_per_block(local), tokens_per_block(remote)
-    lp, rp, phase = pair_by_tokens(
-        local_ids[-window_blocks(window, ltok) :], remote_ids[-window_blocks(window, rtok) :],
-        ltok, rtok, num_tokens, strict=False,
-    )
+    local_ids, remote_ids = local_ids[-window_blocks(window, ltok) :], remote_ids[-window_blocks(window, rtok) :]
+    if ltok != rtok and num_tokens is not None:
+        # The two tails start at different tokens; only the window's own tokens must be there.
+        remote_start = (-(-num_tokens // rtok) - len(remote_ids)) * rtok
+        if len(local_ids) and remote_start > max(0, num_tokens - window):
+            raise RequestError(
+                f"the remote window starts at token {remote_start}, but the window needs tokens from "
+                f"{max(0, num_tokens - window)}: the remote engine must send its whole window"
+            )
+    lp, rp, phase = pair_by_tokens(local_ids, remote_ids, ltok, rtok, num_tokens, strict=ltok == rtok)
     real = (lp != 0) & (rp != 0)
     return lp[real], rp[real], phase[real]

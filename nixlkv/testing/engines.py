@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class FabricatedRank:
     buffer: torch.Tensor  # the whole int8 backing allocation
     total_heads: dict[str, int]  # layer -> model KV heads (what a per-rank spec cannot tell)
     layer_index: dict[str, int]  # layer -> index in model order
+    layer_kinds: dict[str, LayerKind] = field(default_factory=dict)  # layer -> its scenario kind
 
     @property
     def num_groups(self) -> int:
@@ -128,4 +129,5 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
         buffer=buffer,
         total_heads={layer_name(i): KINDS[k.kind].total_kv_heads(k.params) for i, k in enumerate(kinds)},
         layer_index={layer_name(i): i for i in range(len(kinds))},
+        layer_kinds={layer_name(i): k for i, k in enumerate(kinds)},
     )

@@ -16,12 +16,22 @@ from ..core.topology import heads_per_rank
 
 @dataclass(frozen=True)
 class KindDef:
+    """A scenario layer kind: its parameters and the per-rank spec factory.
+
+    ``build(params, tp, block_size)`` returns the spec one rank of an engine with that TP size
+    and block size reports for a layer of this kind: the "sample spec factory" a strategy's
+    contract suite fabricates engines from. ``coordinates`` (optional) tells the byte oracle
+    which logical element each byte of a layer's ``[B, H, N, C]`` view holds; leave it out
+    when the layout is attention-like (``nixlkv.testing.oracle.attention_coordinates``).
+    """
+
     required: tuple[str, ...]
     optional: Mapping[str, Any] = field(default_factory=dict)
     build: Callable[[Mapping[str, Any], int, int], Any] | None = None  # (params, tp, block_size) -> spec
     # Errors in a kind's parameter values the field checks cannot see, as messages naming the field.
     check: Callable[[Mapping[str, Any]], list[str]] | None = None
     replicated: bool = False  # one cache on every rank (MLA): the oracle's "global head 0"
+    coordinates: Callable[..., Mapping[str, Any]] | None = None  # see oracle.Coordinates
 
     def total_kv_heads(self, params: Mapping[str, Any]) -> int:
         if self.replicated:
@@ -159,3 +169,19 @@ KINDS: dict[str, KindDef] = {
     "mla_indexer": KindDef((), {"index_head_dim": 128}, _mla_indexer, check=_check_indexer, replicated=True),
     UNIFORM: KindDef(("members",)),
 }
+
+
+def register_kind(name: str, kind: KindDef) -> None:
+    """Make ``name`` a layer kind scenarios (and contract cases) can use.
+
+    Registering the same definition twice is a no-op, so a contract case may register its kind
+    from every test; a different definition under a taken name is an error, never a silent swap.
+    """
+    if not isinstance(kind, KindDef):
+        raise TypeError(f"layer kind {name!r} must be a nixlkv.testing.kinds.KindDef, got {type(kind).__name__}")
+    if kind.build is None:
+        raise ValueError(f"layer kind {name!r} needs a build(params, tp, block_size) spec factory")
+    taken = KINDS.get(name)
+    if taken is not None and taken != kind:
+        raise ValueError(f"layer kind {name!r} is already registered with another definition: {taken}")
+    KINDS[name] = kind

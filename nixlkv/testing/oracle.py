@@ -10,13 +10,15 @@ everywhere else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from .engines import FabricatedRank
+from .kinds import KINDS
 
 SENTINEL = 0x5A
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -66,6 +68,52 @@ def as_kernel_pages(values: np.ndarray, per: int) -> np.ndarray:
     """Logical ``[nb, H, N, C]`` values laid out as ``[nb, K, H, N/K, C]`` kernel pages."""
     nb, h, n, c = values.shape
     return values.reshape(nb, h, per, n // per, c).transpose(0, 2, 1, 3, 4)
+
+
+@dataclass(frozen=True)
+class CoordinateQuery:
+    """What an element-coordinate function is asked: one layer's blocks on one rank.
+
+    ``shape`` is the layer view's per-block shape ``(H, N, C)`` with C in bytes; ``positions``
+    are the request's block positions being written (one per block). ``params`` are the
+    scenario kind's parameters (head counts, sizes...).
+    """
+
+    layer_index: int
+    tp_rank: int
+    tp_size: int
+    params: Mapping[str, Any]
+    total_kv_heads: int
+    positions: np.ndarray
+    shape: tuple[int, int, int]
+
+
+# (query) -> {coordinate name: integer array broadcastable to (len(positions), H, N, C)}
+Coordinates = Callable[[CoordinateQuery], Mapping[str, np.ndarray]]
+
+
+def attention_coordinates(q: CoordinateQuery) -> dict[str, np.ndarray]:
+    """Attention physics: slot h of a page holds global KV head ``model_heads(...)[h]``, token
+    slot n of block position b holds token ``b * N + n``, byte c is byte c of that head's K|V."""
+    h, n, c = q.shape
+    heads = np.asarray(model_heads(q.tp_rank, q.tp_size, q.total_kv_heads), dtype=np.int64)
+    return {
+        "token": (q.positions[:, None] * n + np.arange(n))[:, None, :, None],
+        "head": heads[None, :, None, None],
+        "byte": np.arange(c)[None, None, None, :],
+    }
+
+
+def element_pattern(layer: int, coords: Mapping[str, np.ndarray], shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Pattern bytes of shape ``shape`` from named coordinates: every coordinate is mixed in, so
+    a byte landing at another token, head, channel or state part differs from the right value."""
+    with np.errstate(over="ignore"):
+        x = np.full(shape, _mix(np.uint64(layer + 1) * _K[0] + np.uint64(seed) * _K[1]), dtype=np.uint64)
+        for i, name in enumerate(sorted(coords)):
+            salt = np.uint64(sum(ord(ch) << (8 * (j % 7)) for j, ch in enumerate(name)) + 1)
+            value = np.broadcast_to(np.asarray(coords[name]).astype(np.uint64), shape)
+            x = _mix(x ^ (value * _K[(i + 2) % 4] + salt * _K[(i + 3) % 4]))
+        return (x >> np.uint64(56)).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -152,8 +200,18 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             rows = gb.holds.any(axis=1)
             positions = (gb.first_position + np.arange(gb.ids.size))[rows]
             tokens = positions[:, None] * n_tokens + np.arange(n_tokens)[None, :]
-            heads = model_heads(rank.tp_rank, tp, rank.total_heads[name])
-            fresh = pattern(rank.layer_index[name], tokens, heads, arr.shape[4], seed)
+            kind = rank.layer_kinds.get(name)
+            custom = KINDS[kind.kind].coordinates if kind is not None and kind.kind in KINDS else None
+            if custom is None:
+                heads = model_heads(rank.tp_rank, tp, rank.total_heads[name])
+                fresh = pattern(rank.layer_index[name], tokens, heads, arr.shape[4], seed)
+            else:
+                logical = (arr.shape[2], n_tokens, arr.shape[4])  # (H, N, C) of a logical block
+                query = CoordinateQuery(
+                    layer_index=rank.layer_index[name], tp_rank=rank.tp_rank, tp_size=tp, params=kind.params,
+                    total_kv_heads=rank.total_heads[name], positions=positions, shape=logical,
+                )
+                fresh = element_pattern(rank.layer_index[name], custom(query), (positions.size, *logical), seed)
             mask = np.broadcast_to(gb.holds[rows][:, None, :, None], fresh.shape)
             ids = gb.ids[rows]
             fresh, mask = as_kernel_pages(fresh, per), as_kernel_pages(mask, per)

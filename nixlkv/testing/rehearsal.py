@@ -134,11 +134,31 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
     return result
 
 
-def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalResult, fault: Fault | None) -> None:
+def request_blocks(
+    scenario: Scenario, engines: Engines
+) -> tuple[list[oracle.GroupBlocks], list[oracle.GroupBlocks]]:
+    """The scenario's request as (prefill, decode) block IDs per group: the same every call."""
     req = scenario.request
     rng = np.random.default_rng(req.seed)
     p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
     d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0])
+    return p_blocks, d_blocks
+
+
+def transfer_and_check(scenario: Scenario, engines: Engines, fault: Fault | None = None) -> RehearsalResult:
+    """The NIXL half of :func:`rehearse` on engines already built (by :func:`build`)."""
+    result = RehearsalResult(scenario.name, "failed")
+    result.plans = [p.to_dict() for p in engines.plans]
+    try:
+        _transfer_and_check(scenario, engines, result, fault)
+    except (NixlkvError, NotImplementedError) as exc:
+        result.outcome, result.message = "failed", f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalResult, fault: Fault | None) -> None:
+    req = scenario.request
+    p_blocks, d_blocks = request_blocks(scenario, engines)
     for p in engines.prefill:
         oracle.fill_prefill(p, p_blocks, req.seed)
     for d in engines.decode:

@@ -1,8 +1,9 @@
-"""The example third-party plugin (tests/plugins/nixlkv_example_plugin), installed like any plugin.
+"""The example third-party plugin (examples/nixlkv-example-plugin), installed like any plugin.
 
 It proves the plugin path end to end: entry-point discovery, MRO dispatch to the most specific
 strategy (and back to full attention when the plugin is disabled or not allowed), vLLM planning
-and allocation of the new spec type, and real NIXL READs that land byte-exact.
+and allocation of the new spec type, and real NIXL READs that land byte-exact. The invariants at every TP pair and layout are the
+contract suite's job (test_example_contract.py); these tests cover what is specific to it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 DIST = "nixlkv-example-plugin"
 PLUGIN_NAME = "example"
 MODULE = "nixlkv_example_plugin"
-INSTALL = "pip install --no-deps -e tests/plugins/nixlkv_example_plugin"
+INSTALL = "pip install --no-deps -e examples/nixlkv-example-plugin"
 
 
 @pytest.fixture(scope="module")
