@@ -67,7 +67,9 @@ def build(scenario: Scenario, dispatcher: Dispatcher) -> Engines:
 
 
 def geometry(rank: FabricatedRank, dispatcher: Dispatcher):
-    layers = layer_caches(rank.kv_cache_config, rank.kv_caches, lambda name: rank.total_heads[name])
+    layers = layer_caches(
+        rank.kv_cache_config, rank.kv_caches, lambda name: rank.total_heads[name], lambda name: rank.hints.get(name, {})
+    )
     return dispatcher.local_geometry(
         rank.engine_id, Topology(rank.side.tp, rank.tp_rank), layers, registered_memory(rank.kv_caches)
     )
@@ -93,6 +95,10 @@ def choose_blocks(
     for group, (n, bs) in enumerate(zip(need, sizes)):
         ids = pool[at : at + n].astype(np.int64)
         at += n
+        if rank.is_state_group(group):
+            # One running state per request: never trimmed by a prefix hit, never token-paired.
+            out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, 1), dtype=bool)))
+            continue
         window = oracle.window_of(rank, group)
         if peer is None:
             ids[: oracle.prefill_null_positions(num_tokens, window, bs)] = 0

@@ -166,6 +166,9 @@ def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
         if key == "dtype":
             if value not in DTYPES:
                 raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {value!r}")
+        elif isinstance(optional.get(key), bool):
+            if not isinstance(value, bool):
+                raise ScenarioError(f"{where}.{key}: must be true or false, got {value!r}")
         elif isinstance(optional.get(key), str):
             continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
         elif value is not None:
