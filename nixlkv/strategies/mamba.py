@@ -53,7 +53,7 @@ MATCHING_FACTS = {
     "tp_replicated": "whether the state is replicated on every rank",
     "num_heads": "SSM head count",
     "head_dim": "SSM head dim",
-    "d_state": "SSM state size (d_state)",
+    "d_state": "SSM state size",
     "n_groups": "B/C group count (n_groups)",
     "intermediate_size": "intermediate size",
     "conv_kernel": "conv kernel size",
