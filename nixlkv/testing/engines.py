@@ -124,7 +124,10 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
         vc.scheduler_config.disable_hybrid_kv_cache_manager = saved
     _check_uniform_groups(scenario, role, groups)
     # Every group's blocks come from one pool: room for each group's request plus spare blocks.
-    num_blocks = side.num_blocks or (len(groups) + 1) * request_blocks(scenario, side) + 8
+    state_groups = sum(_is_state(g.kv_cache_spec) for g in groups)
+    num_blocks = side.num_blocks or (
+        (len(groups) + 1) * request_blocks(scenario, side) + state_groups * scenario.request.state_blocks + 8
+    )
     vc.cache_config.num_gpu_blocks_override = num_blocks
     kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1)
     kernel = side.kernel_block_size

@@ -76,7 +76,12 @@ def geometry(rank: FabricatedRank, dispatcher: Dispatcher):
 
 
 def choose_blocks(
-    rank: FabricatedRank, num_tokens: int, skip: int, rng: np.random.Generator, peer: FabricatedRank | None = None
+    rank: FabricatedRank,
+    num_tokens: int,
+    skip: int,
+    rng: np.random.Generator,
+    peer: FabricatedRank | None = None,
+    state_blocks: int = 1,
 ) -> list[oracle.GroupBlocks]:
     """A request's block IDs per group, as the engine's scheduler would hand them over.
 
@@ -84,10 +89,12 @@ def choose_blocks(
     null block 0 except where the scheduler itself put it: on prefill, window blocks already
     freed below the window. ``skip`` leading blocks of each group are left out (a prefix the
     decode engine already holds). Without ``peer`` this is the prefill side; with it, the
-    decode side, whose expected content depends on the prefill engine's blocks.
+    decode side, whose expected content depends on the prefill engine's blocks. A state group
+    lists ``state_blocks`` entries: only the last holds the request's running state; before it,
+    null placeholders alternate with superseded states (random bytes on prefill).
     """
     sizes = [rank.group_block_size(g) for g in range(rank.num_groups)]
-    need = [-(-num_tokens // bs) for bs in sizes]
+    need = [state_blocks if rank.is_state_group(g) else -(-num_tokens // bs) for g, bs in enumerate(sizes)]
     pool = rng.permutation(np.arange(1, rank.kv_cache_config.num_blocks))
     if sum(need) > pool.size:
         raise NixlkvError(f"{rank.engine_id}: {sum(need)} blocks needed, only {pool.size} in the pool; raise num_blocks")
@@ -97,6 +104,7 @@ def choose_blocks(
         at += n
         if rank.is_state_group(group):
             # One running state per request: never trimmed by a prefix hit, never token-paired.
+            ids[: n - 1 : 2] = 0
             out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, 1), dtype=bool)))
             continue
         window = oracle.window_of(rank, group)
@@ -143,8 +151,10 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
 def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalResult, fault: Fault | None) -> None:
     req = scenario.request
     rng = np.random.default_rng(req.seed)
-    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
-    d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0])
+    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng, state_blocks=req.state_blocks)
+    d_blocks = choose_blocks(
+        engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0], state_blocks=req.state_blocks
+    )
     for p in engines.prefill:
         oracle.fill_prefill(p, p_blocks, req.seed)
     for d in engines.decode:

@@ -55,6 +55,9 @@ class Request:
     num_tokens: int
     seed: int = 0
     cached_blocks: int = 0  # blocks D already holds (prefix hit): only the rest moves
+    # Entries of a state (Mamba) group's block list on each side: the last is the running state,
+    # earlier ones alternate null placeholders and superseded states that must never move.
+    state_blocks: int = 1
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
             )
         decode_layers = _model(d["decode_model"], f"{where}: decode_model")
     req = _mapping(_req(d, "request", where), f"{where}: request")
-    _only(req, {"num_tokens", "seed", "cached_blocks"}, f"{where}: request")
+    _only(req, {"num_tokens", "seed", "cached_blocks", "state_blocks"}, f"{where}: request")
     return Scenario(
         name=str(d.get("name") or Path(source).stem),
         layers=layers,
@@ -133,6 +136,7 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
             num_tokens=_pos(_req(req, "num_tokens", f"{where}: request"), f"{where}: request.num_tokens"),
             seed=_nonneg(req.get("seed", 0), f"{where}: request.seed"),
             cached_blocks=_nonneg(req.get("cached_blocks", 0), f"{where}: request.cached_blocks"),
+            state_blocks=_pos(req.get("state_blocks", 1), f"{where}: request.state_blocks"),
         ),
         expect_error=expect_error,
         source=source,
