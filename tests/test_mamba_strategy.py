@@ -204,3 +204,25 @@ def test_rehearsal_catches_b_columns_read_one_row_off(monkeypatch: pytest.Monkey
     result = rehearse(load(Path(__file__).parent / "scenarios" / "mamba2-g1-p1-d2.yaml"))
     assert result.outcome == "mismatch", result.message
     assert "model.layers.0.self_attn.attn" in result.message
+
+
+@pytest.mark.nixl
+def test_rehearsal_catches_a_scratch_block_taken_for_the_running_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With speculative scratch blocks, moving the list's last entry instead of the running state
+    must be a mismatch."""
+    from pathlib import Path
+
+    import nixlkv.strategies.mamba as mamba
+    from nixlkv.testing.rehearsal import rehearse
+    from nixlkv.testing.scenario import load
+
+    monkeypatch.setattr(mamba, "running_state_block", lambda ids, num_spec, side: int(ids[-1]))
+    result = rehearse(load(Path(__file__).parent / "scenarios" / "mamba2-spec2-p4-d2.yaml"))
+    assert result.outcome == "mismatch", result.message
+
+
+def test_speculative_conv_rows_are_part_of_the_page() -> None:
+    p = params(mamba_type="mamba2", num_heads=8, head_dim=4, d_state=8, n_groups=1, num_spec=2)
+    conv = regions(p, 2, 0)["conv"]
+    assert conv.page.axes == (("channel", 16 + 16), ("byte", (3 + 2) * 2))
+    assert conv.facts["conv_rows"] == 5 and conv.facts["num_speculative_blocks"] == 2

@@ -66,6 +66,10 @@ class FabricatedRank:
 
         return isinstance(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec, MambaSpec)
 
+    def state_scratch_blocks(self, group: int) -> int:
+        """Speculative scratch blocks a state group appends after the running state."""
+        return int(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.num_speculative_blocks)
+
     @property
     def num_groups(self) -> int:
         return len(self.kv_cache_config.kv_cache_groups)

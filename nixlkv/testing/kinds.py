@@ -155,6 +155,11 @@ def mamba_geometry(p: Mapping[str, Any]) -> dict[str, Any]:
             "intermediate_size": p["num_heads"] * p["head_dim"], "conv_kernel": p["conv_kernel"]}
 
 
+def num_spec(p: Mapping[str, Any]) -> int:
+    """Speculative tokens: extra conv rows and as many speculative scratch state blocks."""
+    return int(p["num_spec"] or 0)
+
+
 def _check_mamba(p: Mapping[str, Any]) -> list[str]:
     errors = []
     if p["mamba_type"] not in MAMBA_TYPES:
@@ -163,6 +168,8 @@ def _check_mamba(p: Mapping[str, Any]) -> list[str]:
         errors.append(f"ssm_dtype must be one of {SSM_DTYPES}, got {p['ssm_dtype']!r}")
     if p["conv_layout"] not in ("DS", "SD"):
         errors.append(f"conv_layout must be DS or SD, got {p['conv_layout']!r}")
+    if num_spec(p) and (p["mamba_type"] == "mamba1" or p["tp_replicated"]):
+        errors.append("num_spec applies to mamba2 and gdn states only (vLLM's Mamba1 conv state has no speculative rows)")
     if p["mamba_type"] == "mamba1":
         if p["intermediate_size"] is None:
             errors.append("mamba1 needs intermediate_size (its conv and SSM states are sharded by channel)")
@@ -197,11 +204,11 @@ def _mamba_shapes(p: Mapping[str, Any], tp: int) -> tuple[tuple[tuple[int, ...],
             # vLLM's MambaMixer2 asserts this; its shape calculator alone would silently extend the groups.
             check_units_shardable(tp, g["n_groups"], "n_groups", replicate_single=True)
             shapes = calc.mamba2_state_shape(tp, g["intermediate_size"], g["n_groups"], g["num_heads"], g["head_dim"],
-                                             g["d_state"], g["conv_kernel"])
+                                             g["d_state"], g["conv_kernel"], num_spec(p))
         elif kind == "gdn":
             check_units_shardable(tp, g["n_groups"], "n_groups", replicate_single=False)
             shapes = calc.gated_delta_net_state_shape(tp, g["n_groups"], g["num_heads"], g["d_state"], g["head_dim"],
-                                                      g["conv_kernel"])
+                                                      g["conv_kernel"], num_spec(p))
         else:
             check_units_shardable(tp, g["intermediate_size"], "intermediate_size", replicate_single=False)
             shapes = calc.mamba1_state_shape(tp, g["intermediate_size"], g["d_state"], g["conv_kernel"])
@@ -248,6 +255,7 @@ def _mamba(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
         dtypes=dtypes,
         mamba_type=MambaAttentionBackendEnum[MAMBA_TYPES[p["mamba_type"]]],
         tp_replicated=p["tp_replicated"],
+        num_speculative_blocks=num_spec(p),
     )
 
 
@@ -258,6 +266,7 @@ def _mamba_hints(p: Mapping[str, Any]) -> dict[str, Any]:
 MAMBA_OPTIONAL = {
     "mamba_type": "mamba2", "num_heads": None, "head_dim": None, "n_groups": None, "intermediate_size": None, "conv_kernel": 4,
     "dtype": "bfloat16", "ssm_dtype": "float32", "conv_layout": "DS", "tp_replicated": False,
+    "num_spec": None,
 }
 
 UNIFORM = "uniform"  # not a layer: its `members` become layers vLLM must put in one uniform group

@@ -146,7 +146,8 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             continue
         if rank.is_state_group(group):
             for name in rank.group_layers(group):
-                _write_state(rank, _alias(rank.kv_caches[name], rank.buffer, target), name, int(gb.ids[-1]), seed)
+                block = running_state(gb.ids, rank.params[name]["num_spec"] or 0)
+                _write_state(rank, _alias(rank.kv_caches[name], rank.buffer, target), name, block, seed)
             continue
         for name in rank.group_layers(group):
             view = _alias(rank.kv_caches[name], rank.buffer, target)
@@ -199,12 +200,18 @@ def mamba_state_coordinates(p: dict, tp: int, rank: int) -> tuple[list[int], lis
     return q + k + v, heads
 
 
+def running_state(ids: np.ndarray, num_spec: int) -> int:
+    """The block of a state list that holds the running state: vLLM's scheduler appends
+    ``num_spec`` speculative scratch blocks after it (``clip_ssm_state_blocks`` drops them)."""
+    return int(ids[len(ids) - 1 - min(num_spec, len(ids) - 1)])
+
+
 def _write_state(rank: FabricatedRank, view: torch.Tensor, name: str, block: int, seed: int) -> None:
     """Write the request's running state into ``block`` of a Mamba layer: every conv row and
     every SSM unit carries its global coordinate; padding after the states is left alone."""
     p = rank.params[name]
     channels, units = mamba_state_coordinates(p, rank.side.tp, rank.tp_rank)
-    row = (p["conv_kernel"] - 1) * DTYPE_BYTES[p["dtype"]]
+    row = (p["conv_kernel"] - 1 + (p["num_spec"] or 0)) * DTYPE_BYTES[p["dtype"]]
     if p["mamba_type"] == "mamba1":
         unit = p["d_state"] * DTYPE_BYTES[p["ssm_dtype"]]
     else:

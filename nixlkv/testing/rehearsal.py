@@ -90,8 +90,8 @@ def choose_blocks(
     freed below the window. ``skip`` leading blocks of each group are left out (a prefix the
     decode engine already holds). Without ``peer`` this is the prefill side; with it, the
     decode side, whose expected content depends on the prefill engine's blocks. A state group
-    lists ``state_blocks`` entries: only the last holds the request's running state; before it,
-    null placeholders alternate with superseded states (random bytes on prefill).
+    lists ``state_blocks`` entries: the running state, then the spec's speculative scratch blocks;
+    before it, null placeholders alternate with superseded states (random bytes on prefill).
     """
     sizes = [rank.group_block_size(g) for g in range(rank.num_groups)]
     need = [state_blocks if rank.is_state_group(g) else -(-num_tokens // bs) for g, bs in enumerate(sizes)]
@@ -104,7 +104,8 @@ def choose_blocks(
         at += n
         if rank.is_state_group(group):
             # One running state per request: never trimmed by a prefix hit, never token-paired.
-            ids[: n - 1 : 2] = 0
+            scratch = min(rank.state_scratch_blocks(group), n - 1)
+            ids[: n - 1 - scratch : 2] = 0
             out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, 1), dtype=bool)))
             continue
         window = oracle.window_of(rank, group)
