@@ -35,7 +35,7 @@ __all__ = [
     "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
     "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PlanError", "PlanValidationError",
     "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
-    "Strategy", "StrategyConflict", "check_units_shardable", "unit_sources", "units_per_rank", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
-    "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held", "heads_per_rank",
-    "hookimpl", "hookspec", "plugin_manager", "tail_aligned",
+    "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
+    "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",
+    "heads_per_rank", "hookimpl", "hookspec", "plugin_manager", "tail_aligned", "unit_sources", "units_per_rank",
 ]
