@@ -57,11 +57,14 @@ def layer_caches(
     kv_cache_config: Any,
     kv_caches: Mapping[str, torch.Tensor],
     total_kv_heads: Callable[[str], int] | int,
+    model_hints: Callable[[str], Mapping[str, Any]] | None = None,
 ) -> list[LayerCache]:
     """One :class:`LayerCache` per layer of every transferable KV group, in group then layer order.
 
     ``total_kv_heads`` gives the model's KV head count of a layer (per layer, since models
     like Gemma4 mix head counts): a per-rank spec cannot tell it when heads are replicated.
+    ``model_hints`` adds other per-layer model facts a strategy needs (e.g. ``mamba``: heads,
+    groups and d_state of a Mamba layer, from the model config).
     """
     heads_of = total_kv_heads if callable(total_kv_heads) else (lambda _name: total_kv_heads)
     layers = []
@@ -80,7 +83,7 @@ def layer_caches(
                     num_blocks=int(kv_cache_config.num_blocks),
                     block_stride=stride,
                     page=page,
-                    hints={"total_kv_heads": int(heads_of(name))},
+                    hints={"total_kv_heads": int(heads_of(name)), **(model_hints(name) if model_hints else {})},
                 )
             )
     return layers

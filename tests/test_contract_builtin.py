@@ -23,6 +23,24 @@ class TestSlidingWindowContract(StrategyContract):
     case = BUILTIN_CASES["sliding_window"]
 
 
+class TestMLAContract(StrategyContract):
+    case = BUILTIN_CASES["mla"]
+
+
+class TestSlidingWindowMLAContract(StrategyContract):
+    case = BUILTIN_CASES["sliding_window_mla"]
+
+
+class TestMambaContract(StrategyContract):
+    case = BUILTIN_CASES["mamba"]
+
+
+def test_every_builtin_case_runs_as_a_contract_class() -> None:
+    """A case without a class here would never run: each BUILTIN_CASES entry has one."""
+    classes = [v for v in globals().values() if isinstance(v, type) and issubclass(v, StrategyContract) and v is not StrategyContract]
+    assert sorted(c.case.strategy for c in classes) == sorted(BUILTIN_CASES)
+
+
 def _pending():
     from nixlkv.strategies.pending import PENDING
 

@@ -426,6 +426,44 @@ def test_region_claiming_another_strategy_raises() -> None:
         disp.local_geometry("d", Topology(1, 0), layers, _memory(layers))
 
 
+
+class TwoParts(WholePage):
+    """A layer whose page is two differently-planned parts (like Mamba's [conv | ssm]): one region each."""
+
+    name = "toy_parts"
+    spec_types = (ToyMLA,)
+    group_shift = 0
+
+    def local_regions(self, layer: LayerCache, topology: Topology) -> list[Region]:
+        half = PageLayout((("byte", layer.page.nbytes // 2),))
+        return [
+            Region(f"{layer.name}:{part}", layer.group + self.group_shift, self.name, layer.base + i * half.nbytes,
+                   layer.num_blocks, layer.block_stride, half)
+            for i, part in enumerate(("a", "b"))
+        ]
+
+
+def test_a_layer_may_be_several_regions_planned_and_resolved_together() -> None:
+    disp = Dispatcher(registry(WholePage(), TwoParts()))
+    page = PageLayout((("byte", 64),))
+    loc = [_layer("S0", 0, 0x1000, ToyMLA(), num_blocks=4, stride=64, page=page)]
+    rem = [_layer("S0", 0, 0x9000, ToyMLA(), num_blocks=6, stride=128, page=page)]
+    local = disp.local_geometry("d", Topology(1, 0), loc, _memory(loc))
+    assert [r.name for r in local.regions] == ["S0:a", "S0:b"]
+    plan = disp.plan(local, {0: disp.local_geometry("p", Topology(1, 0), rem, _memory(rem))})
+    moves = plan.byte_moves(plan.resolve([[3]], [[5]]))
+    assert sorted(moves) == [(0x1000 + 3 * 64, 0, 0x9000 + 5 * 128, 32), (0x1000 + 3 * 64 + 32, 0, 0x9000 + 5 * 128 + 32, 32)]
+
+
+def test_a_region_outside_its_layers_group_raises() -> None:
+    class Stray(TwoParts):
+        group_shift = 1
+
+    layers = [_layer("S0", 0, 0x1000, ToyMLA(), num_blocks=4, stride=64, page=PageLayout((("byte", 64),)))]
+    with pytest.raises(PlanError, match=r"KV group 1, but the layer is in group 0"):
+        Dispatcher(registry(WholePage(), Stray())).local_geometry("d", Topology(1, 0), layers, _memory(layers))
+
+
 # ============================================================================ plans over fake memory
 
 PAGE = PageLayout((("head", 2), ("token", 4), ("byte", 16)))  # 128 B

@@ -18,11 +18,14 @@ from nixlkv.core.topology import (
     Topology,
     check_heads_shardable,
     check_tp_pair,
+    check_units_shardable,
     consumers_per_remote_rank,
     covered_remote_ranks,
     head_sources,
     heads_held,
     heads_per_rank,
+    unit_sources,
+    units_per_rank,
 )
 
 TP_SIZES = st.sampled_from([1, 2, 4, 8, 16])
@@ -258,3 +261,42 @@ def test_topology_rejects_bad_rank_or_size(size: int, rank: int) -> None:
 def test_topology_accepts_valid() -> None:
     t = Topology(8, 7)
     assert (t.tp_size, t.tp_rank) == (8, 7)
+
+
+# ---------------------------------------------------------------- units sharded by TP (mamba groups)
+
+@settings(max_examples=200, deadline=None)
+@given(
+    units=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    local_tp=st.sampled_from([1, 2, 4, 8]),
+    remote_tp=st.sampled_from([1, 2, 4, 8]),
+    single=st.booleans(),
+    data=st.data(),
+)
+def test_unit_sources_fill_every_local_slot_once_with_the_same_unit(units, local_tp, remote_tp, single, data) -> None:
+    """Even split (units % tp == 0) or, where allowed, one unit replicated on every rank: each
+    local slot is filled exactly once, from a covered remote rank holding that very unit."""
+    ok = all(units % tp == 0 or (single and units == 1) for tp in (local_tp, remote_tp))
+    if not ok:
+        with pytest.raises(IncompatibleTopology, match=rf"units=\d+ cannot be sharded over tp=\d+"):
+            unit_sources(0, local_tp, remote_tp, units, "units", single)
+        return
+    rank = data.draw(st.integers(0, local_tp - 1))
+    runs = unit_sources(rank, local_tp, remote_tp, units, "units", single)
+    per = units_per_rank(local_tp, units, "units", single)
+    held = lambda r, tp: list(range(r * units // tp, (r + 1) * units // tp)) if units % tp == 0 else [0]  # noqa: E731
+    filled = []
+    for run in runs:
+        assert run.remote_rank in covered_remote_ranks(rank, local_tp, remote_tp)
+        for i in range(run.count):
+            assert held(rank, local_tp)[run.local_slot + i] == held(run.remote_rank, remote_tp)[run.remote_slot + i]
+            filled.append(run.local_slot + i)
+    assert sorted(filled) == list(range(per))
+
+
+def test_single_group_replicated_only_where_allowed() -> None:
+    check_units_shardable(4, 1, "n_groups", replicate_single=True)
+    with pytest.raises(IncompatibleTopology, match=r"n_groups=1 cannot be sharded over tp=4: vLLM needs n_groups divisible by tp$"):
+        check_units_shardable(4, 1, "n_groups", replicate_single=False)
+    with pytest.raises(IncompatibleTopology, match=r"n_groups=2 cannot be sharded over tp=4.*or n_groups == 1"):
+        check_units_shardable(4, 2, "n_groups", replicate_single=True)

@@ -21,11 +21,14 @@ from .strategy import Strategy, tail_aligned
 from .topology import (
     HeadRun,
     Topology,
+    check_units_shardable,
     consumers_per_remote_rank,
     covered_remote_ranks,
     head_sources,
     heads_held,
     heads_per_rank,
+    unit_sources,
+    units_per_rank,
 )
 
 __all__ = [
@@ -33,6 +36,6 @@ __all__ = [
     "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PlanError", "PlanValidationError",
     "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
     "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
-    "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held", "heads_per_rank",
-    "hookimpl", "hookspec", "plugin_manager", "tail_aligned",
+    "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",
+    "heads_per_rank", "hookimpl", "hookspec", "plugin_manager", "tail_aligned", "unit_sources", "units_per_rank",
 ]

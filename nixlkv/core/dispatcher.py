@@ -54,17 +54,25 @@ class Dispatcher:
         device_id: int = 0,
         mem_type: str = "DRAM",
     ) -> RankGeometry:
-        """This rank's regions, one per layer, as its strategies describe them."""
+        """This rank's regions (one or more per layer), as its strategies describe them."""
         regions = []
         for layer in layers:
             spec = self.layer_spec(layer.spec, layer.name)
             strategy = self.registry.for_type(type(spec))
-            region = strategy.local_region(_with_spec(layer, spec), topology)
-            if region.strategy != strategy.name:
-                raise PlanError(
-                    f"strategy {strategy.name!r} described layer {layer.name!r} as served by {region.strategy!r}"
-                )
-            regions.append(region)
+            produced = strategy.local_regions(_with_spec(layer, spec), topology)
+            if not produced:
+                raise PlanError(f"strategy {strategy.name!r} described layer {layer.name!r} with no region")
+            for region in produced:
+                if region.strategy != strategy.name:
+                    raise PlanError(
+                        f"strategy {strategy.name!r} described layer {layer.name!r} as served by {region.strategy!r}"
+                    )
+                if region.group != layer.group:
+                    raise PlanError(
+                        f"strategy {strategy.name!r} put a region of layer {layer.name!r} in KV group "
+                        f"{region.group}, but the layer is in group {layer.group}"
+                    )
+                regions.append(region)
         return RankGeometry(
             engine_id=engine_id,
             tp_size=topology.tp_size,

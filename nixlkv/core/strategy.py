@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -33,6 +33,15 @@ class Strategy:
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         """Describe one local layer as a region, with the facts a peer needs to pair with it."""
         raise NotImplementedError(f"strategy {self.name!r} does not implement local_region")
+
+    def local_regions(self, layer: LayerCache, topology: Topology) -> Sequence[Region]:
+        """Every region of one local layer; by default the single one :meth:`local_region` gives.
+
+        A layer whose page packs differently-sharded parts (a Mamba page is ``[conv | ssm | pad]``,
+        each part split over TP by its own unit) describes each part as its own region over the
+        same blocks, so every region stays one row-major array of named axes.
+        """
+        return (self.local_region(layer, topology),)
 
     def segments(
         self,

@@ -123,3 +123,39 @@ def head_sources(local_rank: int, local_tp: int, remote_tp: int, num_heads: int)
         else:
             runs.append(HeadRun(holder, remote_slot, slot, 1))
     return tuple(runs)
+
+
+def check_units_shardable(tp: int, units: int, what: str, replicate_single: bool) -> None:
+    """A model dimension split over TP in whole units (heads, groups, channels).
+
+    vLLM shards such a dimension evenly (``units % tp == 0``); where the layer allows it
+    (``replicate_single``: Mamba2's B/C groups), a single unit is instead replicated on every
+    rank. Any other combination — e.g. 2 groups over tp=4 — is a model vLLM refuses to run, so
+    it is refused here too rather than guessed at.
+    """
+    if units < 1:
+        raise IncompatibleTopology(f"{what} must be >= 1, got {units}")
+    if units % tp == 0 or (replicate_single and units == 1):
+        return
+    allowed = f"{what} divisible by tp" + (f", or {what} == 1" if replicate_single else "")
+    raise IncompatibleTopology(f"{what}={units} cannot be sharded over tp={tp}: vLLM needs {allowed}")
+
+
+def unit_sources(
+    local_rank: int, local_tp: int, remote_tp: int, units: int, what: str, replicate_single: bool = False
+) -> tuple[HeadRun, ...]:
+    """Where each local unit slot of an evenly sharded (or single, replicated) dimension comes
+    from: runs of consecutive slots, one remote copy per unit (see :func:`head_sources`).
+
+    A replicated single unit is read once, from the first covered remote rank: every D rank then
+    reads the same bytes from one P rank, never from a rank it does not cover.
+    """
+    check_units_shardable(local_tp, units, what, replicate_single)
+    check_units_shardable(remote_tp, units, what, replicate_single)
+    return head_sources(local_rank, local_tp, remote_tp, units)
+
+
+def units_per_rank(tp: int, units: int, what: str, replicate_single: bool = False) -> int:
+    """Unit slots one rank holds: ``units / tp``, or 1 for a replicated single unit."""
+    check_units_shardable(tp, units, what, replicate_single)
+    return max(1, units // tp)

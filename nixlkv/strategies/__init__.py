@@ -8,6 +8,7 @@ from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
 from ..core import Strategy, hookimpl
 from .full_attention import FullAttentionStrategy
+from .mamba import MambaStrategy
 from .mla import MLAStrategy
 from .pending import PENDING
 from .sliding_window import SlidingWindowStrategy
@@ -16,7 +17,7 @@ from .sliding_window_mla import SlidingWindowMLAStrategy
 
 @hookimpl
 def nixlkv_strategies() -> list[Strategy]:
-    return [FullAttentionStrategy(), MLAStrategy(), SlidingWindowStrategy(), SlidingWindowMLAStrategy(), *PENDING]
+    return [FullAttentionStrategy(), MLAStrategy(), SlidingWindowStrategy(), SlidingWindowMLAStrategy(), MambaStrategy(), *PENDING]
 
 
 @hookimpl

@@ -12,7 +12,6 @@ from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
-    MambaSpec,
     SinkFullAttentionSpec,
 )
 
@@ -35,7 +34,6 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 
 PENDING = [
-    pending("mamba", (MambaSpec,), "conv x/B/C and SSM state need per-group sub-region reads"),
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
     pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),
     pending("chunked_local", (ChunkedLocalAttentionSpec,), "chunked local attention frees blocks outside the chunk"),

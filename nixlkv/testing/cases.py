@@ -53,6 +53,21 @@ BUILTIN_CASES: dict[str, ContractCase] = {
         refuses=replicated_refusals,
         extra_points=(Point(2, 2, prefill_block_size=16, decode_block_size=32),),
     ),
+    "mamba": ContractCase(
+        strategy="mamba",
+        kind="mamba",
+        # Mamba2 with two B/C groups: sharded at TP 2, replicated at TP 1, and a model vLLM cannot
+        # run at TP 4 (n_groups % tp != 0 and n_groups != 1) — the refusal probe. n_groups = 1
+        # (where vLLM's own connector mis-reads B/C) runs in tests/scenarios/mamba2-g1-*.
+        params={"mamba_type": "mamba2", "num_heads": 4, "head_dim": 8, "d_state": 8, "n_groups": 2, "conv_kernel": 4},
+        tp_pairs=((2, 2), (1, 2), (2, 1), (1, 1), (4, 2)),
+        layouts=("LBHNC",),
+        block_sizes=(16,),
+        token_counts=(100,),
+        prefix_hits=(0,),
+        refuses=lambda point, params: "IncompatibleTopology" if 4 in (point.prefill_tp, point.decode_tp) else None,
+        refuses_longer_local_list=False,
+    ),
     "sliding_window_mla": ContractCase(
         strategy="sliding_window_mla",
         kind="sliding_window_mla",

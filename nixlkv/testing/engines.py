@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,18 @@ class FabricatedRank:
     total_heads: dict[str, int]  # layer -> model KV heads (what a per-rank spec cannot tell)
     layer_index: dict[str, int]  # layer -> index in model order
     layer_kinds: dict[str, LayerKind] = field(default_factory=dict)  # layer -> its scenario kind
+    hints: dict[str, dict[str, Any]] = field(default_factory=dict)  # layer -> model facts (mamba geometry)
+    params: dict[str, Any] = field(default_factory=dict)  # layer -> its scenario kind parameters
+
+    def is_state_group(self, group: int) -> bool:
+        """Whether the group holds per-request states (Mamba), not token blocks."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        return isinstance(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec, MambaSpec)
+
+    def state_scratch_blocks(self, group: int) -> int:
+        """Speculative scratch blocks a state group appends after the running state."""
+        return int(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.num_speculative_blocks)
 
     @property
     def num_groups(self) -> int:
@@ -102,13 +114,25 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
 
     side = scenario.prefill if role == "prefill" else scenario.decode
     kinds = scenario.layer_kinds(role)
-    specs = {layer_name(i): layer_spec(k, side) for i, k in enumerate(kinds)}
+    specs = align_hybrid({layer_name(i): layer_spec(k, side) for i, k in enumerate(kinds)}, side.block_size)
     vc = planning_config()
     vc.cache_config.kv_cache_layout = side.layout
-    groups = get_kv_cache_groups(vc, specs)
+    # A model with Mamba layers needs vLLM's hybrid KV-cache manager (one group per state kind
+    # beside the attention groups); NIXL P/D serving runs it so. Other scenarios keep the default.
+    hybrid = any(_is_state(s) for s in specs.values())
+    saved = vc.scheduler_config.disable_hybrid_kv_cache_manager
+    try:
+        if hybrid:
+            vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+        groups = get_kv_cache_groups(vc, specs)
+    finally:
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = saved
     _check_uniform_groups(scenario, role, groups)
     # Every group's blocks come from one pool: room for each group's request plus spare blocks.
-    num_blocks = side.num_blocks or (len(groups) + 1) * request_blocks(scenario, side) + 8
+    state_groups = sum(_is_state(g.kv_cache_spec) for g in groups)
+    num_blocks = side.num_blocks or (
+        (len(groups) + 1) * request_blocks(scenario, side) + state_groups * scenario.request.state_blocks + 8
+    )
     vc.cache_config.num_gpu_blocks_override = num_blocks
     kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1)
     kernel = side.kernel_block_size
@@ -116,7 +140,11 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     if kernel is not None:
         # Like vLLM's prepare_kernel_block_sizes: a group whose block the kernel size divides is
         # stored as block_size // kernel kernel pages per block; others keep whole blocks.
-        kernel_sizes = [kernel if g.kv_cache_spec.block_size % kernel == 0 else None for g in groups]
+        # State (Mamba) groups are never split into kernel blocks.
+        kernel_sizes = [
+            kernel if g.kv_cache_spec.block_size % kernel == 0 and not _is_state(g.kv_cache_spec) else None
+            for g in groups
+        ]
     kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout], kernel_block_sizes=kernel_sizes)
     first = next(iter(kv.values()))
     buffer = torch.empty(0, dtype=torch.int8).set_(first.untyped_storage())
@@ -130,4 +158,40 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
         total_heads={layer_name(i): KINDS[k.kind].total_kv_heads(k.params) for i, k in enumerate(kinds)},
         layer_index={layer_name(i): i for i in range(len(kinds))},
         layer_kinds={layer_name(i): k for i, k in enumerate(kinds)},
+        hints={layer_name(i): KINDS[k.kind].hints(k.params) for i, k in enumerate(kinds) if KINDS[k.kind].hints},
+        params={layer_name(i): dict(k.params) for i, k in enumerate(kinds)},
     )
+
+
+def _is_state(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
+# FlashAttention's kernels run on multiples of 16 tokens: vLLM's smallest kernel block alignment.
+KERNEL_BLOCK_ALIGNMENT = 16
+
+
+def align_hybrid(specs: dict[str, Any], cache_block_size: int) -> dict[str, Any]:
+    """Hybrid attention + Mamba models: page sizes made equal, as vLLM's
+    ``Platform._align_hybrid_block_size`` does before the specs are built.
+
+    That helper needs a registered model class, so it is reproduced here: the attention block
+    grows to ``align * cdiv(mamba_page, align * attention_bytes_per_token)`` tokens (align = max(16,
+    the configured block size)), and every Mamba page is padded up to that attention page. Without
+    attention layers the Mamba pages are used as they are. (Nemotron-H-8B at TP1: 16 * cdiv(4,255,744,
+    16 * 4,096) = 1,040 tokens, matching kv-layouts.md §5.3.)
+    """
+    mamba = {n: s for n, s in specs.items() if _is_state(s)}
+    attention = {n: s for n, s in specs.items() if not _is_state(s)}
+    if not mamba or not attention:
+        return specs
+    mamba_page = max(s.page_size_bytes for s in mamba.values())
+    per_token = max(replace(s, block_size=1).page_size_bytes for s in attention.values())
+    align = max(KERNEL_BLOCK_ALIGNMENT, cache_block_size)
+    block = max(cache_block_size, align * -(-mamba_page // (align * per_token)))
+    attn_page = block * per_token
+    out = {n: replace(s, block_size=block) for n, s in attention.items()}
+    out.update({n: replace(s, page_size_padded=attn_page) if attn_page != s.page_size_bytes else s for n, s in mamba.items()})
+    return {n: out[n] for n in specs}

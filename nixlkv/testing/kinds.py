@@ -32,6 +32,8 @@ class KindDef:
     check: Callable[[Mapping[str, Any]], list[str]] | None = None
     replicated: bool = False  # one cache on every rank (MLA): the oracle's "global head 0"
     coordinates: Callable[..., Mapping[str, Any]] | None = None  # see oracle.Coordinates
+    # Model facts the engine hands the strategy per layer (what a per-rank spec cannot tell).
+    hints: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
     def total_kv_heads(self, params: Mapping[str, Any]) -> int:
         if self.replicated:
@@ -147,6 +149,136 @@ def _check_indexer(p: Mapping[str, Any]) -> list[str]:
     return []
 
 
+# ---------------------------------------------------------------- mamba
+MAMBA_TYPES = {"mamba2": "MAMBA2", "gdn": "GDN_ATTN", "mamba1": "MAMBA1"}
+MAMBA_STATE_TOKENS = 1 << 20  # mamba_cache_mode "none": one state block per request (block = max_model_len)
+SSM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def mamba_geometry(p: Mapping[str, Any]) -> dict[str, Any]:
+    """The layer's model geometry, normalised: Mamba1 has no heads or groups (its unit is one
+    channel); Mamba2 / GDN have intermediate_size = num_heads x head_dim."""
+    if p["mamba_type"] == "mamba1":
+        return {"num_heads": 1, "head_dim": 1, "n_groups": 1, "d_state": p["d_state"],
+                "intermediate_size": p["intermediate_size"], "conv_kernel": p["conv_kernel"]}
+    return {"num_heads": p["num_heads"], "head_dim": p["head_dim"], "n_groups": p["n_groups"], "d_state": p["d_state"],
+            "intermediate_size": p["num_heads"] * p["head_dim"], "conv_kernel": p["conv_kernel"]}
+
+
+def num_spec(p: Mapping[str, Any]) -> int:
+    """Speculative tokens: extra conv rows and as many speculative scratch state blocks."""
+    return int(p["num_spec"] or 0)
+
+
+def _check_mamba(p: Mapping[str, Any]) -> list[str]:
+    errors = []
+    if p["mamba_type"] not in MAMBA_TYPES:
+        return [f"mamba_type must be one of {sorted(MAMBA_TYPES)}, got {p['mamba_type']!r}"]
+    if p["ssm_dtype"] not in SSM_DTYPES:
+        errors.append(f"ssm_dtype must be one of {SSM_DTYPES}, got {p['ssm_dtype']!r}")
+    if p["conv_layout"] not in ("DS", "SD"):
+        errors.append(f"conv_layout must be DS or SD, got {p['conv_layout']!r}")
+    if num_spec(p) and (p["mamba_type"] == "mamba1" or p["tp_replicated"]):
+        errors.append("num_spec applies to mamba2 and gdn states only (vLLM's Mamba1 conv state has no speculative rows)")
+    if p["mamba_type"] == "mamba1":
+        if p["intermediate_size"] is None:
+            errors.append("mamba1 needs intermediate_size (its conv and SSM states are sharded by channel)")
+    else:
+        for key in ("num_heads", "head_dim", "n_groups"):
+            if p[key] is None:
+                errors.append(f"{p['mamba_type']} needs {key}")
+        if not errors and p["intermediate_size"] not in (None, p["num_heads"] * p["head_dim"]):
+            errors.append(
+                f"intermediate_size {p['intermediate_size']} must be num_heads x head_dim = "
+                f"{p['num_heads'] * p['head_dim']} for {p['mamba_type']}"
+            )
+    return errors
+
+
+def _mamba_shapes(p: Mapping[str, Any], tp: int) -> tuple[tuple[tuple[int, ...], ...], tuple[Any, ...]]:
+    """Per-rank (shapes, dtypes) from vLLM's MambaStateShapeCalculator, under the scenario's conv
+    layout (vLLM reads it from VLLM_SSM_CONV_STATE_LAYOUT once and caches it)."""
+    import torch
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    from ..core.topology import check_units_shardable
+
+    g = mamba_geometry(p)
+    kind = p["mamba_type"]
+    conv_dtype, ssm_dtype = getattr(torch, p["dtype"]), getattr(torch, p["ssm_dtype"])
+    calc = mamba_utils.MambaStateShapeCalculator
+    with _conv_layout(p["conv_layout"]):
+        if p["tp_replicated"]:  # e.g. a PLE conv state: the whole state on every rank
+            return (calc._orient_conv_shape(g["intermediate_size"], g["conv_kernel"] - 1),), (conv_dtype,)
+        if kind == "mamba2":
+            # vLLM's MambaMixer2 asserts this; its shape calculator alone would silently extend the groups.
+            check_units_shardable(tp, g["n_groups"], "n_groups", replicate_single=True)
+            shapes = calc.mamba2_state_shape(tp, g["intermediate_size"], g["n_groups"], g["num_heads"], g["head_dim"],
+                                             g["d_state"], g["conv_kernel"], num_spec(p))
+        elif kind == "gdn":
+            check_units_shardable(tp, g["n_groups"], "n_groups", replicate_single=False)
+            shapes = calc.gated_delta_net_state_shape(tp, g["n_groups"], g["num_heads"], g["d_state"], g["head_dim"],
+                                                      g["conv_kernel"], num_spec(p))
+        else:
+            check_units_shardable(tp, g["intermediate_size"], "intermediate_size", replicate_single=False)
+            shapes = calc.mamba1_state_shape(tp, g["intermediate_size"], g["d_state"], g["conv_kernel"])
+    return tuple(tuple(s) for s in shapes), (conv_dtype, ssm_dtype)
+
+
+class _conv_layout:
+    """Temporarily set vLLM's conv state layout (env var + its lru_cache)."""
+
+    def __init__(self, layout: str) -> None:
+        self.layout = layout
+
+    def __enter__(self) -> None:
+        import os
+
+        from vllm.model_executor.layers.mamba import mamba_utils
+
+        self.saved = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
+        os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = self.layout
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+    def __exit__(self, *exc: object) -> None:
+        import os
+
+        from vllm.model_executor.layers.mamba import mamba_utils
+
+        if self.saved is None:
+            os.environ.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
+        else:
+            os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = self.saved
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+
+def _mamba(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
+    """Like MambaBase.get_kv_cache_spec with mamba_cache_mode "none" (one state block per request);
+    the page padding for hybrid models is set by the engine (see engines.align_hybrid)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes, dtypes = _mamba_shapes(p, tp)
+    return MambaSpec(
+        block_size=MAMBA_STATE_TOKENS,
+        shapes=shapes,
+        dtypes=dtypes,
+        mamba_type=MambaAttentionBackendEnum[MAMBA_TYPES[p["mamba_type"]]],
+        tp_replicated=p["tp_replicated"],
+        num_speculative_blocks=num_spec(p),
+    )
+
+
+def _mamba_hints(p: Mapping[str, Any]) -> dict[str, Any]:
+    return {"mamba": {**mamba_geometry(p), "conv_state_layout": p["conv_layout"]}}
+
+
+MAMBA_OPTIONAL = {
+    "mamba_type": "mamba2", "num_heads": None, "head_dim": None, "n_groups": None, "intermediate_size": None, "conv_kernel": 4,
+    "dtype": "bfloat16", "ssm_dtype": "float32", "conv_layout": "DS", "tp_replicated": False,
+    "num_spec": None,
+}
+
 UNIFORM = "uniform"  # not a layer: its `members` become layers vLLM must put in one uniform group
 
 KINDS: dict[str, KindDef] = {
@@ -167,6 +299,7 @@ KINDS: dict[str, KindDef] = {
         replicated=True,
     ),
     "mla_indexer": KindDef((), {"index_head_dim": 128}, _mla_indexer, check=_check_indexer, replicated=True),
+    "mamba": KindDef(("d_state",), MAMBA_OPTIONAL, _mamba, check=_check_mamba, hints=_mamba_hints),
     UNIFORM: KindDef(("members",)),
 }
 

@@ -192,6 +192,11 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
         gb = blocks[group]
         if gb.ids.size == 0:
             continue
+        if rank.is_state_group(group):
+            for name in rank.group_layers(group):
+                block = running_state(gb.ids, rank.params[name]["num_spec"] or 0)
+                _write_state(rank, _alias(rank.kv_caches[name], rank.buffer, target), name, block, seed)
+            continue
         for name in rank.group_layers(group):
             view = _alias(rank.kv_caches[name], rank.buffer, target)
             arr = bytes_view(view, rank.kv_cache_config.num_blocks)
@@ -216,6 +221,69 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             ids = gb.ids[rows]
             fresh, mask = as_kernel_pages(fresh, per), as_kernel_pages(mask, per)
             arr[ids] = fresh if mask.all() else np.where(mask, fresh, arr[ids])
+
+
+# "Token" codes that tell a conv row from an SSM unit in the pattern (no token reaches them).
+CONV_CODE, SSM_CODE = 1 << 40, (1 << 40) + 1
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def mamba_state_coordinates(p: dict, tp: int, rank: int) -> tuple[list[int], list[int]]:
+    """(global conv channels, global SSM units) a rank holds, in the order it stores them.
+
+    Written from vLLM's weight sharding (``mamba_v2_sharded_weight_loader``, the GDN / Mamba1
+    column-parallel conv), independently of the strategy: a global conv channel indexes the
+    model's unsharded ``[x | B | C]`` (GDN ``[Q | K | V]``, Mamba1 ``[x]``). x and the SSM heads
+    split evenly; the groups of B / C split evenly, except that a single group is held whole by
+    every rank (vLLM replicates it when ``n_groups = 1``).
+    """
+    kind = p["mamba_type"]
+    if p["tp_replicated"]:  # the whole conv state on every rank
+        return list(range(p["intermediate_size"] or p["num_heads"] * p["head_dim"])), []
+    if kind == "mamba1":
+        n = p["intermediate_size"] // tp
+        channels = list(range(rank * n, (rank + 1) * n))
+        return channels, channels
+    h, hd, g, d = p["num_heads"], p["head_dim"], p["n_groups"], p["d_state"]
+    heads = list(range(rank * h // tp, (rank + 1) * h // tp))
+    groups = list(range(rank * g // tp, (rank + 1) * g // tp)) if g % tp == 0 else [0]
+    if kind == "mamba2":
+        x = [hh * hd + j for hh in heads for j in range(hd)]
+        b = [h * hd + gg * d + j for gg in groups for j in range(d)]
+        c = [h * hd + g * d + gg * d + j for gg in groups for j in range(d)]
+        return x + b + c, heads
+    q = [gg * d + j for gg in groups for j in range(d)]  # gdn: [Q | K | V]
+    k = [g * d + gg * d + j for gg in groups for j in range(d)]
+    v = [2 * g * d + hh * hd + j for hh in heads for j in range(hd)]
+    return q + k + v, heads
+
+
+def running_state(ids: np.ndarray, num_spec: int) -> int:
+    """The block of a state list that holds the running state: vLLM's scheduler appends
+    ``num_spec`` speculative scratch blocks after it (``clip_ssm_state_blocks`` drops them)."""
+    return int(ids[len(ids) - 1 - min(num_spec, len(ids) - 1)])
+
+
+def _write_state(rank: FabricatedRank, view: torch.Tensor, name: str, block: int, seed: int) -> None:
+    """Write the request's running state into ``block`` of a Mamba layer: every conv row and
+    every SSM unit carries its global coordinate; padding after the states is left alone."""
+    p = rank.params[name]
+    channels, units = mamba_state_coordinates(p, rank.side.tp, rank.tp_rank)
+    row = (p["conv_kernel"] - 1 + (p["num_spec"] or 0)) * DTYPE_BYTES[p["dtype"]]
+    if p["mamba_type"] == "mamba1":
+        unit = p["d_state"] * DTYPE_BYTES[p["ssm_dtype"]]
+    else:
+        unit = p["head_dim"] * p["d_state"] * DTYPE_BYTES[p["ssm_dtype"]]
+    layer = rank.layer_index[name]
+    conv = pattern(layer, np.array([[CONV_CODE]]), channels, row, seed).reshape(-1)
+    ssm = pattern(layer, np.array([[SSM_CODE]]), units, unit, seed).reshape(-1) if units else np.zeros(0, np.uint8)
+    page = view.view(torch.uint8).numpy().reshape(view.shape[0], -1)
+    if conv.size + ssm.size != page.shape[1]:
+        raise ValueError(
+            f"{name}: physics gives {conv.size} conv + {ssm.size} SSM bytes per rank, the page holds {page.shape[1]}"
+        )
+    page[block, : conv.size] = conv
+    page[block, conv.size :] = ssm
 
 
 def _alias(view: torch.Tensor, buffer: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

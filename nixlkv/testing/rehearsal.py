@@ -67,14 +67,21 @@ def build(scenario: Scenario, dispatcher: Dispatcher) -> Engines:
 
 
 def geometry(rank: FabricatedRank, dispatcher: Dispatcher):
-    layers = layer_caches(rank.kv_cache_config, rank.kv_caches, lambda name: rank.total_heads[name])
+    layers = layer_caches(
+        rank.kv_cache_config, rank.kv_caches, lambda name: rank.total_heads[name], lambda name: rank.hints.get(name, {})
+    )
     return dispatcher.local_geometry(
         rank.engine_id, Topology(rank.side.tp, rank.tp_rank), layers, registered_memory(rank.kv_caches)
     )
 
 
 def choose_blocks(
-    rank: FabricatedRank, num_tokens: int, skip: int, rng: np.random.Generator, peer: FabricatedRank | None = None
+    rank: FabricatedRank,
+    num_tokens: int,
+    skip: int,
+    rng: np.random.Generator,
+    peer: FabricatedRank | None = None,
+    state_blocks: int = 1,
 ) -> list[oracle.GroupBlocks]:
     """A request's block IDs per group, as the engine's scheduler would hand them over.
 
@@ -82,10 +89,12 @@ def choose_blocks(
     null block 0 except where the scheduler itself put it: on prefill, window blocks already
     freed below the window. ``skip`` leading blocks of each group are left out (a prefix the
     decode engine already holds). Without ``peer`` this is the prefill side; with it, the
-    decode side, whose expected content depends on the prefill engine's blocks.
+    decode side, whose expected content depends on the prefill engine's blocks. A state group
+    lists ``state_blocks`` entries: the running state, then the spec's speculative scratch blocks;
+    before it, null placeholders alternate with superseded states (random bytes on prefill).
     """
     sizes = [rank.group_block_size(g) for g in range(rank.num_groups)]
-    need = [-(-num_tokens // bs) for bs in sizes]
+    need = [state_blocks if rank.is_state_group(g) else -(-num_tokens // bs) for g, bs in enumerate(sizes)]
     pool = rng.permutation(np.arange(1, rank.kv_cache_config.num_blocks))
     if sum(need) > pool.size:
         raise NixlkvError(f"{rank.engine_id}: {sum(need)} blocks needed, only {pool.size} in the pool; raise num_blocks")
@@ -93,6 +102,12 @@ def choose_blocks(
     for group, (n, bs) in enumerate(zip(need, sizes)):
         ids = pool[at : at + n].astype(np.int64)
         at += n
+        if rank.is_state_group(group):
+            # One running state per request: never trimmed by a prefix hit, never token-paired.
+            scratch = min(rank.state_scratch_blocks(group), n - 1)
+            ids[: n - 1 - scratch : 2] = 0
+            out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, 1), dtype=bool)))
+            continue
         window = oracle.window_of(rank, group)
         if peer is None:
             ids[: oracle.prefill_null_positions(num_tokens, window, bs)] = 0
@@ -140,8 +155,10 @@ def request_blocks(
     """The scenario's request as (prefill, decode) block IDs per group: the same every call."""
     req = scenario.request
     rng = np.random.default_rng(req.seed)
-    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
-    d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0])
+    p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng, state_blocks=req.state_blocks)
+    d_blocks = choose_blocks(
+        engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0], state_blocks=req.state_blocks
+    )
     return p_blocks, d_blocks
 
 

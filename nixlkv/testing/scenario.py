@@ -55,6 +55,9 @@ class Request:
     num_tokens: int
     seed: int = 0
     cached_blocks: int = 0  # blocks D already holds (prefix hit): only the rest moves
+    # Entries of a state (Mamba) group's block list on each side: the last is the running state,
+    # earlier ones alternate null placeholders and superseded states that must never move.
+    state_blocks: int = 1
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
             )
         decode_layers = _model(d["decode_model"], f"{where}: decode_model")
     req = _mapping(_req(d, "request", where), f"{where}: request")
-    _only(req, {"num_tokens", "seed", "cached_blocks"}, f"{where}: request")
+    _only(req, {"num_tokens", "seed", "cached_blocks", "state_blocks"}, f"{where}: request")
     return Scenario(
         name=str(d.get("name") or Path(source).stem),
         layers=layers,
@@ -133,6 +136,7 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
             num_tokens=_pos(_req(req, "num_tokens", f"{where}: request"), f"{where}: request.num_tokens"),
             seed=_nonneg(req.get("seed", 0), f"{where}: request.seed"),
             cached_blocks=_nonneg(req.get("cached_blocks", 0), f"{where}: request.cached_blocks"),
+            state_blocks=_pos(req.get("state_blocks", 1), f"{where}: request.state_blocks"),
         ),
         expect_error=expect_error,
         source=source,
@@ -166,6 +170,9 @@ def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
         if key == "dtype":
             if value not in DTYPES:
                 raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {value!r}")
+        elif isinstance(optional.get(key), bool):
+            if not isinstance(value, bool):
+                raise ScenarioError(f"{where}.{key}: must be true or false, got {value!r}")
         elif isinstance(optional.get(key), str):
             continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
         elif value is not None:
