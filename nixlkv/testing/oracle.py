@@ -111,6 +111,12 @@ def expected_decode(rank: FabricatedRank, blocks: Sequence[GroupBlocks], seed: i
     return expected
 
 
+def write_pattern(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence[GroupBlocks], seed: int) -> None:
+    """Write one request's pattern (``seed`` tells requests apart) into ``target``: the rank's own
+    buffer (a prefill engine computing the request) or an expectation built by the caller."""
+    _write_expected(rank, target, blocks, seed)
+
+
 def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence[GroupBlocks], seed: int) -> None:
     tp = rank.side.tp
     for group in range(rank.num_groups):

@@ -80,8 +80,8 @@ class ConnectorConfig:
         port = extra.get("side_channel_port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", DEFAULT_SIDE_CHANNEL_PORT))
         if isinstance(port, str) and port.isdigit():
             port = int(port)
-        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-            raise ConfigError(f"side_channel_port must be an integer in [1, 65535], got {port!r}")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError(f"side_channel_port must be an integer in [0, 65535] (0: any free port), got {port!r}")
         out["side_channel_port"] = port
         for key in ("handshake_timeout_s", "transfer_timeout_s", "lease_s"):
             if key in extra:

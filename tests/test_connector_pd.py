@@ -1,0 +1,92 @@
+"""Acceptance: P and D as separate processes, each vLLM's real v1 Scheduler + NixlkvConnector workers
+(one per TP rank), the real side-channel handshake over loopback, real NIXL READs, the byte oracle,
+and no leaked requests or blocks on either side afterwards."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from nixlkv.testing import oracle
+
+from pd_harness import PDEngine, prompt, run_prefill, scenario
+
+pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
+
+PROMPTS = {"req-0": 40, "req-1": 17, "req-2": 100, "req-3": 64}
+NIXL_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+             "remote_request_id", "remote_host", "remote_port", "tp_size"}
+
+
+def start_prefill(p_tp: int, d_tp: int, prompts: dict[str, int], **kw):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=run_prefill, args=(child, p_tp, d_tp, prompts), kwargs=kw, daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 180
+    while not parent.poll(0.2):
+        assert proc.is_alive() and time.monotonic() < deadline, "the prefill process published nothing"
+    params = parent.recv()
+    assert "error" not in params, params
+    return proc, parent, params
+
+
+def stop(proc, parent) -> None:
+    try:
+        parent.send("bye")
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(15)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def run_decode(d: PDEngine, params: dict[str, dict], prompts: dict[str, int], timeout: float = 60) -> None:
+    for i, (rid, n) in enumerate(prompts.items()):
+        d.add(rid, prompt(i, n), 2, dict(params[rid]))
+    deadline = time.monotonic() + timeout
+    while len(d.outputs) < len(prompts) and time.monotonic() < deadline:
+        d.step()
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
+def test_pd_lifecycle_is_byte_exact_and_leak_free(p_tp: int, d_tp: int) -> None:
+    proc, parent, params = start_prefill(p_tp, d_tp, PROMPTS)
+    d = None
+    try:
+        assert set(params) == set(PROMPTS)
+        for rid, p in params.items():
+            assert NIXL_KEYS <= set(p), p  # what vLLM's NixlConnector proxies forward
+            assert p["do_remote_prefill"] is True and p["remote_request_id"] == rid and p["tp_size"] == p_tp
+        d = PDEngine(scenario(p_tp, d_tp), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0})
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        run_decode(d, params, PROMPTS)
+        assert set(d.outputs) == set(PROMPTS)
+        assert d.finished_recving == set(PROMPTS) and not d.failed_recving and not d.invalid_blocks
+        assert all(not o.finish_reason or str(o.finish_reason) != "error" for o in d.outputs.values())
+        for r in range(d_tp):
+            mismatch = oracle.compare(d.ranks[r], d.expected(r, d.recv_blocks))
+            assert mismatch is None, str(mismatch)
+        assert set(d.recv_blocks) == set(PROMPTS)
+        leaks = d.leaks()
+        assert leaks["requests"] == leaks["waiting"] == leaks["running"] == leaks["nonzero_refs"] == 0, leaks
+        assert leaks["free_blocks"] == leaks["expected_free"], leaks
+        total = {}
+        for s in d.stats:
+            for k, v in s.reduce().items():
+                total[k] = total.get(k, 0) + v
+        assert total["transfers"] == len(PROMPTS) * d_tp and total["bytes"] > 0 and total["failed_transfers"] == 0
+        assert parent.poll(60)
+        report = parent.recv()
+        assert report["finished_sending"] == sorted(PROMPTS), report
+        assert report["requests"] == 0 and report["nonzero_refs"] == 0, report
+        assert report["free_blocks"] == report["expected_free"], report
+    finally:
+        if d is not None:
+            d.close()
+        stop(proc, parent)
