@@ -234,3 +234,13 @@ def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: fl
         conn.recv()  # wait for the parent to say goodbye before tearing NIXL down
     finally:
         engine.close()
+
+
+def keep_blocks(expected: torch.Tensor, rank, block_ids: set[int]) -> None:
+    """Copy what ``rank`` holds in ``block_ids`` into ``expected`` (blocks a failed load may have
+    left in any state: vLLM treats them as invalid and recomputes or fails them)."""
+    ids = sorted(block_ids)
+    for view in rank.kv_caches.values():
+        v8 = view.view(torch.uint8)
+        e8 = expected.view(torch.uint8).as_strided(v8.size(), v8.stride(), v8.data_ptr() - rank.buffer.data_ptr())
+        e8[ids] = v8[ids]
