@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import msgspec
 
 from ..core.errors import HandshakeError
 from ..core.geometry import RankGeometry
+
+logger = logging.getLogger("nixlkv.connector")
 
 SCHEMA_VERSION = 1
 MAX_RANKS = 4096
@@ -117,6 +120,7 @@ def decode_reply(
         )
         if enforce_hash:
             raise HandshakeError(msg)
+        logger.warning("nixlkv %s; enforce_compat_hash=false, continuing with the geometry checks", msg)
     try:
         reply = msgspec.msgpack.decode(raw, type=Reply)
         payload = msgspec.msgpack.decode(reply.payload, type=EnginePayload)
