@@ -26,11 +26,15 @@ from nixlkv.testing.scenario import parse  # noqa: E402
 EOS = 2
 
 
-def scenario(p_tp: int, d_tp: int, block_size: int = 16, num_blocks: int = 96):
+def scenario(p_tp: int, d_tp: int, block_size: int = 16, num_blocks: int = 96, window: int | None = None):
     # Matches the shipped tiny-llama config.json: 4 layers, 8 KV heads, head_dim 32, bfloat16.
+    # With ``window``: 3 sliding-window layers + 1 full-attention layer (a hybrid, several KV groups).
+    fa = {"kind": "full_attention", "num_kv_heads": 8, "head_size": 32}
+    layers = [{**fa, "count": 4}] if window is None else [
+        {"kind": "sliding_window", "count": 3, "num_kv_heads": 8, "head_size": 32, "window": window}, {**fa, "count": 1}]
     return parse({
         "name": f"pd-p{p_tp}-d{d_tp}",
-        "model": {"layers": [{"kind": "full_attention", "count": 4, "num_kv_heads": 8, "head_size": 32}]},
+        "model": {"layers": layers},
         "prefill": {"tp": p_tp, "block_size": block_size, "layout": "LBHNC", "num_blocks": num_blocks},
         "decode": {"tp": d_tp, "block_size": block_size, "layout": "LBHNC", "num_blocks": num_blocks},
         "request": {"num_tokens": 16},
@@ -189,11 +193,28 @@ class PDEngine:
             "nonzero_refs": sum(1 for b in pool.blocks if b.ref_cnt),
         }
 
-    def expected(self, rank_index: int, seeds: dict[str, tuple[list[int], ...]]) -> torch.Tensor:
+    def expected(self, rank_index: int, seeds: dict[str, tuple[list[int], ...]],
+                 num_tokens: dict[str, int] | None = None) -> torch.Tensor:
+        """Sentinel everywhere but in the blocks each request must hold after its load. For a
+        sliding-window group (``num_tokens`` given) that is oracle.decode_needs: the window's
+        last cdiv(window, block_size) + 1 blocks, never a null block."""
         rank = self.ranks[rank_index]
         target = torch.full_like(rank.buffer, oracle.SENTINEL)
         for rid, block_ids in seeds.items():
-            gb = [oracle.GroupBlocks(np.asarray(g, dtype=np.int64), 0, np.ones(len(g), dtype=bool)) for g in block_ids]
+            gb = []
+            for group, g in enumerate(block_ids):
+                ids = np.asarray(g, dtype=np.int64)
+                holds = ids != 0
+                first = 0
+                window = oracle.window_of(rank, group)
+                if window is not None:
+                    # The list ends with the request's last block; vLLM may leave out the null
+                    # blocks below the window, so positions are counted from the tail.
+                    bs = rank.group_block_size(group)
+                    first = -(-num_tokens[rid] // bs) - ids.size
+                    assert first >= 0, (rid, group, ids.size)
+                    holds &= oracle.decode_needs(first + np.arange(ids.size), num_tokens[rid], window, bs)
+                gb.append(oracle.GroupBlocks(ids, first, holds))
             oracle.write_pattern(rank, target, gb, request_seed(rid))
         return target
 
@@ -207,11 +228,12 @@ def prompt(i: int, n: int) -> list[int]:
     return [(7 * i + 3 * t) % 900 + 10 for t in range(n)]
 
 
-def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: float = 30.0) -> None:
+def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: float = 30.0,
+                window: int | None = None) -> None:
     """The prefill engine process: prefill every prompt, publish kv_transfer_params to the parent,
     then keep stepping until every consumer notified (or ``stop``); report the leak check."""
     try:
-        engine = PDEngine(scenario(p_tp, d_tp), "prefill", "P",
+        engine = PDEngine(scenario(p_tp, d_tp, window=window), "prefill", "P",
                           {"side_channel_host": "127.0.0.1", "side_channel_port": 0, "lease_s": lease_s})
     except BaseException as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})

@@ -44,6 +44,36 @@ def stop(proc, parent) -> None:
         proc.join(5)
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2)])
+def test_pd_hybrid_sliding_window_is_byte_exact(p_tp: int, d_tp: int) -> None:
+    """A hybrid model (sliding-window + full-attention layers, several KV groups, vLLM's hybrid
+    KV-cache manager on both sides): only the window's blocks move, null blocks never do."""
+    prompts = {"w-0": 150, "w-1": 40}
+    proc, parent, params = start_prefill(p_tp, d_tp, prompts, window=64)
+    d = None
+    try:
+        d = PDEngine(scenario(p_tp, d_tp, window=64), "decode", "D",
+                     {"side_channel_host": "127.0.0.1", "side_channel_port": 0})
+        assert len(d.ranks[0].kv_cache_config.kv_cache_groups) > 1
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        run_decode(d, params, prompts)
+        assert d.finished_recving == set(prompts) and not d.failed_recving
+        for r in range(d_tp):
+            mismatch = oracle.compare(d.ranks[r], d.expected(r, d.recv_blocks, prompts))
+            assert mismatch is None, str(mismatch)
+        leaks = d.leaks()
+        assert leaks["requests"] == 0 and leaks["nonzero_refs"] == 0 and leaks["free_blocks"] == leaks["expected_free"], leaks
+        assert parent.poll(60)
+        report = parent.recv()
+        assert report["finished_sending"] == sorted(prompts) and report["requests"] == 0, report
+        assert report["free_blocks"] == report["expected_free"], report
+    finally:
+        if d is not None:
+            d.close()
+        stop(proc, parent)
+
+
 def run_decode(d: PDEngine, params: dict[str, dict], prompts: dict[str, int], timeout: float = 60) -> None:
     for i, (rid, n) in enumerate(prompts.items()):
         d.add(rid, prompt(i, n), 2, dict(params[rid]))
