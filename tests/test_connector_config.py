@@ -73,3 +73,21 @@ def test_dispatcher_honours_disable_and_unknown_names() -> None:
         ConnectorConfig.parse({"disable_strategies": ["nope"]}, env={}).dispatcher()
     with pytest.raises(RegistryError, match="no strategy named"):
         ConnectorConfig.parse({"pin_strategies": {"FullAttentionSpec": "nope"}}, env={}).dispatcher()
+
+
+def test_stats_aggregate_reduce_and_rebuild() -> None:
+    from nixlkv.connector import NixlkvConnector
+    from nixlkv.vllm.metadata import NixlkvStats
+
+    a, b = NixlkvStats(), NixlkvStats()
+    assert a.is_empty()
+    a.record(1000, 10, 0.002, 0.001)
+    b.record(3000, 30, 0.004, 0.001)
+    b.count("failed_transfers")
+    a.aggregate(b)
+    r = a.reduce()
+    assert r["transfers"] == 2 and r["bytes"] == 4000 and r["descriptors"] == 40 and r["failed_transfers"] == 1
+    assert abs(r["avg_transfer_ms"] - 3.0) < 1e-9
+    rebuilt = NixlkvConnector.build_kv_connector_stats(a.to_dict())
+    assert rebuilt.reduce() == r
+    assert NixlkvConnector.build_kv_connector_stats().is_empty()

@@ -24,8 +24,10 @@ def recv(p: Engine, rid: str, local: list[int], remote: list[int], port: int | N
     )
 
 
-def drive(p: Engine, d: Engine, rids: set[str], timeout: float = 20.0):
-    """Step every worker as the model runner would until D reported every request and P freed them."""
+def drive(p: Engine, d: Engine, rids: set[str], timeout: float = 20.0, sent: set[str] | None = None):
+    """Step every worker as the model runner would until D reported every request in ``rids`` and
+    P freed every request in ``sent`` (default: ``rids``)."""
+    sent = rids if sent is None else sent
     done_recv = {i: set() for i in range(len(d.workers))}
     failed = {i: set() for i in range(len(d.workers))}
     done_send = {i: set() for i in range(len(p.workers))}
@@ -39,7 +41,7 @@ def drive(p: Engine, d: Engine, rids: set[str], timeout: float = 20.0):
         for i, w in enumerate(p.workers):
             s, _ = w.get_finished(set())
             done_send[i] |= s
-        if all(v >= rids for v in done_recv.values()) and all(v >= rids for v in done_send.values()):
+        if all(v >= rids for v in done_recv.values()) and all(v >= sent for v in done_send.values()):
             break
         time.sleep(0.002)
     return done_recv, failed, done_send
@@ -88,7 +90,7 @@ def test_handshake_timeout_fails_only_bound_requests() -> None:
         dead = recv(p, "dead", [4, 5, 6], [1, 2, 3], port=1)  # nothing listens on port 1
         dead.remote_engine_id = "P-dead"
         d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"dead": dead, "good": recv(p, "good", [7, 8, 9], [1, 2, 3])}))
-        done_recv, failed, done_send = drive(p, d, {"dead", "good"}, timeout=10)
+        done_recv, failed, done_send = drive(p, d, {"dead", "good"}, timeout=10, sent={"good"})
         assert done_recv[0] == {"dead", "good"}
         assert failed[0] == {"dead"}
         assert d.workers[0].take_invalid_block_ids() == {4, 5, 6}
@@ -106,7 +108,7 @@ def test_out_of_range_block_ids_fail_the_request_only() -> None:
     try:
         oracle.fill_decode(d.ranks[0])
         d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"bad": recv(p, "bad", [1, 2, 999], [1, 2, 3])}))
-        done_recv, failed, _ = drive(p, d, {"bad"}, timeout=5)
+        done_recv, failed, _ = drive(p, d, {"bad"}, timeout=5, sent=set())
         assert failed[0] == {"bad"} and done_recv[0] == {"bad"}
         assert d.workers[0].take_invalid_block_ids() == {1, 2, 999}
         assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing written
@@ -129,7 +131,7 @@ def test_unknown_notification_is_ignored_and_logged(caplog) -> None:
             dw.nixl.agent.send_notif(name, b"not-nixlkv")
             sent = set()
             deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and pw._early == {} :
+            while time.monotonic() < deadline and not pw._early:
                 sent |= pw.get_finished(set())[0]
                 time.sleep(0.01)
             time.sleep(0.3)
