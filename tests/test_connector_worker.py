@@ -159,3 +159,24 @@ def test_lease_expiry_frees_blocks(caplog) -> None:
         assert "lease expired req=r" in caplog.text
     finally:
         p.close()
+
+
+def test_notifications_before_the_hand_over_still_free() -> None:
+    """D may finish reading before P's worker gets the request in its metadata (the next step)."""
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P")
+    d = Engine(sc, "decode", "D")
+    try:
+        pw, dw = p.workers[0], d.workers[0]
+        name = dw.nixl.add_remote(pw.nixl.metadata())
+        dw.nixl.agent.send_notif(name, notification("early", 1))
+        deadline = time.monotonic() + 5
+        while "early" not in pw._early and time.monotonic() < deadline:
+            assert pw.get_finished(set())[0] == set()
+            time.sleep(0.005)
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"early": 30.0}))
+        assert pw.get_finished(set())[0] == {"early"}
+        assert not pw._holds
+    finally:
+        p.close()
+        d.close()

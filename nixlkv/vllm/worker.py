@@ -122,8 +122,12 @@ class NixlkvWorker:
             for rid, lease in meta.reqs_to_send.items():
                 hold = _Hold(deadline=now + lease)
                 early = self._early.pop(rid, None)
-                if early is not None:
+                if early is not None:  # D read before this worker heard of the request
                     hold.count, hold.consumers = early[0], early[1]
+                    if hold.count >= hold.consumers:
+                        self._done_send.add(rid)
+                        logger.info("nixlkv notifications arrived before the hand-over req=%s: freed", rid)
+                        continue
                 self._holds[rid] = hold
             for rid, req in meta.reqs_to_recv.items():
                 self._start_recv(rid, req)
