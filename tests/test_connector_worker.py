@@ -180,3 +180,25 @@ def test_notifications_before_the_hand_over_still_free() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_read_that_never_completes_times_out(monkeypatch, caplog) -> None:
+    """A READ stuck in flight (peer hung, not dead) fails after transfer_timeout_s; no engine hang."""
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D", config=ConnectorConfig(transfer_timeout_s=0.3))
+    try:
+        dw = d.workers[0]
+        monkeypatch.setattr(dw.nixl, "poll", lambda flight: False)  # the READ never reports DONE
+        with caplog.at_level(logging.ERROR, logger="nixlkv.connector"):
+            dw.start_load_kv(NixlkvMetadata(reqs_to_recv={"stuck": recv(p, "stuck", [4, 5], [1, 2])}))
+            t0 = time.monotonic()
+            done, failed, _ = drive(p, d, {"stuck"}, timeout=10, sent=set())
+        assert failed[0] == {"stuck"} and done[0] == {"stuck"}
+        assert time.monotonic() - t0 < 5
+        assert dw.take_invalid_block_ids() == {4, 5}
+        assert "transfer_timeout_s=0.3" in caplog.text
+        assert not dw._remotes  # the remote is handshaken again before the next read
+    finally:
+        p.close()
+        d.close()
