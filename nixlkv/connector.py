@@ -1,24 +1,177 @@
-"""The vLLM KV connector (``NixlkvConnector``) — not implemented yet.
+"""``NixlkvConnector``: the vLLM 0.33 KV connector (pull-mode P/D) running nixlkv's TransferPlan over NIXL.
 
-It will be a ``KVConnectorBase_V1`` for vLLM 0.33 running nixlkv's TransferPlan over NIXL:
-side-channel handshake carrying each rank's ``RankGeometry``, per-request ``TransferPlan.resolve``
-and READs through ``nixlkv.transfer.NixlRank``, notifications freeing P's blocks. Until then it
-refuses loudly instead of pretending: use vLLM's own NixlConnector for serving and
-``nixlkv explain`` / ``nixlkv rehearse`` to check a P/D pairing.
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "NixlkvConnector",
+        "kv_connector_module_path": "nixlkv.connector", "kv_role": "kv_producer" | "kv_consumer",
+        "kv_connector_extra_config": {...}}'
+
+This module is the facade vLLM loads; the logic lives in ``nixlkv.vllm``: ``config`` (extra-config
+keys), ``handshake`` (wire format, side channel), ``worker`` (one per TP rank), ``scheduler``.
+See docs/vllm.md.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
-REASON = (
-    "nixlkv's vLLM connector is not implemented yet (tracked by the connector issue). "
-    "Use vLLM's NixlConnector for serving; `nixlkv explain` and `nixlkv rehearse` check a P/D pairing."
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from .core.geometry import RankGeometry
+from .vllm.config import ConfigError, ConnectorConfig
+from .vllm.handshake import compat_hash
+from .vllm.metadata import NixlkvMetadata, NixlkvStats
+from .vllm.scheduler import NixlkvScheduler
+from .vllm.worker import HandshakeInfo, NixlkvWorker, serve_reply
 
-class NixlkvConnector:
-    """Placeholder so a kv-transfer-config naming it fails at start-up with the reason."""
+logger = logging.getLogger("nixlkv.connector")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(REASON)
+__all__ = ["ConfigError", "NixlkvConnector", "NixlkvHandshakeMetadata", "tp_rank_and_size", "vllm_compat_hash"]
+
+
+@dataclass
+class NixlkvHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One worker's advertisement, carried by vLLM from the worker to the scheduler process."""
+
+    tp_rank: int
+    agent_metadata: bytes
+    geometry: dict[str, Any]  # RankGeometry.to_dict()
+
+
+def vllm_compat_hash(vllm_config: Any) -> str:
+    """What P and D must share exactly. TP sizes, block sizes and layouts are not in it: the
+    handshake advertises them and the plan checks them pairing by pairing."""
+    import vllm
+
+    model = vllm_config.model_config
+    return compat_hash({
+        "vllm": vllm.__version__,
+        "model": getattr(model, "model", None),
+        "dtype": str(getattr(model, "dtype", None)),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "transfer": "pull-read",
+    })
+
+
+def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
+    """This worker's TP rank and size (from vLLM's initialised parallel state)."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return 0, 1
+    raise RuntimeError("nixlkv: TP size > 1 but vLLM's model-parallel state is not initialised")
+
+
+class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.parse(ktc.kv_connector_extra_config)
+        self.engine_id = str(ktc.engine_id)
+        self.compat = vllm_compat_hash(vllm_config)
+        self._scheduler: NixlkvScheduler | None = None
+        self._worker: NixlkvWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = NixlkvScheduler(vllm_config, self.engine_id, self.config, self.compat)
+        else:
+            if kv_cache_config is None:
+                raise ValueError("NixlkvConnector's worker role needs the KVCacheConfig")
+            tp_rank, tp_size = tp_rank_and_size(vllm_config)
+            heads = vllm_config.model_config.get_total_num_kv_heads()
+            self._worker = NixlkvWorker(
+                self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads
+            )
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> NixlkvHandshakeMetadata | None:
+        if self._worker is None or self._worker.nixl is None:
+            return None
+        info = self._worker.handshake_info()
+        return NixlkvHandshakeMetadata(info.tp_rank, info.agent_metadata, info.geometry.to_dict())
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        self._worker.start_load_kv(meta if isinstance(meta, NixlkvMetadata) else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pull mode: the decode engine reads; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=self._worker.take_failed_recving()
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid_block_ids()
+
+    def get_kv_connector_stats(self) -> NixlkvStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> NixlkvStats:
+        return NixlkvStats(data=data) if data else NixlkvStats()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Head-major pages let a rank read its head slice as one run per block under hetero TP.
+        if vllm_config.model_config is None or vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ================================================================ scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        infos = {}
+        for tp_rank, meta in metadata.items():
+            if not isinstance(meta, NixlkvHandshakeMetadata):
+                raise ValueError(f"NixlkvConnector expects NixlkvHandshakeMetadata, got {type(meta).__name__}")
+            infos[tp_rank] = HandshakeInfo(meta.tp_rank, meta.agent_metadata, RankGeometry.from_dict(meta.geometry))
+        reply = serve_reply(self.engine_id, self._scheduler.tp_size, infos, self.compat)
+        self._scheduler.serve_handshake(reply)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> NixlkvMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # The request's own blocks are read for every group the plan covers.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)

@@ -144,6 +144,26 @@ class NixlRank:
         self.release(flight)
         return elapsed
 
+    def poll(self, flight: InFlight) -> bool:
+        """Non-blocking: True once every READ of ``flight`` is done (handles released then).
+        Raises TransferError (handles released) when one ended in error."""
+        pending = []
+        for handle in flight.handles:
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as exc:  # nixl raises for a transfer whose peer went away
+                self.release(flight)
+                raise TransferError(f"checking a NIXL READ failed: {type(exc).__name__}: {exc}") from exc
+            if state == "ERR":
+                self.release(flight)
+                raise TransferError("a NIXL READ ended in error")
+            if state != "DONE":
+                pending.append(handle)
+        if pending:
+            return False
+        self.release(flight)
+        return True
+
     def release(self, flight: InFlight) -> None:
         for handle in flight.handles:
             try:

@@ -92,8 +92,9 @@ def test_bad_scenario_file_is_a_clear_error(tmp_path: Path) -> None:
     assert "kind must be one of" in out.stderr
 
 
-def test_connector_placeholder_refuses_loudly() -> None:
+def test_connector_is_a_vllm_hma_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
+
     from nixlkv.connector import NixlkvConnector
 
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        NixlkvConnector(None, None)
+    assert issubclass(NixlkvConnector, KVConnectorBase_V1) and supports_hma(NixlkvConnector)

@@ -127,7 +127,11 @@ class GroupBlocks:
 
     ids: np.ndarray
     first_position: int  # block position of ids[0] in the request (skipped prefix blocks)
-    holds: np.ndarray  # bool [len(ids), tokens per block]
+    holds: np.ndarray  # bool [len(ids), tokens per block]; 1-D (per block) means whole blocks
+
+    def __post_init__(self) -> None:
+        holds = np.asarray(self.holds, dtype=bool)
+        object.__setattr__(self, "holds", holds[:, None] if holds.ndim == 1 else holds)
 
 
 def window_of(rank: FabricatedRank, group: int) -> int | None:
@@ -184,6 +188,12 @@ def expected_decode(rank: FabricatedRank, blocks: Sequence[GroupBlocks], seed: i
     expected = torch.full_like(rank.buffer, SENTINEL)  # 0x5A fits int8
     _write_expected(rank, expected, blocks, seed)
     return expected
+
+
+def write_pattern(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence[GroupBlocks], seed: int) -> None:
+    """Write one request's pattern (``seed`` tells requests apart) into ``target``: the rank's own
+    buffer (a prefill engine computing the request) or an expectation built by the caller."""
+    _write_expected(rank, target, blocks, seed)
 
 
 def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence[GroupBlocks], seed: int) -> None:

@@ -1,0 +1,121 @@
+"""``kv_connector_extra_config`` for NixlkvConnector: every key typed and checked, unknown keys refused.
+
+See docs/configuration.md for the user-facing description of each key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..core.errors import NixlkvError
+
+
+class ConfigError(NixlkvError):
+    """kv_connector_extra_config is malformed: the message names the key and what is accepted."""
+
+
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Parsed ``kv_connector_extra_config``."""
+
+    # strategies
+    pin_strategies: Mapping[str, str] = field(default_factory=dict)  # spec class name -> strategy name
+    disable_strategies: tuple[str, ...] = ()
+    allowed_plugins: tuple[str, ...] | None = None  # None: every installed plugin; builtin always allowed
+    # NIXL
+    backends: tuple[str, ...] = ("UCX",)
+    nixl_num_threads: int = 0
+    # side channel
+    side_channel_host: str = "localhost"
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    # timeouts and lease
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    lease_s: float = 30.0
+    max_handshake_bytes: int = 64 << 20
+    enforce_compat_hash: bool = True
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """Parse and validate; defaults for the side channel come from vLLM's own env variables
+        (``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``) so existing deployments keep their ports."""
+        env = os.environ if env is None else env
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k not in cls.known_keys())
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {cls.known_keys()}"
+            )
+        out: dict[str, Any] = {}
+        if "pin_strategies" in extra:
+            pins = extra["pin_strategies"]
+            if not isinstance(pins, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in pins.items()
+            ):
+                raise ConfigError(
+                    f"pin_strategies must map spec class names to strategy names, e.g. "
+                    f'{{"FullAttentionSpec": "full_attention"}}; got {pins!r}'
+                )
+            out["pin_strategies"] = dict(pins)
+        for key in ("disable_strategies", "backends"):
+            if key in extra:
+                out[key] = _str_list(key, extra[key], allow_empty=key != "backends")
+        if "allowed_plugins" in extra:
+            value = extra["allowed_plugins"]
+            out["allowed_plugins"] = None if value is None else _str_list("allowed_plugins", value, allow_empty=True)
+        host = extra.get("side_channel_host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"))
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"side_channel_host must be a non-empty string, got {host!r}")
+        out["side_channel_host"] = host
+        port = extra.get("side_channel_port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", DEFAULT_SIDE_CHANNEL_PORT))
+        if isinstance(port, str) and port.isdigit():
+            port = int(port)
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError(f"side_channel_port must be an integer in [0, 65535] (0: any free port), got {port!r}")
+        out["side_channel_port"] = port
+        for key in ("handshake_timeout_s", "transfer_timeout_s", "lease_s"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+                out[key] = float(value)
+        for key, lo in (("nixl_num_threads", 0), ("max_handshake_bytes", 1024)):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                    raise ConfigError(f"{key} must be an integer >= {lo}, got {value!r}")
+                out[key] = value
+        if "enforce_compat_hash" in extra:
+            value = extra["enforce_compat_hash"]
+            if not isinstance(value, bool):
+                raise ConfigError(f"enforce_compat_hash must be true or false, got {value!r}")
+            out["enforce_compat_hash"] = value
+        return cls(**out)
+
+    def dispatcher(self):  # noqa: ANN201 - avoids importing core at module load for config-only users
+        from ..core import Dispatcher
+
+        return Dispatcher.from_plugins(
+            pins=dict(self.pin_strategies), disabled=self.disable_strategies, allow=self.allowed_plugins
+        )
+
+
+def _str_list(key: str, value: Any, allow_empty: bool) -> tuple[str, ...]:
+    if (
+        not isinstance(value, (list, tuple))
+        or not all(isinstance(v, str) and v for v in value)
+        or (not value and not allow_empty)
+    ):
+        need = "a list of names" if allow_empty else "a non-empty list of names"
+        raise ConfigError(f"{key} must be {need}, got {value!r}")
+    return tuple(value)

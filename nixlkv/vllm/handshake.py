@@ -1,0 +1,297 @@
+"""Handshake wire format and the ZMQ side channel.
+
+Wire format (msgpack through msgspec, never pickle)::
+
+    reply    = [schema_version: int, compat_hash: str, payload: bytes]
+    payload  = [engine_id: str, tp_size: int, ranks: [[tp_rank: int, agent_metadata: bytes, geometry: map], ...]]
+    request  = [schema_version: int]
+
+The reader decodes ``[schema_version, compat_hash]`` first and refuses a different schema or
+compatibility hash before it looks at the payload. Then every field is checked: types (msgspec),
+then each rank's geometry (``RankGeometry.from_dict``), then the cross-field facts (engine id and
+TP size agree on every rank, every rank present once, regions inside registered memory, counts
+and sizes bounded). Anything wrong raises :class:`HandshakeError` naming the field; nothing is
+planned or transferred from a payload that did not pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..core.errors import HandshakeError
+from ..core.geometry import RankGeometry
+
+logger = logging.getLogger("nixlkv.connector")
+
+SCHEMA_VERSION = 1
+MAX_RANKS = 4096
+MAX_REGIONS = 1 << 16
+MAX_MEMORY_RANGES = 1 << 12
+MAX_PAGE_AXES = 16
+MAX_FACT_DEPTH = 4
+ADDRESS_LIMIT = 1 << 64
+
+
+class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    schema_version: int
+    compat_hash: str
+
+
+class Reply(msgspec.Struct, array_like=True):
+    schema_version: int
+    compat_hash: str
+    payload: bytes
+
+
+class RankPayload(msgspec.Struct, array_like=True):
+    tp_rank: int
+    agent_metadata: bytes
+    geometry: dict[str, Any]
+
+
+class EnginePayload(msgspec.Struct, array_like=True):
+    engine_id: str
+    tp_size: int
+    ranks: list[RankPayload]
+
+
+class Request(msgspec.Struct, array_like=True):
+    schema_version: int
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """A validated remote engine: each rank's geometry and NIXL agent metadata."""
+
+    engine_id: str
+    tp_size: int
+    geometry: dict[int, RankGeometry]
+    agent_metadata: dict[int, bytes]
+
+
+def compat_hash(inputs: Mapping[str, Any]) -> str:
+    """Hash of what both engines must share exactly (model, dtypes, wire schema...)."""
+    blob = json.dumps({"schema_version": SCHEMA_VERSION, **inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def encode_reply(engine_id: str, tp_size: int, ranks: Mapping[int, tuple[bytes, RankGeometry]], hash_: str) -> bytes:
+    payload = EnginePayload(
+        engine_id=engine_id,
+        tp_size=tp_size,
+        ranks=[RankPayload(r, meta, geo.to_dict()) for r, (meta, geo) in sorted(ranks.items())],
+    )
+    return msgspec.msgpack.encode(Reply(SCHEMA_VERSION, hash_, msgspec.msgpack.encode(payload)))
+
+
+def decode_reply(
+    raw: bytes,
+    expected_hash: str,
+    enforce_hash: bool = True,
+    max_bytes: int = 64 << 20,
+    expected_engine_id: str | None = None,
+) -> RemoteEngine:
+    """Validate a handshake reply completely, or raise HandshakeError naming what is wrong."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise HandshakeError(f"handshake reply must be bytes, got {type(raw).__name__}")
+    if len(raw) > max_bytes:
+        raise HandshakeError(f"handshake reply of {len(raw)} B exceeds max_handshake_bytes={max_bytes}")
+    try:
+        header = msgspec.msgpack.decode(raw, type=Header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HandshakeError(f"handshake header unreadable: {exc}") from None
+    if header.schema_version != SCHEMA_VERSION:
+        raise HandshakeError(
+            f"handshake schema version {header.schema_version} is not this nixlkv's {SCHEMA_VERSION}: "
+            "run the same nixlkv version on prefill and decode"
+        )
+    if header.compat_hash != expected_hash:
+        msg = (
+            f"compatibility hash mismatch: remote {header.compat_hash!r}, local {expected_hash!r} "
+            "(model, dtype, kv-cache dtype or nixlkv version differ between the engines)"
+        )
+        if enforce_hash:
+            raise HandshakeError(msg)
+        logger.warning("nixlkv %s; enforce_compat_hash=false, continuing with the geometry checks", msg)
+    try:
+        reply = msgspec.msgpack.decode(raw, type=Reply)
+        payload = msgspec.msgpack.decode(reply.payload, type=EnginePayload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HandshakeError(f"handshake payload malformed: {exc}") from None
+    return _validate(payload, expected_engine_id)
+
+
+def _validate(payload: EnginePayload, expected_engine_id: str | None) -> RemoteEngine:
+    if not payload.engine_id:
+        raise HandshakeError("handshake engine_id is empty")
+    if expected_engine_id is not None and payload.engine_id != expected_engine_id:
+        raise HandshakeError(
+            f"engine id mismatch: kv_transfer_params name {expected_engine_id!r}, the side channel "
+            f"answered for {payload.engine_id!r} (wrong remote_host/remote_port?)"
+        )
+    if not 1 <= payload.tp_size <= MAX_RANKS:
+        raise HandshakeError(f"handshake tp_size must be in [1, {MAX_RANKS}], got {payload.tp_size}")
+    if len(payload.ranks) != payload.tp_size:
+        raise HandshakeError(f"handshake lists {len(payload.ranks)} ranks for tp_size={payload.tp_size}")
+    geometry: dict[int, RankGeometry] = {}
+    agents: dict[int, bytes] = {}
+    for rp in payload.ranks:
+        if not 0 <= rp.tp_rank < payload.tp_size:
+            raise HandshakeError(f"handshake rank {rp.tp_rank} outside [0, {payload.tp_size})")
+        if rp.tp_rank in geometry:
+            raise HandshakeError(f"handshake lists rank {rp.tp_rank} twice")
+        if not rp.agent_metadata:
+            raise HandshakeError(f"rank {rp.tp_rank}: empty NIXL agent metadata")
+        _check_shape(rp.geometry, rp.tp_rank)
+        geo = RankGeometry.from_dict(rp.geometry)
+        if geo.engine_id != payload.engine_id or geo.tp_size != payload.tp_size or geo.tp_rank != rp.tp_rank:
+            raise HandshakeError(
+                f"rank {rp.tp_rank}: geometry says engine {geo.engine_id!r} tp {geo.tp_size} rank "
+                f"{geo.tp_rank}, the envelope says engine {payload.engine_id!r} tp {payload.tp_size} rank {rp.tp_rank}"
+            )
+        for a, n in geo.memory:
+            if n == 0 or a + n > ADDRESS_LIMIT:
+                raise HandshakeError(f"rank {rp.tp_rank}: memory range ({a:#x}, {n}) is empty or past 2^64")
+        for region in geo.regions:
+            if region.end > ADDRESS_LIMIT:
+                raise HandshakeError(f"rank {rp.tp_rank}: region {region.name!r} ends past 2^64")
+            if not any(a <= region.base and region.end <= a + n for a, n in geo.memory):
+                raise HandshakeError(
+                    f"rank {rp.tp_rank}: region {region.name!r} [{region.base:#x}, {region.end:#x}) lies "
+                    "outside every memory range the rank registered"
+                )
+        geometry[rp.tp_rank] = geo
+        agents[rp.tp_rank] = bytes(rp.agent_metadata)
+    return RemoteEngine(payload.engine_id, payload.tp_size, geometry, agents)
+
+
+def _check_shape(d: Mapping[str, Any], rank: int) -> None:
+    """Bound the sizes before building objects from them (a hostile payload cannot make us loop)."""
+    regions, memory = d.get("regions"), d.get("memory")
+    if not isinstance(regions, list) or not isinstance(memory, list):
+        raise HandshakeError(f"rank {rank}: geometry needs 'regions' and 'memory' lists")
+    if len(regions) > MAX_REGIONS or len(memory) > MAX_MEMORY_RANGES:
+        raise HandshakeError(
+            f"rank {rank}: {len(regions)} regions / {len(memory)} memory ranges exceed the limits "
+            f"{MAX_REGIONS} / {MAX_MEMORY_RANGES}"
+        )
+    if not memory:
+        raise HandshakeError(f"rank {rank}: no registered memory")
+    for m in memory:
+        if not isinstance(m, list) or len(m) != 2:
+            raise HandshakeError(f"rank {rank}: memory entries must be [address, nbytes], got {m!r}")
+    for r in regions:
+        if not isinstance(r, dict):
+            raise HandshakeError(f"rank {rank}: region entries must be maps, got {type(r).__name__}")
+        page = r.get("page")
+        if not isinstance(page, list) or not 1 <= len(page) <= MAX_PAGE_AXES:
+            raise HandshakeError(f"rank {rank}: region page must list 1..{MAX_PAGE_AXES} axes, got {page!r}")
+        for axis in page:
+            if not isinstance(axis, list) or len(axis) != 2 or not isinstance(axis[0], str):
+                raise HandshakeError(f"rank {rank}: page axes must be [name, size], got {axis!r}")
+        if r.get("page") and any(isinstance(a[1], int) and a[1] > ADDRESS_LIMIT for a in page):
+            raise HandshakeError(f"rank {rank}: page axis size past 2^64")
+        facts = r.get("facts", {})
+        if not isinstance(facts, dict) or not _plain(facts, 0):
+            raise HandshakeError(f"rank {rank}: region facts must be plain values nested at most {MAX_FACT_DEPTH} deep")
+
+
+def _plain(value: Any, depth: int) -> bool:
+    if depth > MAX_FACT_DEPTH:
+        return False
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+# ---------------------------------------------------------------------------- side channel
+class SideChannelServer:
+    """Answers handshake requests on ``tcp://host:port`` from a thread (ZMQ ROUTER)."""
+
+    def __init__(self, host: str, port: int, reply: Callable[[], bytes]) -> None:
+        import zmq
+
+        self._reply = reply
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # requests are tiny
+        self._sock.bind(f"tcp://{host}:{port or '*'}")  # port 0: any free port
+        self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        self.served = 0
+        self.refused = 0
+        self._thread = threading.Thread(target=self._run, name="nixlkv-side-channel", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 3:
+                self.refused += 1
+                continue
+            ident, body = frames[0], frames[-1]
+            try:
+                msgspec.msgpack.decode(body, type=Request)
+                answer = self._reply()
+                self.served += 1
+            except Exception:  # a malformed request gets an empty answer, never a crash
+                answer = b""
+                self.refused += 1
+            try:
+                self._sock.send_multipart([ident, b"", answer], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
+    """One handshake request; HandshakeError when nobody answers in ``timeout_s``."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    try:
+        ms = max(1, int(timeout_s * 1000))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, ms)
+        sock.setsockopt(zmq.SNDTIMEO, ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.connect(f"tcp://{host}:{port}")
+        try:
+            sock.send(msgspec.msgpack.encode(Request(SCHEMA_VERSION)))
+            raw = sock.recv()
+        except zmq.Again:
+            raise HandshakeError(f"no handshake answer from {host}:{port} within {timeout_s} s") from None
+        if not raw:
+            raise HandshakeError(f"{host}:{port} refused the handshake request")
+        return raw
+    finally:
+        sock.close(0)

@@ -1,0 +1,105 @@
+"""What the scheduler-side connector hands its workers each step, and the stats workers hand back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+# kv_transfer_params keys shared with vLLM's NixlConnector (proxies and routers read them).
+REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+@dataclass
+class RecvRequest:
+    """A decode-side request whose KV is read from a prefill engine."""
+
+    local_block_ids: tuple[list[int], ...]  # per KV group; empty when nothing is to be read
+    remote_block_ids: tuple[list[int], ...]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    report: bool = True  # the scheduler waits for this request (WAITING_FOR_REMOTE_KVS)
+
+
+@dataclass
+class NixlkvMetadata(KVConnectorMetadata):
+    reqs_to_recv: dict[str, RecvRequest] = field(default_factory=dict)
+    reqs_to_send: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
+
+
+def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool) -> RecvRequest:
+    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError)."""
+    missing = [k for k in (*REMOTE_KEYS, "remote_block_ids") if params.get(k) in (None, "")]
+    if missing:
+        raise ValueError(f"kv_transfer_params lack {missing}")
+    return RecvRequest(
+        local_block_ids=_groups(local_block_ids),
+        remote_block_ids=_groups(params["remote_block_ids"]),
+        remote_engine_id=str(params["remote_engine_id"]),
+        remote_request_id=str(params["remote_request_id"]),
+        remote_host=str(params["remote_host"]),
+        remote_port=int(params["remote_port"]),
+        report=report,
+    )
+
+
+def _groups(ids: Any) -> tuple[list[int], ...]:
+    """Block ids per KV group; a flat list (vLLM's single-group form) is one group."""
+    ids = list(ids or ())
+    if ids and not isinstance(ids[0], (list, tuple)):
+        return ([int(b) for b in ids],)
+    return tuple([int(b) for b in g] for g in ids)
+
+
+@dataclass
+class NixlkvStats(KVConnectorStats):
+    """Per-transfer observations of one interval; ``reduce`` summarises them for the logger."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {
+            "bytes": [], "descriptors": [], "transfer_s": [], "post_s": [],
+            "failed_transfers": 0, "failed_handshakes": 0, "expired_leases": 0, "ignored_notifications": 0,
+        }
+
+    def record(self, nbytes: int, descriptors: int, transfer_s: float, post_s: float) -> None:
+        self.data["bytes"].append(nbytes)
+        self.data["descriptors"].append(descriptors)
+        self.data["transfer_s"].append(transfer_s)
+        self.data["post_s"].append(post_s)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.data[key] += n
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        n = len(self.data["bytes"])
+        out: dict[str, int | float] = {
+            "transfers": n,
+            "bytes": int(sum(self.data["bytes"])),
+            "descriptors": int(sum(self.data["descriptors"])),
+            "avg_transfer_ms": 1e3 * sum(self.data["transfer_s"]) / n if n else 0.0,
+            "avg_post_ms": 1e3 * sum(self.data["post_s"]) / n if n else 0.0,
+        }
+        for key in ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications"):
+            out[key] = self.data[key]
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data["bytes"] and not any(
+            self.data[k] for k in ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications")
+        )

@@ -1,0 +1,119 @@
+"""Scheduler side of pull-mode P/D: which requests to read (D), which blocks to hold (P), the side channel.
+
+Decode (D): a request arriving with ``do_remote_prefill`` and the remote keys gets its whole
+prompt reported as matched remote tokens, loaded asynchronously; after allocation its unhashed
+block ids and the remote's are handed to the workers in the next step's metadata.
+Prefill (P): a request finishing with ``do_remote_decode`` keeps its blocks (``request_finished``
+returns True) and publishes kv_transfer_params under the keys vLLM's NixlConnector uses; the
+workers report it as sent once every consumer notified, or its lease expired.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import ConnectorConfig
+from .handshake import SideChannelServer
+from .metadata import NixlkvMetadata, RecvRequest, recv_from_params
+
+logger = logging.getLogger("nixlkv.connector")
+
+
+class NixlkvScheduler:
+    def __init__(self, vllm_config: Any, engine_id: str, config: ConnectorConfig, compat: str) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.compat = compat
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.side_channel_host = config.side_channel_host
+        self.side_channel_port = config.side_channel_port + int(getattr(parallel, "data_parallel_index", 0) or 0)
+        self._recv: dict[str, RecvRequest] = {}
+        self._send: dict[str, float] = {}
+        self._server: SideChannelServer | None = None
+        self._reply: bytes = b""
+
+    # ------------------------------------------------------------------ side channel
+    def serve_handshake(self, reply: bytes) -> None:
+        """Serve this engine's handshake reply (all ranks) on the side channel."""
+        self._reply = reply
+        if self._server is None:
+            self._server = SideChannelServer(self.side_channel_host, self.side_channel_port, lambda: self._reply)
+            self.side_channel_port = self._server.port
+            logger.info("nixlkv side channel engine=%s listening on %s", self.engine_id, self._server.endpoint)
+
+    # ------------------------------------------------------------------ decode side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
+        try:
+            # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
+            self._recv[request.request_id] = recv_from_params(params, local, report=num_external_tokens > 0)
+        except (ValueError, TypeError) as exc:
+            logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)
+        params["do_remote_prefill"] = False  # one transfer per request
+
+    # ------------------------------------------------------------------ both
+    def build_connector_meta(self, scheduler_output: Any) -> NixlkvMetadata:
+        meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        rid = request.request_id
+        if params.get("do_remote_prefill"):
+            # D: finished (aborted) before allocation; tell P to free its blocks, read nothing.
+            try:
+                self._recv[rid] = recv_from_params(params, (), report=False)
+            except (ValueError, TypeError):
+                pass
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: blocks free now, nothing published
+        groups = _groups(block_ids)
+        hold = any(len(g) for g in groups)
+        if hold:
+            self._send[rid] = self.config.lease_s
+        return hold, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": groups,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": int(request.num_computed_tokens),
+        }
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+def _groups(block_ids: Any) -> list[list[int]]:
+    ids = list(block_ids or ())
+    if ids and not isinstance(ids[0], (list, tuple)):
+        return [[int(b) for b in ids]]
+    return [[int(b) for b in g] for g in ids]
+

@@ -1,0 +1,341 @@
+"""Worker side: register the KV caches, handshake with remote engines, post READs, report outcomes.
+
+One ``NixlkvWorker`` per TP rank. Decode side: a request's remote engine is handshaken once (on a
+background thread, bounded by ``handshake_timeout_s``), the dispatcher builds one TransferPlan for
+it, and every request bound to that engine resolves its block ids through the plan and posts its
+READs. Prefill side: the worker counts the consumers' notifications for each request it was told
+to hold and reports it as sent (its blocks free) once all arrived or its lease expired.
+
+Failures stay local: a handshake that fails fails only the requests bound to that remote; a READ
+that errors or times out fails its request and reports its blocks as invalid.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import Dispatcher, NixlkvError, Topology, TransferPlan
+from ..transfer import InFlight, NixlRank, PreparedPlan, TransferError, parse_notification
+from ..vllm_layers import layer_caches, registered_memory
+from . import handshake
+from .config import ConnectorConfig
+from .metadata import NixlkvMetadata, NixlkvStats, RecvRequest
+
+logger = logging.getLogger("nixlkv.connector")
+
+
+@dataclass
+class HandshakeInfo:
+    """What one rank advertises (KVConnectorHandshakeMetadata payload; plain, picklable)."""
+
+    tp_rank: int
+    agent_metadata: bytes
+    geometry: Any  # RankGeometry
+
+
+@dataclass
+class _Remote:
+    key: tuple[str, str, int]
+    future: concurrent.futures.Future | None = None
+    prepared: PreparedPlan | None = None
+    agents: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Flight:
+    request: RecvRequest
+    remote: tuple[str, str, int]
+    flight: InFlight
+
+
+@dataclass
+class _Hold:
+    deadline: float
+    count: int = 0
+    consumers: int | None = None
+
+
+class NixlkvWorker:
+    def __init__(
+        self,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        kv_cache_config: Any,
+        config: ConnectorConfig,
+        compat: str,
+        total_kv_heads: Callable[[str], int] | int,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.topology = Topology(tp_size, tp_rank)
+        self.kv_cache_config = kv_cache_config
+        self.config = config
+        self.compat = compat
+        self.total_kv_heads = total_kv_heads
+        self.dispatcher = dispatcher or config.dispatcher()
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
+        self.nixl: NixlRank | None = None
+        self.geometry = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixlkv-handshake")
+        self._remotes: dict[tuple[str, str, int], _Remote] = {}
+        self._waiting: dict[str, RecvRequest] = {}  # bound to a remote whose handshake is pending
+        self._flights: dict[str, _Flight] = {}
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._holds: dict[str, _Hold] = {}
+        self._early: dict[str, tuple[int, int, float]] = {}  # notifications before the hold: count, consumers, seen
+        self._done_send: set[str] = set()
+        self.stats = NixlkvStats()
+
+    # ------------------------------------------------------------------ registration
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        memory = registered_memory(kv_caches)
+        layers = layer_caches(self.kv_cache_config, kv_caches, self.total_kv_heads)
+        self.geometry = self.dispatcher.local_geometry(self.engine_id, self.topology, layers, memory)
+        self.nixl = NixlRank(
+            f"{self.engine_id}-tp{self.topology.tp_rank}",
+            memory,
+            backends=self.config.backends,
+            num_threads=self.config.nixl_num_threads,
+        )
+        logger.info(
+            "nixlkv registered engine=%s rank=%d/%d regions=%d memory_ranges=%d",
+            self.engine_id, self.topology.tp_rank, self.topology.tp_size, len(self.geometry.regions), len(memory),
+        )
+
+    def handshake_info(self) -> HandshakeInfo:
+        if self.nixl is None:
+            raise NixlkvError("register_kv_caches must run before the handshake metadata is asked for")
+        return HandshakeInfo(self.topology.tp_rank, self.nixl.metadata(), self.geometry)
+
+    # ------------------------------------------------------------------ per step
+    def start_load_kv(self, meta: NixlkvMetadata | None) -> None:
+        if meta is not None:
+            now = time.monotonic()
+            for rid, lease in meta.reqs_to_send.items():
+                hold = _Hold(deadline=now + lease)
+                early = self._early.pop(rid, None)
+                if early is not None:  # D read before this worker heard of the request
+                    hold.count, hold.consumers = early[0], early[1]
+                    if hold.count >= hold.consumers:
+                        self._done_send.add(rid)
+                        logger.info("nixlkv notifications arrived before the hand-over req=%s: freed", rid)
+                        continue
+                self._holds[rid] = hold
+            for rid, req in meta.reqs_to_recv.items():
+                self._start_recv(rid, req)
+        self._progress()
+
+    def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str]]:
+        self._progress()
+        self._poll_flights()
+        self._read_notifications()
+        self._expire_holds()
+        sending, self._done_send = self._done_send, set()
+        recving, self._done_recv = self._done_recv, set()
+        return sending, recving
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._failed_recv = self._failed_recv, set()
+        return failed
+
+    def take_invalid_block_ids(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def take_stats(self) -> NixlkvStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, NixlkvStats()
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._flights)
+
+    # ------------------------------------------------------------------ decode side
+    def _start_recv(self, rid: str, req: RecvRequest) -> None:
+        key = (req.remote_engine_id, req.remote_host, req.remote_port)
+        remote = self._remotes.get(key)
+        if remote is None:
+            remote = self._remotes[key] = _Remote(key)
+            remote.future = self._executor.submit(self._handshake, req.remote_engine_id, req.remote_host, req.remote_port)
+            logger.info("nixlkv handshake start engine=%s remote=%s:%d", key[0], key[1], key[2])
+        if remote.prepared is None:
+            self._waiting[rid] = req
+        else:
+            self._post(rid, req, remote)
+
+    def _handshake(self, engine_id: str, host: str, port: int) -> tuple[handshake.RemoteEngine, TransferPlan]:
+        raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
+        engine = handshake.decode_reply(
+            raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id
+        )
+        plan = self.dispatcher.plan(self.geometry, engine.geometry)
+        return engine, plan
+
+    def _progress(self) -> None:
+        """Finish the handshakes that completed and post the requests waiting on them."""
+        for key, remote in list(self._remotes.items()):
+            if remote.prepared is not None or remote.future is None or not remote.future.done():
+                continue
+            try:
+                engine, plan = remote.future.result()
+                remote.agents = {r: self.nixl.add_remote(engine.agent_metadata[r]) for r in plan.covered}
+                remote.prepared = self.nixl.prepare(plan, remote.agents)
+            except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
+                del self._remotes[key]
+                bound = [rid for rid, req in self._waiting.items() if _key(req) == key]
+                self.stats.count("failed_handshakes")
+                logger.error(
+                    "nixlkv handshake failed engine=%s remote=%s:%d error=%s: %s failing_requests=%s",
+                    key[0], key[1], key[2], type(exc).__name__, exc, bound,
+                )
+                for rid in bound:
+                    self._fail(rid, self._waiting.pop(rid), f"handshake failed: {exc}")
+                continue
+            logger.info(
+                "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s",
+                key[0], next(iter(engine.geometry.values())).tp_size, list(plan.covered), list(plan.read_ranks),
+                plan.to_dict()["registered_descriptors"],
+            )
+            for rid in [rid for rid, req in self._waiting.items() if _key(req) == key]:
+                self._post(rid, self._waiting.pop(rid), remote)
+
+    def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
+        plan = remote.prepared.plan
+        try:
+            local = list(req.local_block_ids) + [[]] * (self.num_groups - len(req.local_block_ids))
+            remote_ids = list(req.remote_block_ids) + [[]] * (len(local) - len(req.remote_block_ids))
+            if not any(local):  # nothing to read (full prefix hit, abort): only free P's blocks
+                remote_ids = [[] for _ in remote_ids]
+            resolved = plan.resolve(local, remote_ids)
+            flight = self.nixl.post(remote.prepared, resolved, req.remote_request_id)
+        except (NixlkvError, ValueError) as exc:
+            if isinstance(exc, TransferError):
+                self._invalidate(remote.key)
+            self._fail(rid, req, f"{type(exc).__name__}: {exc}")
+            return
+        self._flights[rid] = _Flight(req, remote.key, flight)
+
+    def _poll_flights(self) -> None:
+        now = time.perf_counter()
+        for rid, f in list(self._flights.items()):
+            try:
+                done = self.nixl.poll(f.flight)
+            except TransferError as exc:
+                del self._flights[rid]
+                self._invalidate(f.remote)
+                self._fail(rid, f.request, str(exc))
+                continue
+            if done:
+                del self._flights[rid]
+                elapsed = now - f.flight.posted_at
+                self.stats.record(f.flight.nbytes, f.flight.descriptors, elapsed, f.flight.post_seconds)
+                if f.request.report:
+                    self._done_recv.add(rid)
+                logger.debug(
+                    "nixlkv recv done req=%s engine=%s bytes=%d descriptors=%d transfer_ms=%.2f",
+                    rid, f.remote[0], f.flight.nbytes, f.flight.descriptors, 1e3 * elapsed,
+                )
+            elif now - f.flight.posted_at > self.config.transfer_timeout_s:
+                del self._flights[rid]
+                self.nixl.release(f.flight)
+                self._invalidate(f.remote)
+                self._fail(rid, f.request, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
+
+    def _invalidate(self, key: tuple[str, str, int]) -> None:
+        """After a transfer error the remote is handshaken again before it is read from again."""
+        remote = self._remotes.get(key)
+        if remote is not None and remote.prepared is not None:
+            del self._remotes[key]
+
+    def _fail(self, rid: str, req: RecvRequest, why: str) -> None:
+        self.stats.count("failed_transfers")
+        blocks = sorted({b for g in req.local_block_ids for b in g})
+        logger.error(
+            "nixlkv recv failed req=%s engine=%s remote=%s:%d blocks=%d reason=%s",
+            rid, req.remote_engine_id, req.remote_host, req.remote_port, len(blocks), why,
+        )
+        if not req.report:
+            return
+        self._done_recv.add(rid)
+        self._failed_recv.add(rid)
+        # vLLM 0.33's scheduler maps invalid block ids to requests only with one KV group; with
+        # several (HMA) block ids are per group, so the failure travels as failed_recving only.
+        if self.num_groups == 1:
+            self._invalid_blocks.update(blocks)
+
+    # ------------------------------------------------------------------ prefill side
+    def _read_notifications(self) -> None:
+        if self.nixl is None:
+            return
+        now = time.monotonic()
+        for _agent, msgs in self.nixl.notifications().items():
+            for msg in msgs:
+                parsed = parse_notification(msg)
+                if parsed is None:
+                    self.stats.count("ignored_notifications")
+                    logger.warning("nixlkv ignored a notification that is not nixlkv's: %r", msg[:64])
+                    continue
+                rid, consumers = parsed
+                hold = self._holds.get(rid)
+                if hold is None:
+                    count, _, seen = self._early.get(rid, (0, consumers, now))
+                    self._early[rid] = (count + 1, consumers, seen)
+                    logger.warning(
+                        "nixlkv notification for unknown request %s (not held by this worker); "
+                        "ignored unless the request is handed over within lease_s=%s",
+                        rid, self.config.lease_s,
+                    )
+                    continue
+                hold.count += 1
+                hold.consumers = consumers
+                if hold.count >= consumers:
+                    del self._holds[rid]
+                    self._done_send.add(rid)
+
+    def _expire_holds(self) -> None:
+        now = time.monotonic()
+        for rid, hold in list(self._holds.items()):
+            if now >= hold.deadline:
+                del self._holds[rid]
+                self._done_send.add(rid)
+                self.stats.count("expired_leases")
+                logger.warning(
+                    "nixlkv lease expired req=%s notifications=%d/%s: freeing its blocks",
+                    rid, hold.count, hold.consumers if hold.consumers is not None else "?",
+                )
+        for rid, (count, _, seen) in list(self._early.items()):
+            if now - seen > self.config.lease_s:
+                del self._early[rid]
+                self.stats.count("ignored_notifications", count)
+                logger.warning("nixlkv dropped %d notification(s) for unknown request %s", count, rid)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.nixl is not None:
+            for f in self._flights.values():
+                self.nixl.release(f.flight)
+            self._flights.clear()
+            self.nixl.close()
+            self.nixl = None
+
+
+def _key(req: RecvRequest) -> tuple[str, str, int]:
+    return (req.remote_engine_id, req.remote_host, req.remote_port)
+
+
+def serve_reply(engine_id: str, tp_size: int, infos: Mapping[int, HandshakeInfo], compat: str) -> bytes:
+    """The side channel's answer for an engine whose ranks advertised ``infos``."""
+    if sorted(infos) != list(range(tp_size)):
+        raise NixlkvError(f"handshake metadata of ranks {sorted(infos)} for tp_size={tp_size}")
+    return handshake.encode_reply(engine_id, tp_size, {r: (i.agent_metadata, i.geometry) for r, i in infos.items()}, compat)

@@ -1,0 +1,268 @@
+"""vLLM's real v1 Scheduler + one NixlkvConnector worker per TP rank, stepped the way vLLM's engine
+core and model runner step them, with no forward pass: the test plays the model (fills prefill
+blocks with the oracle pattern, samples a fixed token).
+
+Used by the P/D acceptance tests: P runs in a separate process (``run_prefill``), D in the test.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from nixlkv.testing import oracle  # noqa: E402
+from nixlkv.testing.engines import DATA, build_rank  # noqa: E402
+from nixlkv.testing.scenario import parse  # noqa: E402
+
+EOS = 2
+
+
+def scenario(p_tp: int, d_tp: int, block_size: int = 16, num_blocks: int = 96, window: int | None = None):
+    # Matches the shipped tiny-llama config.json: 4 layers, 8 KV heads, head_dim 32, bfloat16.
+    # With ``window``: 3 sliding-window layers + 1 full-attention layer (a hybrid, several KV groups).
+    fa = {"kind": "full_attention", "num_kv_heads": 8, "head_size": 32}
+    layers = [{**fa, "count": 4}] if window is None else [
+        {"kind": "sliding_window", "count": 3, "num_kv_heads": 8, "head_size": 32, "window": window}, {**fa, "count": 1}]
+    return parse({
+        "name": f"pd-p{p_tp}-d{d_tp}",
+        "model": {"layers": layers},
+        "prefill": {"tp": p_tp, "block_size": block_size, "layout": "LBHNC", "num_blocks": num_blocks},
+        "decode": {"tp": d_tp, "block_size": block_size, "layout": "LBHNC", "num_blocks": num_blocks},
+        "request": {"num_tokens": 16},
+    })
+
+
+def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict[str, Any]):
+    from vllm.config import (
+        CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+    )
+
+    model = ModelConfig(model=str(DATA / "tiny-llama"), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                        max_model_len=4096)
+    vc = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlkvConnector", kv_connector_module_path="nixlkv.connector",
+            kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra,
+        ),
+    )
+    vc.cache_config.kv_cache_layout = "LBHNC"
+    return vc
+
+
+def request_seed(rid: str) -> int:
+    return zlib.crc32(rid.encode()) & 0xFFFF
+
+
+class PDEngine:
+    """One engine: vLLM's Scheduler (its connector built by vLLM from the kv-transfer config) and
+    one worker-role NixlkvConnector per TP rank over fabricated KV caches."""
+
+    def __init__(self, sc, role: str, engine_id: str, extra: dict[str, Any]):
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        import nixlkv.connector as nc
+
+        side = sc.prefill if role == "prefill" else sc.decode
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        self.role = role
+        self.tp = side.tp
+        self.block_size = side.block_size
+        self.ranks = [build_rank(sc, role, r) for r in range(side.tp)]
+        self.vc = vllm_config(kv_role, engine_id, side.tp, side.block_size, extra)
+        kcc = self.ranks[0].kv_cache_config
+        self.vc.cache_config.num_gpu_blocks = kcc.num_blocks
+        init_none_hash(sha256)
+        self.scheduler = Scheduler(
+            vllm_config=self.vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=side.block_size, log_stats=True,
+        )
+        assert isinstance(self.scheduler.connector, nc.NixlkvConnector)
+        self.workers = []
+        for rank in self.ranks:
+            with mock.patch.object(nc, "tp_rank_and_size", return_value=(rank.tp_rank, side.tp)):
+                w = nc.NixlkvConnector(self.vc, KVConnectorRole.WORKER, rank.kv_cache_config)
+            w.register_kv_caches(rank.kv_caches)
+            self.workers.append(w)
+        # What vLLM's engine core does after the workers registered their caches.
+        self.scheduler.connector.set_xfer_handshake_metadata(
+            {w._worker.topology.tp_rank: w.get_handshake_metadata() for w in self.workers}
+        )
+        self.aggregator = KVOutputAggregator(expected_finished_count=side.tp)
+        self.recv_blocks: dict[str, tuple[list[int], ...]] = {}
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
+        self.invalid_blocks: set[int] = set()
+        self.stats = []
+        self.outputs: dict[str, Any] = {}
+
+    @property
+    def port(self) -> int:
+        return self.scheduler.connector._scheduler.side_channel_port
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None):
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
+                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+        req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+
+    def fill(self, rid: str, block_ids: tuple[list[int], ...]) -> None:
+        """Play the prefill forward pass: the request's blocks get its oracle pattern on every rank."""
+        for rank in self.ranks:
+            gb = [oracle.GroupBlocks(np.asarray(g, dtype=np.int64), 0, np.ones(len(g), dtype=bool)) for g in block_ids]
+            oracle.write_pattern(rank, rank.buffer, gb, request_seed(rid))
+
+    def step(self) -> None:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        for rid, recv in getattr(meta, "reqs_to_recv", {}).items():
+            if recv.report:
+                self.recv_blocks[rid] = recv.local_block_ids
+        if self.role == "prefill":
+            for new in so.scheduled_new_reqs:
+                self.fill(new.req_id, new.block_ids)
+        req_ids = list(so.num_scheduled_tokens)
+        outs = []
+        for w in self.workers:  # the model runner's order (kv_connector_model_runner_mixin)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            res = w.get_transfer_results(so.finished_req_ids)
+            from vllm.v1.outputs import KVConnectorOutput
+
+            kvo = KVConnectorOutput(
+                finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+            )
+            w.clear_connector_metadata()
+            outs.append(ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[[7] for _ in req_ids], kv_connector_output=kvo,
+            ))
+        out = self.aggregator.aggregate(outs)
+        kvo = out.kv_connector_output
+        if kvo is not None:
+            self.finished_recving |= set(kvo.finished_recving or ())
+            self.failed_recving |= set(kvo.failed_recving or ())
+            self.finished_sending |= set(kvo.finished_sending or ())
+            self.invalid_blocks |= set(kvo.invalid_block_ids or ())
+            if kvo.kv_connector_stats is not None:
+                self.stats.append(kvo.kv_connector_stats)
+        for eco in self.scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                if o.finished:
+                    self.outputs[o.request_id] = o
+
+    def leaks(self) -> dict[str, Any]:
+        """What vLLM's own tests check after a run: no requests left, every block back in the pool."""
+        s = self.scheduler
+        pool = s.kv_cache_manager.block_pool
+        return {
+            "requests": len(s.requests), "waiting": len(s.waiting), "running": len(s.running),
+            "free_blocks": pool.get_num_free_blocks(), "expected_free": pool.num_gpu_blocks - 1,
+            "nonzero_refs": sum(1 for b in pool.blocks if b.ref_cnt),
+        }
+
+    def expected(self, rank_index: int, seeds: dict[str, tuple[list[int], ...]],
+                 num_tokens: dict[str, int] | None = None) -> torch.Tensor:
+        """Sentinel everywhere but in the blocks each request must hold after its load. For a
+        sliding-window group (``num_tokens`` given) that is oracle.decode_receives: the window's
+        last cdiv(window, block_size) + 1 blocks, never a null block."""
+        rank = self.ranks[rank_index]
+        target = torch.full_like(rank.buffer, oracle.SENTINEL)
+        for rid, block_ids in seeds.items():
+            gb = []
+            for group, g in enumerate(block_ids):
+                ids = np.asarray(g, dtype=np.int64)
+                holds = ids != 0
+                first = 0
+                window = oracle.window_of(rank, group)
+                if window is not None:
+                    # The list ends with the request's last block; vLLM may leave out the null
+                    # blocks below the window, so positions are counted from the tail.
+                    bs = rank.group_block_size(group)
+                    first = -(-num_tokens[rid] // bs) - ids.size
+                    assert first >= 0, (rid, group, ids.size)
+                    holds = holds[:, None] & oracle.decode_receives(first + np.arange(ids.size), num_tokens[rid], window, bs, bs)
+                gb.append(oracle.GroupBlocks(ids, first, holds))
+            oracle.write_pattern(rank, target, gb, request_seed(rid))
+        return target
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.scheduler.connector.shutdown()
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 3 * t) % 900 + 10 for t in range(n)]
+
+
+def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: float = 30.0,
+                window: int | None = None) -> None:
+    """The prefill engine process: prefill every prompt, publish kv_transfer_params to the parent,
+    then keep stepping until every consumer notified (or ``stop``); report the leak check."""
+    try:
+        engine = PDEngine(scenario(p_tp, d_tp, window=window), "prefill", "P",
+                          {"side_channel_host": "127.0.0.1", "side_channel_port": 0, "lease_s": lease_s})
+    except BaseException as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    try:
+        for i, (rid, n) in enumerate(prompts.items()):
+            engine.add(rid, prompt(i, n), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        deadline = time.monotonic() + 60
+        while len(engine.outputs) < len(prompts) and time.monotonic() < deadline:
+            engine.step()
+        conn.send({rid: o.kv_transfer_params for rid, o in engine.outputs.items()})
+        while time.monotonic() < deadline:
+            engine.step()
+            if engine.finished_sending >= set(prompts) and not engine.scheduler.requests:
+                break
+            if conn.poll(0.002):
+                if conn.recv() == "stop":
+                    break
+        conn.send({"finished_sending": sorted(engine.finished_sending), **engine.leaks()})
+        conn.recv()  # wait for the parent to say goodbye before tearing NIXL down
+    finally:
+        engine.close()
+
+
+def keep_blocks(expected: torch.Tensor, rank, block_ids: set[int]) -> None:
+    """Copy what ``rank`` holds in ``block_ids`` into ``expected`` (blocks a failed load may have
+    left in any state: vLLM treats them as invalid and recomputes or fails them)."""
+    ids = sorted(block_ids)
+    for view in rank.kv_caches.values():
+        v8 = view.view(torch.uint8)
+        e8 = expected.view(torch.uint8).as_strided(v8.size(), v8.stride(), v8.data_ptr() - rank.buffer.data_ptr())
+        e8[ids] = v8[ids]

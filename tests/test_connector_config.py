@@ -1,0 +1,93 @@
+"""kv_connector_extra_config parsing: every key typed, unknown keys listed."""
+
+from __future__ import annotations
+
+import pytest
+
+from nixlkv.vllm.config import ConfigError, ConnectorConfig
+
+
+def test_defaults_and_env_side_channel() -> None:
+    c = ConnectorConfig.parse({}, env={})
+    assert c.backends == ("UCX",) and c.side_channel_port == 5600 and c.side_channel_host == "localhost"
+    c = ConnectorConfig.parse(None, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"})
+    assert c.side_channel_port == 7000 and c.side_channel_host == "10.0.0.2"
+
+
+def test_all_keys_parse() -> None:
+    c = ConnectorConfig.parse({
+        "pin_strategies": {"FullAttentionSpec": "full_attention"},
+        "disable_strategies": ["sliding_window"],
+        "allowed_plugins": ["nixlkv_example_plugin"],
+        "backends": ["UCX"],
+        "nixl_num_threads": 4,
+        "side_channel_host": "0.0.0.0",
+        "side_channel_port": 6000,
+        "handshake_timeout_s": 2,
+        "transfer_timeout_s": 10.5,
+        "lease_s": 60,
+        "max_handshake_bytes": 1 << 20,
+        "enforce_compat_hash": False,
+    }, env={})
+    assert c.pin_strategies == {"FullAttentionSpec": "full_attention"}
+    assert c.disable_strategies == ("sliding_window",) and c.allowed_plugins == ("nixlkv_example_plugin",)
+    assert c.handshake_timeout_s == 2.0 and c.lease_s == 60.0 and not c.enforce_compat_hash
+
+
+def test_unknown_key_lists_known_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        ConnectorConfig.parse({"lease": 3, "backend": ["UCX"]}, env={})
+    msg = str(e.value)
+    assert "['backend', 'lease']" in msg and "lease_s" in msg and "backends" in msg
+
+
+@pytest.mark.parametrize("key,value", [
+    ("pin_strategies", ["full_attention"]),
+    ("pin_strategies", {"FullAttentionSpec": 3}),
+    ("disable_strategies", "sliding_window"),
+    ("backends", []),
+    ("allowed_plugins", [1]),
+    ("side_channel_port", -1),
+    ("side_channel_port", 70000),
+    ("side_channel_port", "abc"),
+    ("side_channel_port", True),
+    ("handshake_timeout_s", 0),
+    ("lease_s", -1),
+    ("transfer_timeout_s", "5"),
+    ("nixl_num_threads", -1),
+    ("max_handshake_bytes", 10),
+    ("enforce_compat_hash", "yes"),
+    ("side_channel_host", ""),
+])
+def test_bad_values_name_the_key(key, value) -> None:
+    with pytest.raises(ConfigError, match=key):
+        ConnectorConfig.parse({key: value}, env={})
+
+
+def test_dispatcher_honours_disable_and_unknown_names() -> None:
+    from nixlkv.core import RegistryError
+
+    d = ConnectorConfig.parse({"disable_strategies": ["sliding_window"]}, env={}).dispatcher()
+    assert "sliding_window" not in {r.strategy.name for r in d.registry.registered()}
+    with pytest.raises(RegistryError, match="unknown strategies"):
+        ConnectorConfig.parse({"disable_strategies": ["nope"]}, env={}).dispatcher()
+    with pytest.raises(RegistryError, match="no strategy named"):
+        ConnectorConfig.parse({"pin_strategies": {"FullAttentionSpec": "nope"}}, env={}).dispatcher()
+
+
+def test_stats_aggregate_reduce_and_rebuild() -> None:
+    from nixlkv.connector import NixlkvConnector
+    from nixlkv.vllm.metadata import NixlkvStats
+
+    a, b = NixlkvStats(), NixlkvStats()
+    assert a.is_empty()
+    a.record(1000, 10, 0.002, 0.001)
+    b.record(3000, 30, 0.004, 0.001)
+    b.count("failed_transfers")
+    a.aggregate(b)
+    r = a.reduce()
+    assert r["transfers"] == 2 and r["bytes"] == 4000 and r["descriptors"] == 40 and r["failed_transfers"] == 1
+    assert abs(r["avg_transfer_ms"] - 3.0) < 1e-9
+    rebuilt = NixlkvConnector.build_kv_connector_stats(a.to_dict())
+    assert rebuilt.reduce() == r
+    assert NixlkvConnector.build_kv_connector_stats().is_empty()

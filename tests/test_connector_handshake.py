@@ -1,0 +1,170 @@
+"""Handshake wire format: a valid reply round-trips; every malformed or hostile mutation is a
+clean HandshakeError (no crash, no other exception type); the side channel times out cleanly."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import msgspec
+import pytest
+
+from nixlkv.core import HandshakeError, PageLayout, RankGeometry, Region
+from nixlkv.vllm import handshake as hs
+
+HASH = "abc123"
+
+
+def geometry(rank: int = 0, tp: int = 2, engine: str = "P") -> RankGeometry:
+    base = 0x10000 + rank * 0x100000
+    page = PageLayout((("head", 4), ("token", 16), ("byte", 128)))
+    regions = tuple(
+        Region(f"layer.{i}", 0, "full_attention", base + i * 0x40000, 16, page.nbytes, page,
+               {"heads": [rank * 4 + h for h in range(4)], "tokens_per_block": 16})
+        for i in range(2)
+    )
+    return RankGeometry(engine, tp, rank, regions, ((base, 0x80000),))
+
+
+def ranks(tp: int = 2) -> dict:
+    return {r: (b"agent-%d" % r, geometry(r, tp)) for r in range(tp)}
+
+
+def valid() -> bytes:
+    return hs.encode_reply("P", 2, ranks(), HASH)
+
+
+def payload_dict() -> list:
+    """The payload as plain msgpack data, to mutate field by field."""
+    reply = msgspec.msgpack.decode(valid())
+    return msgspec.msgpack.decode(reply[2])
+
+
+def rewrap(payload, version=hs.SCHEMA_VERSION, hash_=HASH) -> bytes:
+    return msgspec.msgpack.encode([version, hash_, msgspec.msgpack.encode(payload)])
+
+
+def test_round_trip() -> None:
+    engine = hs.decode_reply(valid(), HASH, expected_engine_id="P")
+    assert engine.tp_size == 2 and engine.geometry[1] == geometry(1) and engine.agent_metadata[0] == b"agent-0"
+
+
+def _mut(fn):
+    def build():
+        p = payload_dict()
+        fn(p)
+        return rewrap(p)
+    return build
+
+
+def _region(fn):
+    def f(p):
+        fn(p[2][0][2]["regions"][0])
+    return f
+
+
+MUTATIONS = {
+    "empty": lambda: b"",
+    "truncated-1": lambda: valid()[:1],
+    "truncated-half": lambda: valid()[: len(valid()) // 2],
+    "truncated-last-byte": lambda: valid()[:-1],
+    "garbage": lambda: bytes(range(256)) * 4,
+    "map-not-array": lambda: msgspec.msgpack.encode({"schema_version": 1}),
+    "wrong-version": lambda: rewrap(payload_dict(), version=99),
+    "wrong-hash": lambda: rewrap(payload_dict(), hash_="other"),
+    "hash-not-str": lambda: msgspec.msgpack.encode([hs.SCHEMA_VERSION, 7, b""]),
+    "payload-not-bytes": lambda: msgspec.msgpack.encode([hs.SCHEMA_VERSION, HASH, "text"]),
+    "payload-garbage": lambda: msgspec.msgpack.encode([hs.SCHEMA_VERSION, HASH, b"\xc1\xc1"]),
+    "payload-truncated": lambda: msgspec.msgpack.encode([hs.SCHEMA_VERSION, HASH, msgspec.msgpack.encode(payload_dict())[:-3]]),
+    "engine-id-empty": _mut(lambda p: p.__setitem__(0, "")),
+    "engine-id-other": _mut(lambda p: p.__setitem__(0, "Q")),
+    "tp-size-zero": _mut(lambda p: p.__setitem__(1, 0)),
+    "tp-size-huge": _mut(lambda p: p.__setitem__(1, 10**9)),
+    "tp-size-negative": _mut(lambda p: p.__setitem__(1, -2)),
+    "tp-size-bool": _mut(lambda p: p.__setitem__(1, True)),
+    "ranks-missing": _mut(lambda p: p[2].pop()),
+    "rank-duplicate": _mut(lambda p: p[2].__setitem__(1, copy.deepcopy(p[2][0]))),
+    "rank-out-of-range": _mut(lambda p: p[2][1].__setitem__(0, 5)),
+    "rank-negative": _mut(lambda p: p[2][1].__setitem__(0, -1)),
+    "agent-metadata-empty": _mut(lambda p: p[2][0].__setitem__(1, b"")),
+    "agent-metadata-str": _mut(lambda p: p[2][0].__setitem__(1, "x")),
+    "geometry-not-map": _mut(lambda p: p[2][0].__setitem__(2, [1, 2])),
+    "geometry-no-regions": _mut(lambda p: p[2][0][2].pop("regions")),
+    "geometry-no-memory": _mut(lambda p: p[2][0][2].__setitem__("memory", [])),
+    "geometry-engine-differs": _mut(lambda p: p[2][0][2].__setitem__("engine_id", "Q")),
+    "geometry-rank-differs": _mut(lambda p: p[2][0][2].__setitem__("tp_rank", 1)),
+    "geometry-tp-differs": _mut(lambda p: p[2][0][2].__setitem__("tp_size", 4)),
+    "regions-huge-count": _mut(lambda p: p[2][0][2].__setitem__("regions", [{}] * (hs.MAX_REGIONS + 1))),
+    "memory-entry-shape": _mut(lambda p: p[2][0][2].__setitem__("memory", [[1, 2, 3]])),
+    "memory-past-2^64": _mut(lambda p: p[2][0][2].__setitem__("memory", [[2**64 - 16, 4096]])),
+    "memory-negative": _mut(lambda p: p[2][0][2].__setitem__("memory", [[-5, 4096]])),
+    "region-not-map": _mut(lambda p: p[2][0][2]["regions"].__setitem__(0, "layer")),
+    "region-base-negative": _mut(_region(lambda r: r.__setitem__("base", -1))),
+    "region-base-str": _mut(_region(lambda r: r.__setitem__("base", "0x10"))),
+    "region-num-blocks-zero": _mut(_region(lambda r: r.__setitem__("num_blocks", 0))),
+    "region-outside-memory": _mut(_region(lambda r: r.__setitem__("base", 0x7000000))),
+    "region-too-many-blocks": _mut(_region(lambda r: r.__setitem__("num_blocks", 10**6))),
+    "region-page-over-stride": _mut(_region(lambda r: r.__setitem__("block_stride", 16))),
+    "region-page-axis-negative": _mut(_region(lambda r: r["page"][0].__setitem__(1, -4))),
+    "region-page-axis-shape": _mut(_region(lambda r: r["page"].__setitem__(0, ["head"]))),
+    "region-page-too-many-axes": _mut(_region(lambda r: r.__setitem__("page", [[f"a{i}", 1] for i in range(40)]))),
+    "region-page-empty": _mut(_region(lambda r: r.__setitem__("page", []))),
+    "region-name-empty": _mut(_region(lambda r: r.__setitem__("name", ""))),
+    "region-name-duplicate": _mut(lambda p: p[2][0][2]["regions"][1].__setitem__("name", "layer.0")),
+    "region-facts-deep": _mut(_region(lambda r: r.__setitem__("facts", {"x": [[[[[[1]]]]]]}))),
+    "region-facts-int-key": _mut(_region(lambda r: r.__setitem__("facts", {1: 2}))),
+    "region-missing-stride": _mut(_region(lambda r: r.pop("block_stride"))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_mutation_is_rejected_cleanly(name: str) -> None:
+    raw = MUTATIONS[name]()
+    with pytest.raises(HandshakeError) as e:
+        hs.decode_reply(raw, HASH, expected_engine_id="P")
+    assert str(e.value)
+
+
+def test_at_least_twenty_mutations() -> None:
+    assert len(MUTATIONS) >= 20
+
+
+def test_every_truncation_is_rejected() -> None:
+    raw = valid()
+    for n in range(0, len(raw), max(1, len(raw) // 97)):
+        with pytest.raises(HandshakeError):
+            hs.decode_reply(raw[:n], HASH)
+
+
+def test_oversized_reply_is_refused_before_decoding() -> None:
+    with pytest.raises(HandshakeError, match="max_handshake_bytes"):
+        hs.decode_reply(valid(), HASH, max_bytes=100)
+
+
+def test_hash_mismatch_names_both_and_can_be_overridden() -> None:
+    with pytest.raises(HandshakeError, match="'other'.*'abc123'"):
+        hs.decode_reply(rewrap(payload_dict(), hash_="other"), HASH)
+    assert hs.decode_reply(rewrap(payload_dict(), hash_="other"), HASH, enforce_hash=False).tp_size == 2
+
+
+def test_side_channel_round_trip_and_timeout() -> None:
+    server = hs.SideChannelServer("127.0.0.1", 0, valid)
+    try:
+        raw = hs.fetch("127.0.0.1", server.port, 2.0, 1 << 20)
+        assert hs.decode_reply(raw, HASH).engine_id == "P"
+        # a malformed request gets an empty answer, the server keeps serving
+        import zmq
+
+        s = zmq.Context.instance().socket(zmq.REQ)
+        s.setsockopt(zmq.RCVTIMEO, 2000)
+        s.connect(f"tcp://127.0.0.1:{server.port}")
+        s.send(b"\xc1garbage")
+        assert s.recv() == b""
+        s.close(0)
+        assert hs.decode_reply(hs.fetch("127.0.0.1", server.port, 2.0, 1 << 20), HASH).tp_size == 2
+    finally:
+        server.close()
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError, match="no handshake answer"):
+        hs.fetch("127.0.0.1", server.port, 0.3, 1 << 20)
+    assert time.monotonic() - t0 < 2

@@ -1,0 +1,81 @@
+"""Request lifecycle edges with vLLM's real Scheduler on both sides (P and D in this process):
+aborts on either side and lease expiry free every block, with no transfer where none is due."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pd_harness import PDEngine, prompt, scenario
+
+pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
+
+SIDE = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
+
+
+def clean(engine: PDEngine) -> None:
+    leaks = engine.leaks()
+    assert leaks["requests"] == leaks["waiting"] == leaks["running"] == leaks["nonzero_refs"] == 0, leaks
+    assert leaks["free_blocks"] == leaks["expected_free"], leaks
+
+
+def prefill(p: PDEngine, rid: str, n: int) -> dict:
+    p.add(rid, prompt(1, n), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    while rid not in p.outputs:
+        p.step()
+    return dict(p.outputs[rid].kv_transfer_params)
+
+
+def test_decode_abort_before_allocation_frees_prefill_blocks_at_once() -> None:
+    from vllm.v1.request import RequestStatus
+
+    p = PDEngine(scenario(1, 1), "prefill", "P", {**SIDE, "lease_s": 600.0})
+    d = PDEngine(scenario(1, 1), "decode", "D", SIDE)
+    try:
+        params = prefill(p, "r", 50)
+        assert p.scheduler.requests  # held for the consumer
+        d.add("r", prompt(1, 50), 2, params)
+        d.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+        deadline = time.monotonic() + 20
+        while "r" not in p.finished_sending and time.monotonic() < deadline:
+            d.step()
+            p.step()
+        assert p.finished_sending == {"r"}  # by D's notification, long before the 600 s lease
+        assert not d.finished_recving and not d.failed_recving
+        clean(p)
+        clean(d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_prefill_abort_publishes_nothing_and_frees() -> None:
+    from vllm.v1.request import RequestStatus
+
+    p = PDEngine(scenario(1, 1), "prefill", "P", SIDE)
+    try:
+        p.add("x", prompt(2, 70), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        p.scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+        p.step()
+        assert not p.finished_sending
+        clean(p)
+    finally:
+        p.close()
+
+
+def test_lease_expiry_frees_unread_blocks() -> None:
+    p = PDEngine(scenario(1, 1), "prefill", "P", {**SIDE, "lease_s": 0.5})
+    try:
+        prefill(p, "y", 33)
+        assert p.scheduler.requests
+        deadline = time.monotonic() + 10
+        while "y" not in p.finished_sending and time.monotonic() < deadline:
+            p.step()
+            time.sleep(0.01)
+        assert p.finished_sending == {"y"}
+        clean(p)
+        total = sum(s.reduce()["expired_leases"] for s in p.stats)
+        assert total == 1
+    finally:
+        p.close()

@@ -1,0 +1,204 @@
+"""NixlkvWorker: two engines in one process over loopback, real handshake, real NIXL, byte oracle."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from nixlkv.testing import oracle
+from nixlkv.transfer import notification
+from nixlkv.vllm.config import ConnectorConfig
+from nixlkv.vllm.metadata import NixlkvMetadata, RecvRequest
+
+from connector_helpers import Engine, blocks, fa_scenario
+
+pytestmark = pytest.mark.nixl
+
+
+def recv(p: Engine, rid: str, local: list[int], remote: list[int], port: int | None = None) -> RecvRequest:
+    return RecvRequest(
+        local_block_ids=(list(local),), remote_block_ids=(list(remote),), remote_engine_id=p.engine_id,
+        remote_request_id=rid, remote_host="127.0.0.1", remote_port=port or p.server.port,
+    )
+
+
+def drive(p: Engine, d: Engine, rids: set[str], timeout: float = 20.0, sent: set[str] | None = None):
+    """Step every worker as the model runner would until D reported every request in ``rids`` and
+    P freed every request in ``sent`` (default: ``rids``)."""
+    sent = rids if sent is None else sent
+    done_recv = {i: set() for i in range(len(d.workers))}
+    failed = {i: set() for i in range(len(d.workers))}
+    done_send = {i: set() for i in range(len(p.workers))}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for i, w in enumerate(d.workers):
+            w.start_load_kv(None)
+            _, r = w.get_finished(set())
+            done_recv[i] |= r
+            failed[i] |= w.take_failed_recving()
+        for i, w in enumerate(p.workers):
+            s, _ = w.get_finished(set())
+            done_send[i] |= s
+        if all(v >= rids for v in done_recv.values()) and all(v >= sent for v in done_send.values()):
+            break
+        time.sleep(0.002)
+    return done_recv, failed, done_send
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (1, 1)])
+def test_pd_worker_byte_exact(p_tp: int, d_tp: int) -> None:
+    sc = fa_scenario(p_tp, d_tp, num_tokens=200)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D")
+    try:
+        p_ids, d_ids = [5, 9, 3, 20, 21, 22, 40, 7, 8, 11, 12, 13, 30], [60, 2, 14, 15, 16, 33, 34, 35, 50, 51, 52, 53, 1]
+        for r in p.ranks:
+            oracle.fill_prefill(r, blocks(r, p_ids), seed=3)
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        for w in p.workers:
+            w.start_load_kv(NixlkvMetadata(reqs_to_send={"req-1": 30.0}))
+        for w in d.workers:
+            w.start_load_kv(NixlkvMetadata(reqs_to_recv={"req-1": recv(p, "req-1", d_ids, p_ids)}))
+        done_recv, failed, done_send = drive(p, d, {"req-1"})
+        assert all(v == {"req-1"} for v in done_recv.values()), done_recv
+        assert not any(failed.values())
+        assert all(v == {"req-1"} for v in done_send.values()), done_send
+        for r in d.ranks:
+            assert oracle.compare(r, oracle.expected_decode(r, blocks(r, d_ids), seed=3)) is None
+        stats = d.workers[0].take_stats()
+        assert stats is not None and stats.reduce()["bytes"] > 0 and stats.reduce()["transfers"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_handshake_timeout_fails_only_bound_requests() -> None:
+    """A remote nobody answers for fails its requests after handshake_timeout_s; a healthy one still serves."""
+    sc = fa_scenario(1, 1, num_tokens=40)
+    cfg = ConnectorConfig(handshake_timeout_s=0.3)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D", config=cfg)
+    try:
+        for r in p.ranks:
+            oracle.fill_prefill(r, blocks(r, [1, 2, 3]), seed=3)
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        p.workers[0].start_load_kv(NixlkvMetadata(reqs_to_send={"good": 30.0}))
+        dead = recv(p, "dead", [4, 5, 6], [1, 2, 3], port=1)  # nothing listens on port 1
+        dead.remote_engine_id = "P-dead"
+        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"dead": dead, "good": recv(p, "good", [7, 8, 9], [1, 2, 3])}))
+        done_recv, failed, done_send = drive(p, d, {"dead", "good"}, timeout=10, sent={"good"})
+        assert done_recv[0] == {"dead", "good"}
+        assert failed[0] == {"dead"}
+        assert d.workers[0].take_invalid_block_ids() == {4, 5, 6}
+        assert done_send[0] == {"good"}
+        assert oracle.compare(d.ranks[0], oracle.expected_decode(d.ranks[0], blocks(d.ranks[0], [7, 8, 9]), seed=3)) is None
+    finally:
+        p.close()
+        d.close()
+
+
+def test_out_of_range_block_ids_fail_the_request_only() -> None:
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D")
+    try:
+        oracle.fill_decode(d.ranks[0])
+        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"bad": recv(p, "bad", [1, 2, 999], [1, 2, 3])}))
+        done_recv, failed, _ = drive(p, d, {"bad"}, timeout=5, sent=set())
+        assert failed[0] == {"bad"} and done_recv[0] == {"bad"}
+        assert d.workers[0].take_invalid_block_ids() == {1, 2, 999}
+        assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing written
+    finally:
+        p.close()
+        d.close()
+
+
+def test_unknown_notification_is_ignored_and_logged(caplog) -> None:
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=False, config=ConnectorConfig(lease_s=0.2))
+    d = Engine(sc, "decode", "D")
+    try:
+        pw, dw = p.workers[0], d.workers[0]
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"held": 30.0}))
+        name = dw.nixl.add_remote(pw.nixl.metadata())
+        time.sleep(0.2)
+        with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
+            dw.nixl.agent.send_notif(name, notification("nobody", 1))
+            dw.nixl.agent.send_notif(name, b"not-nixlkv")
+            sent = set()
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not pw._early:
+                sent |= pw.get_finished(set())[0]
+                time.sleep(0.01)
+            time.sleep(0.3)
+            sent |= pw.get_finished(set())[0]
+        assert sent == set()  # neither the held request nor anything else freed
+        assert "held" in pw._holds
+        assert "unknown request nobody" in caplog.text
+        assert "dropped 1 notification(s) for unknown request nobody" in caplog.text
+        assert pw.take_stats().reduce()["ignored_notifications"] >= 2
+    finally:
+        p.close()
+        d.close()
+
+
+def test_lease_expiry_frees_blocks(caplog) -> None:
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P", config=ConnectorConfig(lease_s=0.1))
+    try:
+        pw = p.workers[0]
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"r": 0.1}))
+        assert pw.get_finished(set())[0] == set()
+        time.sleep(0.15)
+        with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
+            assert pw.get_finished(set())[0] == {"r"}
+        assert "lease expired req=r" in caplog.text
+    finally:
+        p.close()
+
+
+def test_notifications_before_the_hand_over_still_free() -> None:
+    """D may finish reading before P's worker gets the request in its metadata (the next step)."""
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P")
+    d = Engine(sc, "decode", "D")
+    try:
+        pw, dw = p.workers[0], d.workers[0]
+        name = dw.nixl.add_remote(pw.nixl.metadata())
+        dw.nixl.agent.send_notif(name, notification("early", 1))
+        deadline = time.monotonic() + 5
+        while "early" not in pw._early and time.monotonic() < deadline:
+            assert pw.get_finished(set())[0] == set()
+            time.sleep(0.005)
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"early": 30.0}))
+        assert pw.get_finished(set())[0] == {"early"}
+        assert not pw._holds
+    finally:
+        p.close()
+        d.close()
+
+
+def test_read_that_never_completes_times_out(monkeypatch, caplog) -> None:
+    """A READ stuck in flight (peer hung, not dead) fails after transfer_timeout_s; no engine hang."""
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D", config=ConnectorConfig(transfer_timeout_s=0.3))
+    try:
+        dw = d.workers[0]
+        monkeypatch.setattr(dw.nixl, "poll", lambda flight: False)  # the READ never reports DONE
+        with caplog.at_level(logging.ERROR, logger="nixlkv.connector"):
+            dw.start_load_kv(NixlkvMetadata(reqs_to_recv={"stuck": recv(p, "stuck", [4, 5], [1, 2])}))
+            t0 = time.monotonic()
+            done, failed, _ = drive(p, d, {"stuck"}, timeout=10, sent=set())
+        assert failed[0] == {"stuck"} and done[0] == {"stuck"}
+        assert time.monotonic() - t0 < 5
+        assert dw.take_invalid_block_ids() == {4, 5}
+        assert "transfer_timeout_s=0.3" in caplog.text
+        assert not dw._remotes  # the remote is handshaken again before the next read
+    finally:
+        p.close()
+        d.close()
