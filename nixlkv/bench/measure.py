@@ -61,9 +61,9 @@ def posted_after_merge(local_rows: np.ndarray, local_ids: np.ndarray, remote_row
     rids = np.asarray(remote_ids, dtype=np.int64)
     if lids.shape != rids.shape:
         raise ValueError(f"{lids.size} local ids but {rids.size} remote ids")
+    lrow, rrow = row_index(local_rows, lids), row_index(remote_rows, rids)
     if lids.size < 2:
         return int(lids.size)
-    lrow, rrow = row_index(local_rows, lids), row_index(remote_rows, rids)
     ldense = (local_rows[:, 1] == local_rows[:, 3])[lrow]
     rdense = (remote_rows[:, 1] == remote_rows[:, 3])[rrow]
     joins = (

@@ -56,7 +56,7 @@ def plot(out: dict[str, Any], path: str | Path) -> Path:
     for r in out.get("cases", []):
         if r["pattern"] == "contiguous":
             series.setdefault(f"{r['shape']} P{r['p_tp']}->D{r['d_tp']}", []).append(r)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 6))
     for i, (name, rows) in enumerate(sorted(series.items())):
         rows = sorted(rows, key=lambda r: r["tokens"])
         if len(rows) < 2:
@@ -73,9 +73,10 @@ def plot(out: dict[str, Any], path: str | Path) -> Path:
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    a2.legend(fontsize=6, loc="upper left")
-    fig.suptitle(f"nixlkv vs vLLM 0.33 planner, decode rank 0, contiguous block ids ({out.get('mode')} run)")
-    fig.tight_layout()
+    handles, labels = a2.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.suptitle(f"nixlkv (solid) vs vLLM 0.33 planner (dashed), decode rank 0, contiguous block ids ({out.get('mode')} run)")
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
