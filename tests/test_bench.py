@@ -21,6 +21,8 @@ from nixlkv.bench.shapes import Case, Shape, block_ids, fabricate_rank
 from nixlkv.bench.vllm_baseline import VllmPlanner
 from nixlkv.core import Dispatcher
 
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 TINY = Shape("tiny-gqa", "full_attention", 3, {"num_kv_heads": 4, "head_size": 32, "dtype": "bfloat16", "head_size_v": None}, 16)
 TINY_MLA = Shape("tiny-mla", "mla", 2, {"kv_lora_rank": 64, "qk_rope_head_dim": 32, "cache_dtype": "auto", "dtype": "bfloat16"}, 16)
 
