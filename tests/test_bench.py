@@ -143,3 +143,9 @@ def test_cli_bench_quick_json_has_every_headline_key(monkeypatch, capsys, tmp_pa
     assert out["transfer_layers"] == "2 of 2"
     assert "llama-8b-like P4->D2 8k contiguous" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vllm_planner_needs_its_handshake_first() -> None:
+    vllm = VllmPlanner(TINY, 1, 1, 0, 20, [0, 1000, 2000], {0: [0, 1000, 2000]})
+    with pytest.raises(RuntimeError, match="handshake"):
+        vllm.desc_ids([[1, 2]], [[1, 2]])

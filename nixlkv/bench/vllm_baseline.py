@@ -142,12 +142,18 @@ class VllmPlanner:
             remote[rank] = ns._build_fa_remote(mapping, meta, 1)
         self.mapping, self.local_rows, self.split_rows, self.remote_rows = mapping, local, splits, remote
 
+    def _mapping(self):
+        if self.mapping is None:
+            raise RuntimeError("VllmPlanner.handshake() must run before requests are planned")
+        return self.mapping
+
     @property
     def source_ranks(self) -> tuple[int, ...]:
-        return tuple(self.mapping.all_source_ranks)
+        return tuple(self._mapping().all_source_ranks)
 
     def registered_descriptors(self) -> int:
         """Descriptors vLLM prepares for this pair: the local handle, the split handles, the remote handles."""
+        self._mapping()
         rows = [self.local_rows, *self.split_rows, *self.remote_rows.values()]
         return int(sum(int(r[:, 4].sum()) for r in rows))
 
@@ -160,7 +166,7 @@ class VllmPlanner:
         """
         ns = self.worker
         out = []
-        for rank in self.mapping.all_source_ranks:
+        for rank in self._mapping().all_source_ranks:
             remote_ids = ns._compute_desc_ids(
                 block_ids=remote_block_ids,
                 dst_num_blocks=self.num_blocks,
