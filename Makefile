@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nixlkv-installed
 
-.PHONY: venv test rehearse lock clean
+.PHONY: venv test rehearse bench bench-quick bench-pytest lock clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,17 @@ test: venv
 
 rehearse: venv
 	$(BIN)/nixlkv rehearse
+
+# nixlkv against vLLM 0.33's own planner (docs/performance.md). Timings: ratios within one run.
+bench-quick: venv
+	$(BIN)/nixlkv bench --quick --json
+
+bench: venv
+	$(BIN)/nixlkv bench --markdown docs/performance-tables.md --plot docs/performance.png
+
+# pytest-benchmark suite; outside tests/ so `make test` never times anything
+bench-pytest: venv
+	$(BIN)/python -m pytest benchmarks
 
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm|nixl|nixl-cu12|nixl-cu13)==' > requirements/cpu-lock.txt

@@ -1,4 +1,4 @@
-"""``nixlkv strategies | explain | rehearse``."""
+"""``nixlkv strategies | explain | rehearse | bench``."""
 
 from __future__ import annotations
 
@@ -155,6 +155,32 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.report import markdown, plot
+    from .bench.run import headline_ok, run
+
+    def progress(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    out = run(quick=args.quick, with_transfers=not args.no_transfer, transfer_reps=args.transfer_reps, progress=progress)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(out))
+    if args.plot:
+        plot(out, args.plot)
+    bad = headline_ok(out)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(markdown(out))
+        headline = {k: v for k, v in out.items() if not isinstance(v, (list, dict))}
+        for k, v in headline.items():
+            print(f"{k:<40} {v:.4g}" if isinstance(v, float) else f"{k:<40} {v}")
+    if bad:
+        print(f"error: headline figures missing or not finite and positive: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nixlkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("--plans", action="store_true", help="include the full plans in the --json output (needs --json)")
     p.set_defaults(func=cmd_rehearse)
+    p = sub.add_parser("bench", help="nixlkv against vLLM 0.33's own planner: planning time, descriptors, NIXL GB/s")
+    p.add_argument("--quick", action="store_true", help="Llama-8B-like subset (under ~3 minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (headline keys first)")
+    p.add_argument("--no-transfer", action="store_true", help="planning only: no NIXL transfers, no memcpy")
+    p.add_argument("--transfer-reps", type=int, help="repetitions per real transfer (default 5 quick, 9 full)")
+    p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
+    p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")
+    p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     if getattr(args, "plans", False) and not args.json:
         parser.error("--plans needs --json")

@@ -56,6 +56,8 @@ class InFlight:
     post_seconds: float = 0.0
     descriptors: int = 0
     nbytes: int = 0
+    # Descriptors NIXL actually posted after merging adjacent ones (telemetry; None unless captured).
+    posted_descriptors: int | None = None
 
 
 class NixlRank:
@@ -69,12 +71,15 @@ class NixlRank:
         device_id: int = 0,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
+        capture_telemetry: bool = False,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
         self.mem_type = mem_type
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends), num_threads=num_threads))
+        self.capture_telemetry = capture_telemetry
+        config = nixl_agent_config(backends=list(backends), num_threads=num_threads, capture_telemetry=capture_telemetry)
+        self.agent = nixl_agent(self.name, config)
         regs = [(int(a), int(n), device_id, "") for a, n in memory]
         self._reg = self.agent.register_memory(regs, mem_type)
         self._prepped: list[object] = []
@@ -141,6 +146,8 @@ class NixlRank:
                 self.release(flight)
                 raise TransferError(f"READs not done after {timeout} s")
         elapsed = time.perf_counter() - flight.posted_at
+        if self.capture_telemetry:  # what NIXL posted after its merge, read before the handles go
+            flight.posted_descriptors = sum(int(self.agent.get_xfer_telemetry(h).descCount) for h in flight.handles)
         self.release(flight)
         return elapsed
 

@@ -1,0 +1,208 @@
+"""Real NIXL READs over DRAM: nixlkv's plan and vLLM's descriptors, next to a same-run memcpy.
+
+One decode rank (rank 0) and the prefill ranks it covers get real, touched numpy buffers laid out
+as :func:`nixlkv.bench.shapes.fabricate_rank` describes; the model may be scaled down in layers
+(same per-layer geometry) so that the buffers fit a small shared machine. Each repetition runs,
+in alternating order: a single-thread memcpy of the request's byte count, nixlkv's READs
+(``NixlRank.post`` of ``TransferPlan.resolve``), and the READs vLLM's own code computes
+(its descriptor rows and ids, posted the way ``_read_blocks`` posts them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core import Dispatcher, covered_remote_ranks
+from ..core.plan import expand_ids
+from ..transfer import NixlRank, TransferError
+from .measure import Timing, memcpy_seconds, posted_after_merge
+from .shapes import Case, block_ids, fabricate_rank, rank_layout
+from .vllm_baseline import VllmPlanner
+
+WAIT_TIMEOUT = 120.0
+
+
+@dataclass
+class TransferResult:
+    label: str
+    layers: int  # layers actually moved
+    model_layers: int  # layers of the model shape (the transfer is scaled down when fewer)
+    nbytes: int  # bytes one request moves into decode rank 0
+    ours: Timing
+    vllm: Timing
+    memcpy: Timing
+    descs_posted_ours_nixl: int  # NIXL telemetry descCount, summed over the READs
+    descs_posted_ours_computed: int  # measure.posted_after_merge on the same ids
+    descs_posted_vllm_nixl: int
+    descs_posted_vllm_computed: int
+    spot_checked_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def gbps(self, t: Timing) -> float:
+        return self.nbytes / t.p50 / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "layers": self.layers,
+            "model_layers": self.model_layers,
+            "bytes": self.nbytes,
+            "ours_ms_p50": self.ours.p50 * 1e3,
+            "ours_ms_p99": self.ours.p99 * 1e3,
+            "vllm_ms_p50": self.vllm.p50 * 1e3,
+            "vllm_ms_p99": self.vllm.p99 * 1e3,
+            "memcpy_ms_p50": self.memcpy.p50 * 1e3,
+            "ours_gbps": self.gbps(self.ours),
+            "vllm_gbps": self.gbps(self.vllm),
+            "memcpy_gbps": self.gbps(self.memcpy),
+            "ours_vs_memcpy": self.memcpy.p50 / self.ours.p50,
+            "vllm_vs_memcpy": self.memcpy.p50 / self.vllm.p50,
+            "reps": self.ours.reps,
+            "descs_posted_ours_nixl": self.descs_posted_ours_nixl,
+            "descs_posted_ours_computed": self.descs_posted_ours_computed,
+            "descs_posted_vllm_nixl": self.descs_posted_vllm_nixl,
+            "descs_posted_vllm_computed": self.descs_posted_vllm_computed,
+            "spot_checked_bytes": self.spot_checked_bytes,
+            "notes": self.notes,
+        }
+
+
+def _buffer(nbytes: int, fill: int | None) -> np.ndarray:
+    """A page-touched buffer: untouched pages would make reads free and writes fault mid-timing."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    if fill is None:
+        buf.fill(0)
+    else:
+        words = buf[: nbytes - nbytes % 8].view(np.uint64)
+        words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(fill)
+    return buf
+
+
+def run_transfer(case: Case, num_layers: int, reps: int, dispatcher: Dispatcher, seed: int = 0) -> TransferResult:
+    """Move one request of ``case`` into decode rank ``case.d_rank``, ``reps`` times each way."""
+    shape = case.shape
+    rng = np.random.default_rng(seed)
+    nb = case.num_blocks
+    covered = list(covered_remote_ranks(case.d_rank, case.d_tp, case.p_tp))
+    _, d_bytes = rank_layout(shape, case.d_tp, nb, num_layers)
+    _, p_bytes = rank_layout(shape, case.p_tp, nb, num_layers)
+    d_buf = _buffer(d_bytes, None)
+    p_bufs = {r: _buffer(p_bytes, fill=r + 1) for r in covered}
+    local = fabricate_rank(dispatcher, shape, "decode", case.d_tp, case.d_rank, nb, base=d_buf.ctypes.data, num_layers=num_layers)
+    remote = {
+        r: fabricate_rank(dispatcher, shape, "prefill", case.p_tp, r, nb, base=b.ctypes.data, num_layers=num_layers)
+        for r, b in p_bufs.items()
+    }
+    plan = dispatcher.plan(local, remote)
+    vllm = VllmPlanner(
+        shape, case.p_tp, case.d_tp, case.d_rank, nb,
+        [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()},
+        num_layers=num_layers,
+    )
+    vllm.handshake()
+    n = case.num_request_blocks
+    p_ids = block_ids(case.pattern, n, nb, rng)
+    d_ids = block_ids(case.pattern, n, nb, rng)
+    resolved = plan.resolve([d_ids], [p_ids], case.num_tokens)
+    v_reads = vllm.reads([d_ids], [p_ids])
+    nbytes = sum(int(expand_ids(plan.local_descs, r.local_ids)[1].sum()) for r in resolved.reads)
+    v_bytes = sum(int(expand_ids(r.local_rows, r.local_ids)[1].sum()) for r in v_reads)
+    if v_bytes != nbytes:
+        raise TransferError(f"{case.label}: nixlkv moves {nbytes} bytes but vLLM's descriptors move {v_bytes}")
+
+    d_nixl = NixlRank("bench-D", [(d_buf.ctypes.data, d_buf.nbytes)], capture_telemetry=True)
+    p_nixl = {r: NixlRank(f"bench-P{r}", [(b.ctypes.data, b.nbytes)]) for r, b in p_bufs.items()}
+    src, dst = _buffer(nbytes, fill=7), _buffer(nbytes, None)
+    try:
+        agents = {r: d_nixl.add_remote(p.metadata()) for r, p in p_nixl.items()}
+        prepared = d_nixl.prepare(plan, agents)
+        agent = d_nixl.agent
+        v_local = {id(rows): agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM") for rows in [vllm.local_rows, *vllm.split_rows]}
+        v_remote = {r: agent.prep_xfer_dlist(agents[r], rows, "DRAM") for r, rows in vllm.remote_rows.items()}
+        posted: dict[str, int] = {}
+
+        def ours() -> None:
+            flight = d_nixl.post(prepared, resolved, "bench-req")
+            d_nixl.wait(flight, WAIT_TIMEOUT)
+            posted["ours"] = int(flight.posted_descriptors or 0)
+
+        def theirs() -> None:
+            handles = []
+            for read in v_reads:
+                h = agent.make_prepped_xfer(
+                    "READ", v_local[id(read.local_rows)], read.local_ids, v_remote[read.remote_rank], read.remote_ids,
+                    notif_msg=b"bench-req:1",
+                )
+                if agent.transfer(h) == "ERR":
+                    raise TransferError(f"NIXL refused vLLM's READ from rank {read.remote_rank}")
+                handles.append(h)
+            deadline = time.perf_counter() + WAIT_TIMEOUT
+            while any(agent.check_xfer_state(h) == "PROC" for h in handles):
+                if time.perf_counter() > deadline:
+                    raise TransferError("vLLM-style READs not done in time")
+            if any(agent.check_xfer_state(h) == "ERR" for h in handles):
+                raise TransferError("a vLLM-style READ ended in error")
+            posted["vllm"] = sum(int(agent.get_xfer_telemetry(h).descCount) for h in handles)
+            for h in handles:
+                agent.release_xfer_handle(h)
+
+        fns = [lambda: memcpy_seconds(dst, src), ours, theirs]
+        samples: list[list[float]] = [[], [], []]
+        for fn in fns:  # warm-up: connections, page tables, first-touch
+            fn()
+        checked = _spot_check(plan, resolved, d_buf, p_bufs)
+        for rep in range(reps):
+            for i in (0, 1, 2) if rep % 2 == 0 else (2, 1, 0):
+                t0 = time.perf_counter()
+                fns[i]()
+                samples[i].append(time.perf_counter() - t0)
+        for p in p_nixl.values():
+            p.notifications()  # drain
+    finally:
+        d_nixl.close()
+        for p in p_nixl.values():
+            p.close()
+    comp_ours = sum(
+        posted_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids) for r in resolved.reads
+    )
+    comp_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
+    notes = []
+    if num_layers != shape.num_layers:
+        notes.append(f"scaled down to {num_layers} of {shape.num_layers} layers (same per-layer geometry)")
+    return TransferResult(
+        label=case.label,
+        layers=num_layers,
+        model_layers=shape.num_layers,
+        nbytes=nbytes,
+        memcpy=Timing.of(samples[0]),
+        ours=Timing.of(samples[1]),
+        vllm=Timing.of(samples[2]),
+        descs_posted_ours_nixl=posted["ours"],
+        descs_posted_ours_computed=comp_ours,
+        descs_posted_vllm_nixl=posted["vllm"],
+        descs_posted_vllm_computed=comp_vllm,
+        spot_checked_bytes=checked,
+        notes=notes,
+    )
+
+
+def _spot_check(plan, resolved, d_buf: np.ndarray, p_bufs: dict[int, np.ndarray], samples: int = 512) -> int:
+    """Compare a spread of moved descriptors byte for byte (after the warm-up READs): a bench that
+    moves the wrong bytes fast is worthless. Returns bytes compared; raises on a difference."""
+    d0 = d_buf.ctypes.data
+    checked = 0
+    for read in resolved.reads:
+        la, ln = expand_ids(plan.local_descs, read.local_ids)
+        ra, _ = expand_ids(plan.remote_descs[read.remote_rank], read.remote_ids)
+        p = p_bufs[read.remote_rank]
+        p0 = p.ctypes.data
+        for i in np.linspace(0, la.size - 1, num=min(samples, la.size)).astype(np.int64):
+            lo, ro, k = int(la[i]) - d0, int(ra[i]) - p0, int(ln[i])
+            if not np.array_equal(d_buf[lo : lo + k], p[ro : ro + k]):
+                raise TransferError(f"descriptor {i} of the READ from rank {read.remote_rank}: bytes differ after the transfer")
+            checked += k
+    return checked

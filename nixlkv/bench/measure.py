@@ -1,0 +1,84 @@
+"""Measurements: interleaved timings, descriptors NIXL posts after its merge, memcpy reference."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median and 99th percentile over the repetitions."""
+
+    p50: float
+    p99: float
+    reps: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        a = np.asarray(samples, dtype=np.float64)
+        return cls(float(np.median(a)), float(np.percentile(a, 99)), int(a.size))
+
+
+def interleaved(fns: Sequence[Callable[[], object]], reps: int, warmup: int = 2) -> list[Timing]:
+    """Time each function ``reps`` times, alternating between them (and which goes first) so
+    that load from the rest of a shared machine hits all of them alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
+    for rep in range(reps):
+        for i in order if rep % 2 == 0 else reversed(order):
+            t0 = time.perf_counter()
+            fns[i]()
+            samples[i].append(time.perf_counter() - t0)
+    return [Timing.of(s) for s in samples]
+
+
+def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which strided row ``(addr, len, dev, stride, count)`` each descriptor id falls in."""
+    starts = np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
+        raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
+    return np.searchsorted(starts, ids, side="right") - 1
+
+
+def posted_after_merge(local_rows: np.ndarray, local_ids: np.ndarray, remote_rows: np.ndarray, remote_ids: np.ndarray) -> int:
+    """Descriptors NIXL 1.5.1's ``make_prepped_xfer`` posts for one READ, computed.
+
+    NIXL joins neighbouring entries of the request when both sides continue in the same dense
+    strided row (``stride == len``) with the next id. Measured on this machine with
+    ``get_xfer_telemetry().descCount``: rows adjacent in memory are *not* joined across, and a
+    row with ``len < stride`` (a head slice) never merges. ``tests/test_bench.py`` checks this
+    computation against NIXL's own count.
+    """
+    lids = np.asarray(local_ids, dtype=np.int64)
+    rids = np.asarray(remote_ids, dtype=np.int64)
+    if lids.shape != rids.shape:
+        raise ValueError(f"{lids.size} local ids but {rids.size} remote ids")
+    lrow, rrow = row_index(local_rows, lids), row_index(remote_rows, rids)
+    if lids.size < 2:
+        return int(lids.size)
+    ldense = (local_rows[:, 1] == local_rows[:, 3])[lrow]
+    rdense = (remote_rows[:, 1] == remote_rows[:, 3])[rrow]
+    joins = (
+        (lrow[1:] == lrow[:-1])
+        & (rrow[1:] == rrow[:-1])
+        & (np.diff(lids) == 1)
+        & (np.diff(rids) == 1)
+        & ldense[1:]
+        & rdense[1:]
+    )
+    return int(lids.size - joins.sum())
+
+
+def memcpy_seconds(dst: np.ndarray, src: np.ndarray) -> float:
+    """One single-thread ``numpy.copyto`` of ``src`` into ``dst``: the physical reference."""
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0

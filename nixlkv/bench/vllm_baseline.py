@@ -1,0 +1,198 @@
+"""vLLM 0.33's own NIXL planner code, called on a stand-in worker: the baseline, never a copy.
+
+``NixlBaseConnectorWorker`` needs a GPU engine to construct, but the functions that turn a
+handshake into descriptor lists and block ids into descriptor ids only read a handful of plain
+attributes. :class:`VllmPlanner` sets exactly those (what ``register_kv_caches`` and
+``add_remote_agent`` would have set for an unpadded, single-group, attention-only LBHNC cache)
+on a :class:`types.SimpleNamespace` and calls vLLM's unbound methods on it:
+
+- handshake: ``compute_tp_mapping``, ``_build_fa_local``, ``_build_fa_remote`` (one per source
+  rank) and, for P_TP > D_TP, ``_build_local_splits_from_plan`` (one local handle per source rank);
+- per request: what ``pull_worker._read_blocks`` does per READ, ``_compute_desc_ids`` for the
+  remote and the local side, once per source rank (``plan.all_source_ranks``).
+
+The vLLM-side counts it reports (reads, descriptor ids, registered descriptors) are therefore
+what vLLM's code computes, not a model of it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .shapes import Shape
+
+
+def _worker_class() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    return NixlBaseConnectorWorker
+
+
+@dataclass(frozen=True)
+class VllmRead:
+    remote_rank: int
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+    local_rows: np.ndarray  # the local handle this READ uses (a split handle for P_TP > D_TP)
+
+
+class VllmPlanner:
+    """vLLM's planner for decode rank ``d_rank`` of ``d_tp`` reading from a prefill engine of ``p_tp``.
+
+    ``local_base`` / ``remote_bases`` are region base addresses per layer (fake for planning,
+    real for transfers); ``num_blocks`` is the block count of every region on both sides.
+    """
+
+    def __init__(
+        self,
+        shape: Shape,
+        p_tp: int,
+        d_tp: int,
+        d_rank: int,
+        num_blocks: int,
+        local_bases: Sequence[int],
+        remote_bases: dict[int, Sequence[int]],
+        num_layers: int | None = None,
+    ) -> None:
+        self.shape = shape
+        self.p_tp, self.d_tp, self.d_rank = p_tp, d_tp, d_rank
+        self.num_blocks = num_blocks
+        self.num_layers = num_layers or shape.num_layers
+        self._local_bases = list(local_bases)
+        self._remote_bases = {r: list(b) for r, b in remote_bases.items()}
+        self.worker = self._stand_in()
+        self.mapping = None
+        self.local_rows: np.ndarray | None = None
+        self.split_rows: list[np.ndarray] = []
+        self.remote_rows: dict[int, np.ndarray] = {}
+
+    def _stand_in(self) -> types.SimpleNamespace:
+        from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+
+        W = _worker_class()
+        local_page = self.shape.page(self.d_tp).nbytes
+        spec_type = type(self.shape.spec(self.d_tp))
+        ns = types.SimpleNamespace(
+            transfer_topo=TransferTopology(
+                tp_rank=self.d_rank,
+                tp_size=self.d_tp,
+                block_size=self.shape.block_size,
+                engine_id="decode",
+                is_mla=self.shape.is_mla,
+                is_mamba=False,
+                total_num_kv_heads=self.shape.total_kv_heads(),
+                attn_backends=[],
+            ),
+            # attention only, one KV group, no layer-name routing, no mamba, no padding
+            _has_mamba=False,
+            _conv_decomp=None,
+            _ssm_region_indices=None,
+            _transfer_layer_group_ids=[],
+            _transfer_layer_region_indices=[],
+            num_regions=self.num_layers,
+            block_len_per_layer=[local_page] * self.num_layers,
+            block_stride_per_layer=[local_page] * self.num_layers,
+            region_num_blocks=[self.num_blocks] * self.num_layers,
+            region_group_ids=[0] * self.num_layers,
+            _uses_region_group_mapping=False,
+            _region_is_mla=[self.shape.is_mla] * self.num_layers,
+            _group_spec_types=(spec_type,),
+            _logical_num_blocks=self.num_blocks,
+            _ple_region_index=None,
+            _ple_group_index=None,
+            device_id=0,
+            use_mla=self.shape.is_mla,
+            draft_tp_mappings={},
+            _head_sharded_draft_regions=set(),
+        )
+        for name in ("_compute_desc_ids", "_build_fa_local", "_build_fa_remote", "_build_local_splits_from_plan",
+                     "_fa_desc_replicated", "_is_region_replicated", "_needs_split_local_xfer_handles"):
+            setattr(ns, name, types.MethodType(getattr(W, name), ns))
+        for name in ("_block_strided_descs", "_strided_desc_starts", "_pack_strided_descs"):
+            setattr(ns, name, getattr(W, name))  # staticmethods
+        return ns
+
+    # ------------------------------------------------------------------ handshake
+    def handshake(self) -> None:
+        """What vLLM does once per remote engine: TP mapping, local (split) and remote descriptor rows."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
+
+        ns = self.worker
+        mapping = compute_tp_mapping(ns.transfer_topo, self.p_tp, ns._group_spec_types)
+        local = ns._build_fa_local(self._local_bases, 1)
+        tp_ratio = ns.transfer_topo.tp_ratio(self.p_tp)
+        splits = []
+        if ns._needs_split_local_xfer_handles(tp_ratio, mapping):
+            splits = list(ns._build_local_splits_from_plan(mapping, local, int(local[:, 4].sum())))
+        remote_page = self.shape.page(self.p_tp).nbytes
+        remote = {}
+        for rank in mapping.all_source_ranks:
+            meta = types.SimpleNamespace(
+                engine_id="prefill",
+                kv_caches_base_addr=self._remote_bases[rank],
+                region_num_blocks=None,
+                num_blocks=self.num_blocks,
+                device_id=0,
+                block_strides=[remote_page] * self.num_layers,
+            )
+            remote[rank] = ns._build_fa_remote(mapping, meta, 1)
+        self.mapping, self.local_rows, self.split_rows, self.remote_rows = mapping, local, splits, remote
+
+    def _mapping(self):
+        if self.mapping is None:
+            raise RuntimeError("VllmPlanner.handshake() must run before requests are planned")
+        return self.mapping
+
+    @property
+    def source_ranks(self) -> tuple[int, ...]:
+        return tuple(self._mapping().all_source_ranks)
+
+    def registered_descriptors(self) -> int:
+        """Descriptors vLLM prepares for this pair: the local handle, the split handles, the remote handles."""
+        self._mapping()
+        rows = [self.local_rows, *self.split_rows, *self.remote_rows.values()]
+        return int(sum(int(r[:, 4].sum()) for r in rows))
+
+    # ------------------------------------------------------------------ per request
+    def desc_ids(self, local_block_ids: list[list[int]], remote_block_ids: list[list[int]]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Per READ, what ``_read_blocks`` computes: (remote rank, local ids, remote ids).
+
+        The timed path: one READ per source rank, two ``_compute_desc_ids`` calls each, with the
+        arguments ``_read_blocks`` passes for an attention-only engine without DCP.
+        """
+        ns = self.worker
+        out = []
+        for rank in self._mapping().all_source_ranks:
+            remote_ids = ns._compute_desc_ids(
+                block_ids=remote_block_ids,
+                dst_num_blocks=self.num_blocks,
+                block_size_ratio=None,
+                physical_blocks_per_logical=1,
+                region_num_blocks=None,
+                region_group_ids=None,
+                uses_region_group_mapping=False,
+            )
+            local_ids = ns._compute_desc_ids(
+                block_ids=local_block_ids,
+                dst_num_blocks=self.num_blocks,
+                block_size_ratio=1,
+                physical_blocks_per_logical=1,
+                region_num_blocks=None,
+                region_group_ids=None,
+                uses_region_group_mapping=False,
+            )
+            out.append((rank, local_ids, remote_ids))
+        return out
+
+    def reads(self, local_block_ids: list[list[int]], remote_block_ids: list[list[int]]) -> list[VllmRead]:
+        """The READs vLLM posts, each with the local handle ``_read_blocks_for_req`` picks for it."""
+        tp_ratio = self.worker.transfer_topo.tp_ratio(self.p_tp)
+        out = []
+        for i, (rank, lids, rids) in enumerate(self.desc_ids(local_block_ids, remote_block_ids)):
+            rows = self.split_rows[i] if self.split_rows and tp_ratio < 0 else self.local_rows
+            out.append(VllmRead(rank, lids, rids, rows))
+        return out
