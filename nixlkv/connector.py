@@ -27,6 +27,7 @@ from .core.geometry import RankGeometry
 from .vllm.config import ConfigError, ConnectorConfig
 from .vllm.handshake import compat_hash
 from .vllm.metadata import NixlkvMetadata, NixlkvStats
+from .vllm.model_heads import kv_heads_by_layer
 from .vllm.scheduler import NixlkvScheduler
 from .vllm.worker import HandshakeInfo, NixlkvWorker, serve_reply
 
@@ -86,7 +87,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
             if kv_cache_config is None:
                 raise ValueError("NixlkvConnector's worker role needs the KVCacheConfig")
             tp_rank, tp_size = tp_rank_and_size(vllm_config)
-            heads = vllm_config.model_config.get_total_num_kv_heads()
+            heads = kv_heads_by_layer(vllm_config.model_config)
             self._worker = NixlkvWorker(
                 self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads
             )
