@@ -19,35 +19,10 @@ from nixlkv.testing import contract
 from nixlkv.testing.cases import BUILTIN_CASES
 from nixlkv.testing.contract import ContractCase, ContractViolation, Point
 
+from faulty_strategies import OffByOneHead, OverlappingSegments
+
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[1]
-
-
-class OffByOneHead(FullAttentionStrategy):
-    """Reads every head run one head slot too far into the remote page (P1 -> D2: rank 0 gets head 1)."""
-
-    name = "off_by_one_head"
-    overrides = ("full_attention",)
-
-    def segments(self, local, remote, local_topology, remote_tp):
-        out = []
-        for s in super().segments(local, remote, local_topology, remote_tp):
-            page = remote[s.remote_rank].page
-            head_bytes = page.nbytes // page.size("head")
-            shifted = s.remote_offset + head_bytes
-            out.append(dataclasses.replace(s, remote_offset=shifted if shifted + s.nbytes <= page.nbytes else s.remote_offset - head_bytes))
-        return out
-
-
-class OverlappingSegments(FullAttentionStrategy):
-    """Lists the first segment twice: two writes of the same local bytes."""
-
-    name = "overlapping_segments"
-    overrides = ("full_attention",)
-
-    def segments(self, local, remote, local_topology, remote_tp):
-        segs = super().segments(local, remote, local_topology, remote_tp)
-        return [segs[0], *segs]
 
 
 class TrimsLastBlock(FullAttentionStrategy):

@@ -14,6 +14,8 @@ from nixlkv.strategies.full_attention import FullAttentionStrategy
 from nixlkv.testing.rehearsal import rehearse
 from nixlkv.testing.scenario import parse
 
+from faulty_strategies import OffByOneHead, OverlappingSegments
+
 pytestmark = pytest.mark.nixl
 
 
@@ -72,34 +74,6 @@ class SwappedSources(FullAttentionStrategy):
         return [dataclasses.replace(s, remote_rank=r) for s, r in zip(segs, ranks)]
 
 
-class OffByOneHead(FullAttentionStrategy):
-    """Test-only fault: every head run is read one head slot too far into the remote page."""
-
-    name = "off_by_one_head"
-    overrides = ("full_attention",)
-
-    def segments(self, local, remote, local_topology, remote_tp):
-        segs = super().segments(local, remote, local_topology, remote_tp)
-        out = []
-        for s in segs:
-            page = remote[s.remote_rank].page
-            head_bytes = page.nbytes // page.size("head")
-            shifted = s.remote_offset + head_bytes
-            out.append(dataclasses.replace(s, remote_offset=shifted if shifted + s.nbytes <= page.nbytes else s.remote_offset - head_bytes))
-        return out
-
-
-class DuplicatedSegment(FullAttentionStrategy):
-    """Test-only fault: the first segment is listed twice (two writes of the same bytes)."""
-
-    name = "duplicated_segment"
-    overrides = ("full_attention",)
-
-    def segments(self, local, remote, local_topology, remote_tp):
-        segs = super().segments(local, remote, local_topology, remote_tp)
-        return [segs[0], *segs]
-
-
 def dispatcher_with(strategy) -> Dispatcher:
     import importlib
 
@@ -128,7 +102,7 @@ def test_off_by_one_head_slot_is_caught() -> None:
 
 
 def test_plan_validation_rejects_overlapping_segments() -> None:
-    result = rehearse(scenario(4, 2), dispatcher=dispatcher_with(DuplicatedSegment()))
+    result = rehearse(scenario(4, 2), dispatcher=dispatcher_with(OverlappingSegments()))
     assert result.outcome == "failed"
     assert "two segments write the same bytes" in result.message
 
