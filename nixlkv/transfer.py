@@ -116,7 +116,10 @@ class NixlRank:
                 if state == "ERR":
                     raise TransferError(f"NIXL refused the READ from remote rank {read.remote_rank}")
                 flight.descriptors += read.num_descriptors
-                flight.nbytes += int(expand_ids(prepared.plan.local_descs, read.local_ids)[1].sum())
+                flight.nbytes += (
+                    read.nbytes if read.nbytes is not None
+                    else int(expand_ids(prepared.plan.local_descs, read.local_ids)[1].sum())
+                )
         except TransferError:
             self.release(flight)
             raise

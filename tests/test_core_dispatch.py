@@ -18,6 +18,7 @@ import pytest
 import nixlkv.core.hookspecs as hookspecs
 from nixlkv.core import (
     Dispatcher,
+    IdScratch,
     IncompatibleGeometry,
     LayerCache,
     NoStrategyError,
@@ -39,6 +40,7 @@ from nixlkv.core import (
     heads_held,
     hookimpl,
 )
+from nixlkv.core.plan import expand_ids
 from nixlkv.core.registry import Registered
 
 # ============================================================================ toy specs
@@ -585,6 +587,34 @@ def test_byte_moves_match_physical_addresses() -> None:
     expected = _expected_moves({"L0": g0, "L1": g0, "M0": [(0, 11), (2, 4)]}, LOCAL_PHYS, REMOTE_PHYS)
     assert sorted(moves) == expected
     assert len(moves) == len(set(moves)) == 8
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_ids_are_int32_and_scratch_gives_the_same_answer(as_array: bool) -> None:
+    """NIXL takes int32 indices; a reused scratch buffer must not change what a request reads,
+    and each READ knows its byte count without expanding its ids."""
+    plan = _equal_tp_plan()
+    local, remote = [[1, 5, 7], [0, 2]], [[9, 0, 3], [11, 4]]
+    if as_array:
+        local = [np.array(g, dtype=np.int64) for g in local]
+        remote = [np.array(g, dtype=np.uint32) for g in remote]
+    fresh = plan.resolve(local, remote)
+    scratch = IdScratch()
+    plan.resolve([[2], [1]], [[3], [5]], scratch=scratch)  # an earlier request in the same buffer
+    reused = plan.resolve(local, remote, scratch=scratch)
+    assert sorted(plan.byte_moves(reused)) == sorted(plan.byte_moves(fresh))
+    for a, b in zip(fresh.reads, reused.reads):
+        assert a.local_ids.dtype == np.int32 and b.remote_ids.dtype == np.int32
+        assert np.array_equal(a.local_ids, b.local_ids) and np.array_equal(a.remote_ids, b.remote_ids)
+        assert b.nbytes == int(expand_ids(plan.local_descs, b.local_ids)[1].sum()) > 0
+
+
+def test_scratch_grows_without_corrupting_earlier_reads_of_the_request() -> None:
+    plan = _equal_tp_plan()
+    scratch = IdScratch()
+    plan.resolve([[1], [1]], [[1], [1]], scratch=scratch)  # leaves a tiny buffer
+    res = plan.resolve([[1, 5, 7], [0, 2]], [[9, 0, 3], [11, 4]], scratch=scratch)
+    assert sorted(plan.byte_moves(res)) == sorted(plan.byte_moves(plan.resolve([[1, 5, 7], [0, 2]], [[9, 0, 3], [11, 4]])))
 
 
 def test_prefix_hit_tail_alignment() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core import Dispatcher, RankGeometry, covered_remote_ranks
+from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.plan import expand_ids
 from .dram import run_transfer
 from .measure import interleaved, posted_after_merge
@@ -79,8 +79,9 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
         raise RuntimeError(f"{case.label}: nixlkv moves {ours_bytes} bytes per request, vLLM {vllm_bytes}")
 
     reps = _reps(resolved.num_descriptors + sum(r.local_ids.size for r in v_reads), budget)
+    scratch = IdScratch()  # what the connector's worker does: one id buffer reused per request
     t_ours, t_vllm = interleaved(
-        [lambda: plan.resolve([d_ids], [p_ids], case.num_tokens), lambda: vllm.desc_ids([d_ids], [p_ids])], reps
+        [lambda: plan.resolve([d_ids], [p_ids], case.num_tokens, scratch=scratch), lambda: vllm.desc_ids([d_ids], [p_ids])], reps
     )
     merged_ours = sum(
         posted_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids) for r in resolved.reads

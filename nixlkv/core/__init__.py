@@ -15,7 +15,7 @@ from .errors import (
 )
 from .geometry import LayerCache, PageLayout, RankGeometry, Region, Segment, box_copy_runs
 from .hookspecs import hookimpl, hookspec
-from .plan import ReadOp, ResolvedRequest, TransferPlan
+from .plan import IdScratch, ReadOp, ResolvedRequest, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy, tail_aligned
 from .topology import (
@@ -35,7 +35,7 @@ __all__ = [
     "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
     "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PlanError", "PlanValidationError",
     "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
-    "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
+    "IdScratch", "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
     "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",
     "heads_per_rank", "hookimpl", "hookspec", "plugin_manager", "tail_aligned", "unit_sources", "units_per_rank",
 ]

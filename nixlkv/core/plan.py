@@ -40,6 +40,7 @@ class ReadOp:
     remote_rank: int
     local_ids: np.ndarray
     remote_ids: np.ndarray
+    nbytes: int | None = None  # bytes moved, when the planner knows it without expanding the ids
 
     @property
     def num_descriptors(self) -> int:
@@ -62,6 +63,34 @@ class ResolvedRequest:
     @property
     def notified_ranks(self) -> tuple[int, ...]:
         return tuple(sorted({r.remote_rank for r in self.reads} | set(self.notify_only)))
+
+
+class IdScratch:
+    """Reusable memory for descriptor IDs: a worker posts one request's READs before it resolves
+    the next, so it need not allocate (and page-fault in) fresh arrays for every request."""
+
+    def __init__(self) -> None:
+        self._buf: dict[np.dtype, np.ndarray] = {}
+        self._at: dict[np.dtype, int] = {}
+
+    def reset(self) -> None:
+        """Start a new request: earlier views will be overwritten."""
+        self._at.clear()
+
+    def take(self, n: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Two arrays of ``n`` IDs (local, remote) that stay valid until :meth:`reset`."""
+        return self._take(n, np.dtype(dtype))
+
+    def _take(self, n: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        need = 2 * n
+        buf = self._buf.setdefault(dtype, np.empty(0, dtype))
+        at = self._at.get(dtype, 0)
+        if at + need > buf.size:
+            # earlier views keep the old buffer alive; this request continues in a new one
+            self._buf[dtype] = buf = np.empty(max(need, 2 * buf.size), dtype)
+            at = 0
+        self._at[dtype] = at + need
+        return buf[at : at + n], buf[at + n : at + need]
 
 
 class TransferPlan:
@@ -172,16 +201,24 @@ class TransferPlan:
             p: np.array(rows, dtype=np.uint64).reshape(-1, 5) for p, rows in remote_rows.items() if rows
         }
         self.read_ranks = tuple(sorted(self.remote_descs))
-        # (rank, key, phase) -> segment indices, precomputed so resolve() is a few broadcasts.
+        # Descriptor IDs fit NIXL's int32 indices unless a list holds 2**31 descriptors; int32
+        # halves the memory every request writes.
+        largest = max([local_next, *remote_next.values()])
+        self._id_dtype = np.int32 if largest < 2**31 else np.int64
+        # remote rank -> [(pairing key, phase or None, local row starts, remote row starts)],
+        # precomputed so resolve() is one broadcast add per entry into a preallocated array.
         seg_phase = np.array([s.phase for s in self.segments], dtype=np.int64)
-        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray]]] = {}
+        seg_bytes = np.array([s.nbytes for s in self.segments], dtype=np.int64)
+        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {}
         for p in self.read_ranks:
             entries = []
             for key in range(len(self.pairings)):
-                for phase in np.unique(seg_phase[self._seg_key == key]).tolist():
+                phases = np.unique(seg_phase[self._seg_key == key]).tolist()
+                for phase in phases:
                     idx = np.nonzero((self._seg_rank == p) & (self._seg_key == key) & (seg_phase == phase))[0]
                     if idx.size:
-                        entries.append((key, phase, idx))
+                        entries.append((key, phase, self._local_start[idx].astype(self._id_dtype),
+                                        self._remote_start[idx].astype(self._id_dtype), int(seg_bytes[idx].sum())))
             self._rank_keys[p] = entries
 
     # ---------------------------------------------------------------- per request
@@ -190,50 +227,75 @@ class TransferPlan:
         local_block_ids: Sequence[Sequence[int] | np.ndarray],
         remote_block_ids: Sequence[Sequence[int] | np.ndarray],
         num_tokens: int | None = None,
+        scratch: IdScratch | None = None,
     ) -> ResolvedRequest:
         """Descriptor IDs for one request, given its block IDs per KV group on each side.
 
         Each list is the tail of that engine's block list for the request (see
         :mod:`nixlkv.core.token_blocks`); ``num_tokens`` is needed where P and D hold a
-        different number of tokens per block.
+        different number of tokens per block. With ``scratch`` the IDs are views into its
+        buffer, valid until the next resolve with it (NIXL copies IDs when a READ is made).
         """
-        pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        for pairing in self.pairings:
-            lids = _ids(local_block_ids, pairing.local_group, "local")
-            rids = _ids(remote_block_ids, pairing.remote_group, "remote")
-            paired = pairing.strategy.pair_blocks(
-                lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens
-            )
-            lp = np.asarray(paired[0], dtype=np.int64)
-            rp = np.asarray(paired[1], dtype=np.int64)
-            phase = np.asarray(paired[2], dtype=np.int64) if len(paired) > 2 else np.zeros_like(lp)
-            if lp.shape != rp.shape or lp.ndim != 1 or phase.shape != lp.shape:
-                raise RequestError(
-                    f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
-                )
-            if lp.size:
-                _check_bounds(lp, pairing.local_num_blocks, f"local group {pairing.local_group}")
-                _check_bounds(rp, pairing.remote_num_blocks, f"remote group {pairing.remote_group}")
-            pairs.append((lp, rp, phase))
+        if scratch is not None:
+            scratch.reset()
+        pairs = [self._pair(pairing, local_block_ids, remote_block_ids, num_tokens) for pairing in self.pairings]
         reads = []
         for p in self.read_ranks:
-            lparts, rparts = [], []
-            for key, ph, idx in self._rank_keys[p]:
+            jobs = []
+            total = nbytes = 0
+            for key, ph, lstarts, rstarts, block_bytes in self._rank_keys[p]:
                 lp, rp, phase = pairs[key]
-                in_phase = phase == ph
-                if not in_phase.all():
+                if phase is None and ph != 0:
+                    continue  # every pair is in phase 0
+                if phase is not None:
+                    in_phase = phase == ph
                     lp, rp = lp[in_phase], rp[in_phase]
                 if lp.size:
-                    lparts.append((self._local_start[idx, None] + lp[None, :]).ravel())
-                    rparts.append((self._remote_start[idx, None] + rp[None, :]).ravel())
-            if lparts:
-                reads.append(ReadOp(p, np.concatenate(lparts), np.concatenate(rparts)))
+                    jobs.append((lstarts, rstarts, lp, rp))
+                    total += lstarts.size * lp.size
+                    nbytes += block_bytes * lp.size
+            if not total:
+                continue
+            if scratch is None:
+                local_ids = np.empty(total, dtype=self._id_dtype)
+                remote_ids = np.empty(total, dtype=self._id_dtype)
+            else:
+                local_ids, remote_ids = scratch.take(total, self._id_dtype)
+            at = 0
+            for lstarts, rstarts, lp, rp in jobs:
+                shape = (lstarts.size, lp.size)
+                end = at + lstarts.size * lp.size
+                np.add(lstarts[:, None], lp[None, :], out=local_ids[at:end].reshape(shape))
+                np.add(rstarts[:, None], rp[None, :], out=remote_ids[at:end].reshape(shape))
+                at = end
+            reads.append(ReadOp(p, local_ids, remote_ids, nbytes))
         read = {r.remote_rank for r in reads}
         return ResolvedRequest(
             reads=tuple(reads),
             notify_only=tuple(p for p in self.covered if p not in read),
             consumers=self.consumers,
         )
+
+    def _pair(
+        self, pairing: GroupPairing, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], num_tokens: int | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The strategy's block pairs of one group as descriptor-id dtype arrays, bounds checked;
+        phases only where some pair is not in phase 0."""
+        lids = _ids(local_block_ids, pairing.local_group, "local", self._id_dtype)
+        rids = _ids(remote_block_ids, pairing.remote_group, "remote", self._id_dtype)
+        paired = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens)
+        lp, rp = np.asarray(paired[0]), np.asarray(paired[1])
+        phase = np.asarray(paired[2]) if len(paired) > 2 else None
+        if lp.shape != rp.shape or lp.ndim != 1 or (phase is not None and phase.shape != lp.shape):
+            raise RequestError(
+                f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
+            )
+        if lp.size:
+            _check_bounds(lp, pairing.local_num_blocks, f"local group {pairing.local_group}")
+            _check_bounds(rp, pairing.remote_num_blocks, f"remote group {pairing.remote_group}")
+        if phase is not None and not phase.any():
+            phase = None
+        return lp.astype(self._id_dtype, copy=False), rp.astype(self._id_dtype, copy=False), phase
 
     def byte_moves(self, resolved: ResolvedRequest) -> list[tuple[int, int, int, int]]:
         """``(local_address, remote_rank, remote_address, nbytes)`` for every descriptor of a
@@ -273,19 +335,31 @@ class TransferPlan:
         }
 
 
-def _ids(ids: Sequence[Any], group: int, side: str) -> np.ndarray:
+def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np.ndarray:
     if group >= len(ids):
         raise RequestError(f"{side} block ids cover {len(ids)} KV groups; group {group} is missing")
-    arr = np.asarray(ids[group], dtype=np.int64)
+    raw = ids[group]
+    try:
+        if isinstance(raw, np.ndarray):
+            if raw.dtype.kind not in "iu":
+                raise TypeError(f"dtype {raw.dtype}")
+            if raw.dtype != dtype and raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(dtype).max):
+                raise OverflowError(f"ids span [{int(raw.min())}, {int(raw.max())}]")
+            arr = raw.astype(dtype, copy=False)
+        else:  # vLLM hands Python lists; fromiter converts them fastest
+            arr = np.fromiter(raw, dtype=dtype, count=len(raw))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise RequestError(f"{side} block ids of group {group} must be a flat list of integers: {e}") from None
     if arr.ndim != 1:
         raise RequestError(f"{side} block ids of group {group} must be a flat list")
     return arr
 
 
 def _check_bounds(ids: np.ndarray, limit: int, what: str) -> None:
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= limit:
-        raise RequestError(f"{what}: block id {lo if lo < 0 else hi} outside [0, {limit})")
+    # one unsigned comparison catches negative ids too (they wrap to huge values)
+    if (ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64) >= limit).any():
+        bad = ids[(ids < 0) | (ids >= limit)][0]
+        raise RequestError(f"{what}: block id {int(bad)} outside [0, {limit})")
 
 
 def expand_ids(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -317,3 +391,4 @@ def _check_disjoint(a: Region, b: Region) -> None:
         f"regions {a.name!r} and {b.name!r} of KV group {a.group} overlap in memory: one block's "
         "write would clobber the other layer"
     )
+
