@@ -15,7 +15,7 @@ This is the only module that reaches into vLLM connector internals, so it is pin
 - TP rank and size while a worker is built, and no NUMA pinning (one process hosts all ranks);
 - the kernel block sizes of the attention-backend lookup when vLLM's CPU fallback (CPU_ATTN,
   multiples of 32 only) would refuse the scenario's block size: FlashAttention's declared
-  ``MultipleOf(16)``, or the scenario's ``kernel_block_size`` (:func:`kernel_block_sizes`).
+  ``MultipleOf(16)``, or the scenario's ``kernel_block_size`` (:func:`kernel_lookup`).
   Every result says whether this was needed.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -98,7 +99,8 @@ def model_config_json(scenario: Scenario, role: str) -> tuple[dict[str, Any], st
                "kv_lora_rank": mla.params["kv_lora_rank"], "qk_rope_head_dim": mla.params["qk_rope_head_dim"],
                "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": None, "hidden_size": 1024,
                "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 1024,
-               "moe_intermediate_size": 256, "n_routed_experts": None, "first_k_dense_replace": len(kinds)}
+               "moe_intermediate_size": 256, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1,
+               "topk_group": 1, "first_k_dense_replace": len(kinds)}  # all layers dense: no MoE weights matter
         return cfg, "DeepSeek-V3 config (use_mla)"
     if not attention:
         raise NotRunnable("no attention layer: no model-wide KV head count to give vLLM")
@@ -125,23 +127,36 @@ def model_config_json(scenario: Scenario, role: str) -> tuple[dict[str, Any], st
     return cfg, note
 
 
-def kernel_block_sizes(side: Side, model_is_mla: bool = False) -> list[Any] | None:
-    """Kernel block sizes the backend lookup must accept, or None when vLLM's own CPU_ATTN fallback
-    already accepts the scenario's blocks (multiples of 32, no kernel split)."""
+def kernel_lookup(original: Callable[..., list[type]], side: Side, attention_block: int, notes: list[str]) -> Callable[..., list[type]]:
+    """vLLM's attention-backend lookup, left alone when its backends serve the fabricated caches.
+
+    The caches hold whole ``attention_block``-token pages, or ``side.kernel_block_size`` kernel
+    pages. When vLLM's own choice (``select_common_block_size``) differs — CPU_ATTN takes only
+    multiples of 32 — the backends are handed back with only their declared kernel block sizes
+    replaced: FlashAttention's ``MultipleOf(16)``, or the scenario's kernel size. ``notes`` says so.
+    """
     from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.worker.utils import select_common_block_size
 
-    if side.kernel_block_size is not None:
-        return [side.kernel_block_size]
-    if side.block_size % CPU_ATTN_MULTIPLE == 0 and not model_is_mla:
-        return None
-    return [MultipleOf(FLASH_ATTN_MULTIPLE)]
+    want = side.kernel_block_size or attention_block
 
+    def lookup(vllm_config: Any, layer_names: Any = None) -> list[type]:
+        backends = original(vllm_config, layer_names)
+        try:
+            chosen = select_common_block_size(attention_block, backends)
+        except ValueError:
+            chosen = None
+        if chosen == want:
+            return backends
+        sizes = [side.kernel_block_size] if side.kernel_block_size else [MultipleOf(FLASH_ATTN_MULTIPLE)]
+        names = sorted({b.get_name() for b in backends})
+        note = (f"{names} kernel block sizes {[b.get_supported_kernel_block_sizes() for b in backends]} -> {sizes} "
+                f"(lookup patched: vLLM's own would pick {chosen} for {attention_block}-token blocks)")
+        if note not in notes:
+            notes.append(note)
+        return [_backend_accepting(b, sizes) for b in backends]
 
-def backend_note(side: Side, model_is_mla: bool = False) -> str:
-    sizes = kernel_block_sizes(side, model_is_mla)
-    if sizes is None:
-        return ""
-    return f"kernel block sizes {sizes} (CPU_ATTN accepts only multiples of {CPU_ATTN_MULTIPLE}; lookup patched)"
+    return lookup
 
 
 # ---------------------------------------------------------------- results
@@ -262,7 +277,7 @@ def _context():
 
 def _environment() -> None:
     for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "NIXL_LOG_LEVEL": "WARN",
-                       "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}.items():
+                       "VLLM_LOGGING_LEVEL": "WARNING"}.items():
         os.environ.setdefault(key, value)
 
 
@@ -277,8 +292,15 @@ class _LogCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
-            text += f" [{type(record.exc_info[1]).__name__}: {record.exc_info[1]}]"
+            text += f" [{_describe(record.exc_info[1])}]"
         self.lines.append(text)
+
+
+def _describe(exc: BaseException) -> str:
+    """Type, message and where it was raised (the source line: a bare assert says nothing else)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _capture_logs() -> _LogCapture:
@@ -294,30 +316,21 @@ def _vllm_failure(exc: BaseException, logs: _LogCapture) -> dict[str, Any]:
     frames = traceback.extract_tb(exc.__traceback__)
     last = frames[-1] if frames else None
     in_vllm = last is not None and f"{os.sep}vllm{os.sep}" in last.filename and "nixlkv" not in last.filename
-    where = f" ({Path(last.filename).name}:{last.lineno})" if last else ""
-    text = f"{type(exc).__name__}: {exc}{where}".strip()
+    text = _describe(exc)
     return {"outcome": "rejected" if in_vllm else "harness-error", "error": text, "notes": logs.lines[-3:]}
 
 
 @contextmanager
-def _worker_patches(tp_rank: int, tp_size: int, side: Side, is_mla: bool) -> Iterator[None]:
+def _worker_patches(tp_rank: int, side: Side, attention_block: int, notes: list[str]) -> Iterator[None]:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
     from vllm.platforms.cpu import CpuPlatform
 
-    sizes = kernel_block_sizes(side, is_mla)
+    lookup = kernel_lookup(base_worker.get_current_attn_backends, side, attention_block, notes)
     with mock.patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=tp_rank), \
-         mock.patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp_size), \
-         mock.patch.object(CpuPlatform, "discover_numa_topology", return_value=[]):
-        if sizes is None:
-            yield
-            return
-        original = base_worker.get_current_attn_backends
-
-        def with_kernel_sizes(vllm_config, layer_names=None):
-            return [_backend_accepting(b, sizes) for b in original(vllm_config, layer_names)]
-
-        with mock.patch.object(base_worker, "get_current_attn_backends", with_kernel_sizes):
-            yield
+         mock.patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=side.tp), \
+         mock.patch.object(CpuPlatform, "discover_numa_topology", return_value=[]), \
+         mock.patch.object(base_worker, "get_current_attn_backends", lookup):
+        yield
 
 
 def _backend_accepting(backend: type, sizes: list[Any]) -> type:
@@ -363,6 +376,16 @@ def _vllm_config(scenario: Scenario, role: str) -> Any:
     return vc
 
 
+def _deploy_conv_layout(scenario: Scenario, role: str) -> None:
+    """Mamba: the conv-state layout the deployment runs (VLLM_SSM_CONV_STATE_LAYOUT), as the scenario says."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    layouts = {k.params["conv_layout"] for k in scenario.layer_kinds(role) if k.kind == "mamba"}
+    if layouts:
+        os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = layouts.pop()
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+
 class _Engine:
     """One side: the rehearsal's fabricated ranks, and vLLM's connectors over them."""
 
@@ -375,6 +398,7 @@ class _Engine:
         from .rehearsal import Engines, request_blocks
 
         self.scenario, self.role = scenario, role
+        _deploy_conv_layout(scenario, role)
         self.side = scenario.prefill if role == "prefill" else scenario.decode
         peer_role = "decode" if role == "prefill" else "prefill"
         self.ranks = [build_rank(scenario, role, r) for r in range(self.side.tp)]
@@ -383,11 +407,11 @@ class _Engine:
         self.p_blocks, self.d_blocks = request_blocks(scenario, pair)
         del peer, pair
         self.vc = _vllm_config(scenario, role)
-        is_mla = bool(self.vc.model_config.use_mla)
-        self.notes = [n for n in (model_config_json(scenario, role)[1], backend_note(self.side, is_mla)) if n]
+        self.notes = [n for n in (model_config_json(scenario, role)[1],) if n]
         self.workers = []
         for rank in self.ranks:
-            with _worker_patches(rank.tp_rank, self.side.tp, self.side, is_mla), set_current_vllm_config(self.vc):
+            with _worker_patches(rank.tp_rank, self.side, _attention_block(rank), self.notes), \
+                    set_current_vllm_config(self.vc):
                 w = NixlConnector(self.vc, KVConnectorRole.WORKER, rank.kv_cache_config)
                 w.register_kv_caches(rank.kv_caches)
             self.workers.append(w)
@@ -420,6 +444,15 @@ class _Engine:
         for w in self.workers:
             w.shutdown()
         self.scheduler.shutdown()
+
+
+def _attention_block(rank: Any) -> int:
+    """Tokens per block of the rank's token (non-state) groups, as vLLM's worker computes it."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    sizes = [g.kv_cache_spec.block_size for g in rank.kv_cache_config.kv_cache_groups
+             if not isinstance(g.kv_cache_spec, MambaSpec)]
+    return math.lcm(*sizes) if sizes else rank.side.block_size
 
 
 def _request(rid: str, num_tokens: int, params: dict[str, Any]) -> Any:
@@ -614,12 +647,43 @@ def _decode_requests(
 
 
 def _check(engine: _Engine) -> str | None:
-    wrong = []
+    """The oracle on every decode rank: None when byte-exact, else each rank's first mismatch. When
+    every wrong byte lies past the request's last token (in its last block), the message says so."""
+    wrong, past_end_only = [], True
     for rank in engine.ranks:
-        m = oracle.compare(rank, oracle.expected_decode(rank, engine.d_blocks, engine.scenario.request.seed))
+        expected = oracle.expected_decode(rank, engine.d_blocks, engine.scenario.request.seed)
+        m = oracle.compare(rank, expected)
         if m is not None:
             wrong.append(str(m))
-    return "; ".join(wrong) or None
+            _accept_past_end(engine, rank, expected)
+            past_end_only &= oracle.compare(rank, expected) is None
+    if not wrong:
+        return None
+    prefix = ("every byte of the request's tokens is right; the wrong bytes are all token slots past its last "
+              "token, in its last block: " if past_end_only else "")
+    return prefix + "; ".join(wrong)
+
+
+def _accept_past_end(engine: _Engine, rank: Any, expected: Any) -> None:
+    """Let ``expected`` take whatever D holds in the token slots after the request's last token."""
+    num_tokens = engine.scenario.request.num_tokens
+    for group, gb in enumerate(engine.d_blocks):
+        if rank.is_state_group(group):
+            continue
+        bs = rank.group_block_size(group)
+        last = -(-num_tokens // bs) - 1
+        index = last - gb.first_position
+        first_free = num_tokens - last * bs
+        if not 0 <= index < gb.ids.size or first_free >= bs:
+            continue
+        block = int(gb.ids[index])
+        for name in rank.group_layers(group):
+            actual = oracle.bytes_view(rank.kv_caches[name], rank.kv_cache_config.num_blocks)
+            target = oracle.bytes_view(oracle.same_view(rank.kv_caches[name], rank.buffer, expected),
+                                       rank.kv_cache_config.num_blocks)
+            per_page = actual.shape[3]
+            for slot in range(first_free, bs):
+                target[block, slot // per_page, :, slot % per_page] = actual[block, slot // per_page, :, slot % per_page]
 
 
 def _distinct(lines: list[str]) -> list[str]:
