@@ -288,12 +288,19 @@ class _LogCapture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.lines: list[str] = []
+        self.errors: list[str] = []  # distinct exceptions vLLM logged, with where they were raised
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
-            text += f" [{_describe(record.exc_info[1])}]"
+            error = _describe(record.exc_info[1])
+            text += f" [{error}]"
+            if error not in self.errors:
+                self.errors.append(error)
         self.lines.append(text)
+
+    def reason(self) -> str:
+        return " | ".join(self.errors or _distinct(self.lines)[-3:]) or "no message"
 
 
 def _describe(exc: BaseException) -> str:
@@ -312,12 +319,15 @@ def _capture_logs() -> _LogCapture:
 
 
 def _vllm_failure(exc: BaseException, logs: _LogCapture) -> dict[str, Any]:
-    """An exception while vLLM set up or ran: 'rejected' when vLLM's own code raised it."""
+    """An exception while vLLM set up or ran: 'rejected' when vLLM's own code raised it, 'not-run'
+    when it was vLLM's CPU platform (a GPU deployment would get past it), else a harness error."""
     frames = traceback.extract_tb(exc.__traceback__)
-    last = frames[-1] if frames else None
-    in_vllm = last is not None and f"{os.sep}vllm{os.sep}" in last.filename and "nixlkv" not in last.filename
+    last = frames[-1].filename if frames else ""
     text = _describe(exc)
-    return {"outcome": "rejected" if in_vllm else "harness-error", "error": text, "notes": logs.lines[-3:]}
+    if last.endswith(os.path.join("vllm", "platforms", "cpu.py")):
+        return {"outcome": "not-run", "error": f"vLLM's CPU platform refuses this set-up: {text}"}
+    in_vllm = f"{os.sep}vllm{os.sep}" in last and "nixlkv" not in last
+    return {"outcome": "rejected" if in_vllm else "harness-error", "error": text}
 
 
 @contextmanager
@@ -617,7 +627,7 @@ def _decode_requests(
         while pending:
             if time.monotonic() > deadline:
                 return {"outcome": "hang", "error": f"request {i}: decode ranks {sorted(pending)} never finished "
-                        f"receiving; vLLM said: {' | '.join(logs.lines[-3:]) or 'nothing'}", "notes": notes}
+                        f"receiving; vLLM said: {logs.reason()}", "notes": notes}
             for rank, res in zip(engine.ranks, engine.step(meta)):
                 if rid in res.finished_recving:
                     pending.discard(rank.tp_rank)
@@ -629,7 +639,7 @@ def _decode_requests(
         descriptors.append(engine.descriptors())
         if failed:
             return {"outcome": "rejected", "notes": notes, "error": f"vLLM failed the request on decode ranks "
-                    f"{sorted(failed)}: {' | '.join(_distinct(logs.lines)[-3:]) or 'no message'}"}
+                    f"{sorted(failed)}: {logs.reason()}"}
         if i == 0 or i == len(params) - 1:
             mismatch = mismatch or _check(engine)
     result = {
