@@ -49,6 +49,7 @@ MLA_KINDS = ("mla", "sliding_window_mla", "mla_indexer")
 CPU_ATTN_MULTIPLE = 32  # vLLM's CPU_ATTN backend: kernel blocks must be multiples of 32 tokens
 FLASH_ATTN_MULTIPLE = 16  # FlashAttention (the GPU backend a deployment selects): multiples of 16
 P_ENGINE, D_ENGINE = "P", "D"
+SETUP_SECONDS = 600.0  # building an engine's caches and vLLM's workers, on a loaded machine
 
 
 class VllmVersionError(NixlkvError):
@@ -200,19 +201,18 @@ def run_baseline(
     ctx = _context()
     p_parent, p_child = ctx.Pipe()
     d_parent, d_child = ctx.Pipe()
-    args = (scenario, requests, corrupt, time.monotonic() + timeout)
+    args = (scenario, requests, corrupt, timeout)
     procs = [ctx.Process(target=_prefill_main, args=(p_child, *args), daemon=True),
              ctx.Process(target=_decode_main, args=(d_child, *args), daemon=True)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout + 15
-    try:
-        ready = _recv(p_parent, procs[0], deadline, "prefill")
+    try:  # set-up (process start, caches, vLLM's workers) is not the transfer: its own allowance
+        ready = _recv(p_parent, procs[0], time.monotonic() + SETUP_SECONDS, "prefill")
         if "params" not in ready:
             d_parent.send({"stop": True})
             return _from_failure(result, ready)
         d_parent.send(ready)
-        done = _recv(d_parent, procs[1], deadline, "decode")
+        done = _recv(d_parent, procs[1], time.monotonic() + SETUP_SECONDS + timeout, "decode")
         p_parent.send("stop")
         sent = _recv(p_parent, procs[0], time.monotonic() + 15, "prefill")
         if "error" in done:
@@ -485,7 +485,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, deadline: float) -> None:
+def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
     _environment()
     logs = _capture_logs()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())  # read when the scheduler is built
@@ -506,9 +506,10 @@ def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, 
             engine.close()
         return
     conn.send({"params": params, "notes": engine.notes})
+    deadline = time.monotonic() + SETUP_SECONDS + timeout  # D may still be building its workers
     done: dict[int, set[str]] = {r.tp_rank: set() for r in engine.ranks}
     try:
-        while time.monotonic() < deadline + 10:
+        while time.monotonic() < deadline:
             for rank, res in zip(engine.ranks, engine.step(engine.scheduler.build_connector_meta(None))):
                 done[rank.tp_rank] |= set(res.finished_sending)
             if conn.poll(0.002) and conn.recv() in ("stop", "bye"):
@@ -555,7 +556,7 @@ def _flip_one_request_byte(engine: _Engine) -> None:
     view[block].view(-1)[0] ^= 0xFF
 
 
-def _decode_main(conn, scenario: Scenario, requests: int, corrupt: str | None, deadline: float) -> None:
+def _decode_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
     _environment()
     logs = _capture_logs()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
@@ -573,6 +574,7 @@ def _decode_main(conn, scenario: Scenario, requests: int, corrupt: str | None, d
         ready = conn.recv()
         if "params" not in ready:
             return
+        deadline = time.monotonic() + timeout  # the time limit covers the transfers, not the set-up
         conn.send(_decode_requests(engine, ready["params"], deadline, logs, ready.get("notes", [])))
         while conn.poll(20) and conn.recv() != "bye":
             pass
