@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nixlkv-installed
 
-.PHONY: venv test rehearse bench bench-quick bench-pytest lock clean
+.PHONY: venv test rehearse compare bench bench-quick bench-pytest lock clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ test: venv
 
 rehearse: venv
 	$(BIN)/nixlkv rehearse
+
+# nixlkv against vLLM 0.33's own NixlConnector over every scenario (slow: ~15 s per scenario on
+# 2 cores). Regenerates the table in docs/comparison.md (see there); CI runs a smoke subset only.
+compare: venv
+	$(BIN)/nixlkv compare --scenarios tests/scenarios --markdown docs/comparison-table.md --json > docs/comparison.json
 
 # nixlkv against vLLM 0.33's own planner (docs/performance.md). Timings: ratios within one run.
 bench-quick: venv

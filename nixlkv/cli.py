@@ -1,4 +1,4 @@
-"""``nixlkv strategies | explain | rehearse | bench``."""
+"""``nixlkv strategies | explain | rehearse | compare | bench``."""
 
 from __future__ import annotations
 
@@ -132,6 +132,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     from .testing.rehearsal import rehearse
 
     scenario = _load(args.scenario)
+    if args.baseline == "vllm":
+        return _rehearse_vllm(scenario, args)
     result = rehearse(scenario)
     if args.json:
         d = result.to_dict()
@@ -153,6 +155,44 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     else:
         print(f"{result.outcome}: {result.message}")
     return 0 if result.ok else 1
+
+
+def _rehearse_vllm(scenario, args: argparse.Namespace) -> int:
+    """The same rehearsal with vLLM 0.33's own NixlConnector planning and moving the bytes."""
+    from .testing.vllm_baseline import run_baseline
+
+    result = run_baseline(scenario, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0 if result.ok else 1
+    print(f"scenario {scenario.name} through vLLM's NixlConnector: prefill tp={scenario.prefill.tp} -> "
+          f"decode tp={scenario.decode.tp}, {scenario.request.num_tokens} tokens")
+    for note in result.notes:
+        print(f"  note: {note}")
+    if result.outcome == "byte-exact":
+        steady = "" if result.steady_state_s is None else f", steady state {result.steady_state_s * 1e3:.1f} ms"
+        print(f"first request {result.first_request_s * 1e3:.1f} ms (with handshake){steady}; "
+              f"{result.descriptors} descriptors per request")
+    print(f"{result.outcome}: {result.message}")
+    return 0 if result.ok else 1
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .testing.comparison import compare, markdown, scenario_files, summary
+
+    def progress(msg: str) -> None:
+        print(f"[compare] {msg}", file=sys.stderr, flush=True)
+
+    rows = compare(scenario_files(args.scenarios), timeout=args.timeout, progress=progress)
+    table = markdown(rows)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json:
+        print(json.dumps({"summary": summary(rows), "rows": rows}, indent=2))
+    else:
+        print(table)
+        print(json.dumps(summary(rows)))
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -195,7 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("--plans", action="store_true", help="include the full plans in the --json output (needs --json)")
+    p.add_argument("--baseline", choices=["vllm"], help="let vLLM 0.33's own NixlConnector move the bytes instead")
+    p.add_argument("--timeout", type=float, default=90.0, help="--baseline: seconds before the run counts as a hang")
     p.set_defaults(func=cmd_rehearse)
+    p = sub.add_parser("compare", help="nixlkv and vLLM 0.33's NixlConnector over a directory of scenarios: one table")
+    p.add_argument("--scenarios", required=True, help="directory of scenario files (YAML or JSON)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the Markdown table")
+    p.add_argument("--markdown", metavar="PATH", help="also write the Markdown table to PATH")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds per vLLM scenario before it counts as a hang")
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("bench", help="nixlkv against vLLM 0.33's own planner: planning time, descriptors, NIXL GB/s")
     p.add_argument("--quick", action="store_true", help="Llama-8B-like subset (under ~3 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (headline keys first)")
@@ -207,12 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "plans", False) and not args.json:
         parser.error("--plans needs --json")
+    if getattr(args, "baseline", None) and args.plans:
+        parser.error("--plans shows nixlkv's plans; vLLM's baseline has none to show")
     _quiet()
+    from .core.errors import NixlkvError
     from .testing.scenario import ScenarioError
 
     try:
         return args.func(args)
-    except ScenarioError as exc:
+    except (ScenarioError, NixlkvError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `nixlkv strategies | head`

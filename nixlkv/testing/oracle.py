@@ -296,6 +296,12 @@ def _write_state(rank: FabricatedRank, view: torch.Tensor, name: str, block: int
     page[block, conv.size :] = ssm
 
 
+def same_view(view: torch.Tensor, buffer: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``view`` (a layer's cache over ``buffer``) over ``target``, a buffer shaped like ``buffer``:
+    how a caller edits an expectation built by :func:`expected_decode` layer by layer."""
+    return _alias(view, buffer, target)
+
+
 def _alias(view: torch.Tensor, buffer: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The same view over ``target`` (a buffer shaped like ``buffer``)."""
     if target is buffer:
