@@ -137,6 +137,13 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         return NixlkvStats(data=data) if data else NixlkvStats()
 
     @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from .vllm.prom import NixlkvPromMetrics
+
+        return NixlkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # Head-major pages let a rank read its head slice as one run per block under hetero TP.
         if vllm_config.model_config is None or vllm_config.model_config.use_mla:
