@@ -63,6 +63,22 @@ def blocks(rank: FabricatedRank, ids: list[int], first_position: int = 0) -> lis
     return [oracle.GroupBlocks(ids=arr, first_position=first_position, holds=np.ones(arr.size, dtype=bool))]
 
 
+def filled_pair(p_tp: int, d_tp: int, p_ids: list[int], seed: int = 3) -> tuple[Engine, Engine]:
+    """A serving P whose blocks ``p_ids`` hold the oracle pattern, and a D holding the sentinel."""
+    sc = fa_scenario(p_tp, d_tp, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=True)
+    try:
+        d = Engine(sc, "decode", "D")
+    except BaseException:
+        p.close()
+        raise
+    for r in p.ranks:
+        oracle.fill_prefill(r, blocks(r, p_ids), seed=seed)
+    for r in d.ranks:
+        oracle.fill_decode(r)
+    return p, d
+
+
 def serve_prefill(conn, scenario_kw: dict, p_ids: list[int], holds: list[str], seed: int) -> None:
     """A prefill engine process: its workers hold ``holds`` (all on blocks ``p_ids``, oracle
     pattern ``seed``) and serve handshakes; sends its side-channel port, runs until told to stop."""

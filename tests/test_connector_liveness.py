@@ -10,11 +10,10 @@ import msgspec
 import pytest
 
 from nixlkv.testing import oracle
-from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.liveness import HEARTBEAT_PREFIX, MAX_IDS_PER_HEARTBEAT, heartbeat_messages, parse_heartbeat
 from nixlkv.vllm.metadata import LeaseView, NixlkvMetadata, NixlkvStats
 
-from connector_helpers import Engine, blocks, fa_scenario
+from connector_helpers import blocks, filled_pair
 from pd_harness import PDEngine, prompt, scenario
 from test_connector_lifecycle import SIDE, clean, prefill
 from test_connector_worker import drive, recv
@@ -38,13 +37,8 @@ def test_heartbeats_extend_the_hold_and_garbage_is_ignored(caplog) -> None:
     """Two holds with a 0.4 s lease: the one D names in its heartbeats outlives it several times
     and is then read byte-exact; the other expires. Malformed heartbeats and heartbeats for
     requests P does not hold change nothing and are counted."""
-    sc = fa_scenario(1, 1, num_tokens=40)
-    p = Engine(sc, "prefill", "P", serve=True)
-    d = Engine(sc, "decode", "D")
+    p, d = filled_pair(1, 1, [1, 2, 3])
     try:
-        for r in p.ranks:
-            oracle.fill_prefill(r, blocks(r, [1, 2, 3]), seed=3)
-        oracle.fill_decode(d.ranks[0])
         pw, dw = p.workers[0], d.workers[0]
         pw.start_load_kv(NixlkvMetadata(reqs_to_send={"kept": 0.4, "unnamed": 0.4}))
         key = ("P", "127.0.0.1", p.server.port)

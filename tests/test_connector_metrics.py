@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nixlkv.testing import oracle
 from nixlkv.vllm.metadata import NixlkvMetadata, NixlkvStats
 
-from connector_helpers import Engine, blocks, fa_scenario
+from connector_helpers import filled_pair
 from pd_harness import vllm_config
 from test_connector_worker import drive, recv
 
@@ -26,12 +25,8 @@ def _bound(cls, registry):
 
 def _transfer_stats() -> list[NixlkvStats]:
     """One request read P1 -> D2 over NIXL: each D worker's stats, as vLLM collects them."""
-    sc = fa_scenario(1, 2, num_tokens=40)
-    p = Engine(sc, "prefill", "P", serve=True)
-    d = Engine(sc, "decode", "D")
+    p, d = filled_pair(1, 2, [1, 2, 3])
     try:
-        for r in p.ranks:
-            oracle.fill_prefill(r, blocks(r, [1, 2, 3]), seed=3)
         p.workers[0].start_load_kv(NixlkvMetadata(reqs_to_send={"r": 30.0}))
         for w in d.workers:
             w.start_load_kv(NixlkvMetadata(reqs_to_recv={"r": recv(p, "r", [4, 5, 6], [1, 2, 3])}))
