@@ -143,7 +143,6 @@ class NixlkvWorker:
                 self._holds[rid] = hold
             for rid, req in meta.reqs_to_recv.items():
                 self._start_recv(rid, req)
-            self._progress()
             self._send_heartbeats(meta.heartbeats)
         self._progress()
 
@@ -221,7 +220,7 @@ class NixlkvWorker:
                 remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
                 del self._remotes[key]
-                bound = [rid for rid, req in self._waiting.items() if _key(req) == key]
+                bound = [rid for rid, req in self._waiting.items() if req.key == key]
                 self.stats.count("failed_handshakes")
                 logger.error(
                     "nixlkv handshake failed engine=%s remote=%s:%d error=%s: %s failing_requests=%s",
@@ -235,7 +234,7 @@ class NixlkvWorker:
                 key[0], next(iter(engine.geometry.values())).tp_size, list(plan.covered), list(plan.read_ranks),
                 plan.to_dict()["registered_descriptors"],
             )
-            for rid in [rid for rid, req in self._waiting.items() if _key(req) == key]:
+            for rid in [rid for rid, req in self._waiting.items() if req.key == key]:
                 req = self._waiting.pop(rid)
                 if req.remote_generation not in (None, remote.generation):  # checked after the request arrived
                     self._retired.setdefault(key, set()).add(req.remote_generation)
@@ -283,18 +282,17 @@ class NixlkvWorker:
             return
         self.stats.count("heartbeats_sent", len(views))
         for rid, view in views.items():
-            if view is None:
-                continue
-            until = max(view.held_until, self._held_until.get((remote.key, rid), view.held_until))
-            if now < until:  # still held when the heartbeat left: held a lease after it arrives
+            # Still held when the heartbeat left: held a lease after it arrives.
+            if view is not None and now < self._held(remote.key, rid, view.held_until):
                 self._held_until[(remote.key, rid)] = now + view.lease_s
+
+    def _held(self, key: RemoteKey, remote_rid: str, without_heartbeats: float) -> float:
+        """Until when P surely holds the request's blocks (D's clock)."""
+        return max(without_heartbeats, self._held_until.get((key, remote_rid), without_heartbeats))
 
     def _lease_lapsed(self, req: RecvRequest) -> bool:
         """True when P may have freed the blocks (no heartbeat kept the hold alive in time)."""
-        if req.held_until is None:
-            return False
-        until = max(req.held_until, self._held_until.get((req.key, req.remote_request_id), req.held_until))
-        return time.monotonic() > until
+        return req.held_until is not None and time.monotonic() > self._held(req.key, req.remote_request_id, req.held_until)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
         plan = remote.prepared.plan
@@ -439,10 +437,6 @@ class NixlkvWorker:
             self._flights.clear()
             self.nixl.close()
             self.nixl = None
-
-
-def _key(req: RecvRequest) -> RemoteKey:
-    return req.key
 
 
 def serve_reply(engine_id: str, tp_size: int, infos: Mapping[int, HandshakeInfo], compat: str) -> bytes:
