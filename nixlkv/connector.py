@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .core.geometry import RankGeometry
 from .vllm.config import ConfigError, ConnectorConfig
 from .vllm.handshake import compat_hash
+from .vllm.liveness import engine_generation
 from .vllm.metadata import NixlkvMetadata, NixlkvStats
 from .vllm.model_heads import kv_heads_by_layer
 from .vllm.scheduler import NixlkvScheduler
@@ -136,6 +137,13 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         return NixlkvStats(data=data) if data else NixlkvStats()
 
     @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from .vllm.prom import NixlkvPromMetrics
+
+        return NixlkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # Head-major pages let a rank read its head slice as one run per block under hetero TP.
         if vllm_config.model_config is None or vllm_config.model_config.use_mla:
@@ -156,7 +164,13 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError(f"NixlkvConnector expects NixlkvHandshakeMetadata, got {type(meta).__name__}")
             infos[tp_rank] = HandshakeInfo(meta.tp_rank, meta.agent_metadata, RankGeometry.from_dict(meta.geometry))
         reply = serve_reply(self.engine_id, self._scheduler.tp_size, infos, self.compat)
-        self._scheduler.serve_handshake(reply)
+        self._scheduler.serve_handshake(reply, engine_generation({r: i.agent_metadata for r, i in infos.items()}))
+
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output.finished_recving)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

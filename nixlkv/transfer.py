@@ -182,6 +182,10 @@ class NixlRank:
                 pass
         flight.handles.clear()
 
+    def notify(self, agent: str, msg: bytes) -> None:
+        """A notification alone (no transfer) to a remote agent added with ``add_remote``."""
+        self.agent.send_notif(agent, msg)
+
     def notifications(self) -> dict[str, list[bytes]]:
         return self.agent.get_new_notifs()
 

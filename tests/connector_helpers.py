@@ -9,18 +9,20 @@ from nixlkv.testing.engines import FabricatedRank, build_rank
 from nixlkv.testing.scenario import parse
 from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.handshake import SideChannelServer
+from nixlkv.vllm.metadata import NixlkvMetadata
 from nixlkv.vllm.worker import NixlkvWorker, serve_reply
 
 COMPAT = "test-compat"
 
 
 def fa_scenario(p_tp: int, d_tp: int, num_tokens: int = 200, heads: int = 8, p_block: int = 16, d_block: int = 16,
-                p_layout: str = "LBHNC", d_layout: str = "LBHNC"):
+                p_layout: str = "LBHNC", d_layout: str = "LBHNC", layers: int = 2, head_size: int = 32,
+                num_blocks: int = 64):
     return parse({
         "name": f"conn-p{p_tp}-d{d_tp}",
-        "model": {"layers": [{"kind": "full_attention", "count": 2, "num_kv_heads": heads, "head_size": 32}]},
-        "prefill": {"tp": p_tp, "block_size": p_block, "layout": p_layout, "num_blocks": 64},
-        "decode": {"tp": d_tp, "block_size": d_block, "layout": d_layout, "num_blocks": 64},
+        "model": {"layers": [{"kind": "full_attention", "count": layers, "num_kv_heads": heads, "head_size": head_size}]},
+        "prefill": {"tp": p_tp, "block_size": p_block, "layout": p_layout, "num_blocks": num_blocks},
+        "decode": {"tp": d_tp, "block_size": d_block, "layout": d_layout, "num_blocks": num_blocks},
         "request": {"num_tokens": num_tokens, "seed": 3},
     })
 
@@ -59,3 +61,35 @@ class Engine:
 def blocks(rank: FabricatedRank, ids: list[int], first_position: int = 0) -> list[oracle.GroupBlocks]:
     arr = np.asarray(ids, dtype=np.int64)
     return [oracle.GroupBlocks(ids=arr, first_position=first_position, holds=np.ones(arr.size, dtype=bool))]
+
+
+def filled_pair(p_tp: int, d_tp: int, p_ids: list[int], seed: int = 3) -> tuple[Engine, Engine]:
+    """A serving P whose blocks ``p_ids`` hold the oracle pattern, and a D holding the sentinel."""
+    sc = fa_scenario(p_tp, d_tp, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=True)
+    try:
+        d = Engine(sc, "decode", "D")
+    except BaseException:
+        p.close()
+        raise
+    for r in p.ranks:
+        oracle.fill_prefill(r, blocks(r, p_ids), seed=seed)
+    for r in d.ranks:
+        oracle.fill_decode(r)
+    return p, d
+
+
+def serve_prefill(conn, scenario_kw: dict, p_ids: list[int], holds: list[str], seed: int) -> None:
+    """A prefill engine process: its workers hold ``holds`` (all on blocks ``p_ids``, oracle
+    pattern ``seed``) and serve handshakes; sends its side-channel port, runs until told to stop."""
+    p = Engine(fa_scenario(**scenario_kw), "prefill", "P", serve=True)
+    try:
+        for r, w in zip(p.ranks, p.workers):
+            oracle.fill_prefill(r, blocks(r, p_ids), seed=seed)
+            w.start_load_kv(NixlkvMetadata(reqs_to_send=dict.fromkeys(holds, 600.0)))
+        conn.send(p.server.port)
+        while not conn.poll(0.005):
+            for w in p.workers:
+                w.get_finished(set())
+    finally:
+        p.close()

@@ -229,18 +229,19 @@ def prompt(i: int, n: int) -> list[int]:
 
 
 def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: float = 30.0,
-                window: int | None = None) -> None:
-    """The prefill engine process: prefill every prompt, publish kv_transfer_params to the parent,
-    then keep stepping until every consumer notified (or ``stop``); report the leak check."""
+                window: int | None = None, port: int = 0, first_prompt: int = 0) -> None:
+    """The prefill engine process: prefill every prompt (``prompt(first_prompt + i, n)``), publish
+    kv_transfer_params to the parent, then keep stepping until every consumer notified (or
+    ``stop``); report the leak check. ``port``: the side channel's (0: any free one)."""
     try:
         engine = PDEngine(scenario(p_tp, d_tp, window=window), "prefill", "P",
-                          {"side_channel_host": "127.0.0.1", "side_channel_port": 0, "lease_s": lease_s})
+                          {"side_channel_host": "127.0.0.1", "side_channel_port": port, "lease_s": lease_s})
     except BaseException as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
         raise
     try:
         for i, (rid, n) in enumerate(prompts.items()):
-            engine.add(rid, prompt(i, n), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+            engine.add(rid, prompt(first_prompt + i, n), 1, {"do_remote_decode": True, "do_remote_prefill": False})
         deadline = time.monotonic() + 60
         while len(engine.outputs) < len(prompts) and time.monotonic() < deadline:
             engine.step()

@@ -26,12 +26,14 @@ def test_all_keys_parse() -> None:
         "handshake_timeout_s": 2,
         "transfer_timeout_s": 10.5,
         "lease_s": 60,
+        "heartbeat_interval_s": 0,
         "max_handshake_bytes": 1 << 20,
         "enforce_compat_hash": False,
     }, env={})
     assert c.pin_strategies == {"FullAttentionSpec": "full_attention"}
     assert c.disable_strategies == ("sliding_window",) and c.allowed_plugins == ("nixlkv_example_plugin",)
     assert c.handshake_timeout_s == 2.0 and c.lease_s == 60.0 and not c.enforce_compat_hash
+    assert c.heartbeat_interval_s == 0.0 and ConnectorConfig.parse({}, env={}).heartbeat_interval_s == 5.0
 
 
 def test_unknown_key_lists_known_keys() -> None:
@@ -53,6 +55,8 @@ def test_unknown_key_lists_known_keys() -> None:
     ("side_channel_port", True),
     ("handshake_timeout_s", 0),
     ("lease_s", -1),
+    ("heartbeat_interval_s", -0.5),
+    ("heartbeat_interval_s", None),
     ("transfer_timeout_s", "5"),
     ("nixl_num_threads", -1),
     ("max_handshake_bytes", 10),

@@ -38,6 +38,7 @@ class ConnectorConfig:
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
     lease_s: float = 30.0
+    heartbeat_interval_s: float = 5.0  # 0: no heartbeats
     max_handshake_bytes: int = 64 << 20
     enforce_compat_hash: bool = True
 
@@ -89,6 +90,13 @@ class ConnectorConfig:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                     raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
                 out[key] = float(value)
+        if "heartbeat_interval_s" in extra:
+            value = extra["heartbeat_interval_s"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(
+                    f"heartbeat_interval_s must be a number of seconds >= 0 (0: no heartbeats), got {value!r}"
+                )
+            out["heartbeat_interval_s"] = float(value)
         for key, lo in (("nixl_num_threads", 0), ("max_handshake_bytes", 1024)):
             if key in extra:
                 value = extra[key]

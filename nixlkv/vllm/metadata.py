@@ -10,6 +10,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 # kv_transfer_params keys shared with vLLM's NixlConnector (proxies and routers read them).
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+# nixlkv's own additions (optional; a proxy forwards kv_transfer_params whole).
+GENERATION_KEY = "remote_generation"  # liveness.engine_generation of the P that prefilled
+LEASE_KEY = "remote_lease_s"  # how long that P holds the blocks without news from D
+
+RemoteKey = tuple[str, str, int]  # (engine id, side-channel host, port)
+
+
+# D counts P's lease from its own arrival time, which is later than P's start of the lease by
+# the proxy's latency: D assumes only this fraction of the lease.
+LEASE_SAFETY = 0.9
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """D's conservative view of P's hold on one request (D's time.monotonic())."""
+
+    lease_s: float  # what a heartbeat extends P's hold by, counted from its arrival at P
+    held_until: float  # held at least until then without a heartbeat
 
 
 @dataclass
@@ -23,19 +41,34 @@ class RecvRequest:
     remote_host: str
     remote_port: int
     report: bool = True  # the scheduler waits for this request (WAITING_FOR_REMOTE_KVS)
+    remote_generation: str | None = None  # None: the remote did not publish one (not checked)
+    # Until when P surely still holds the blocks without a heartbeat (D's time.monotonic(): D's
+    # arrival + LEASE_SAFETY * P's lease_s); None when P published no lease (not checked).
+    held_until: float | None = None
+
+    @property
+    def key(self) -> RemoteKey:
+        return (self.remote_engine_id, self.remote_host, self.remote_port)
 
 
 @dataclass
 class NixlkvMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvRequest] = field(default_factory=dict)
     reqs_to_send: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
+    # D: remote engine -> {P request id: LeaseView or None} still waited for (keep them held)
+    heartbeats: dict[RemoteKey, dict[str, LeaseView | None]] = field(default_factory=dict)
 
 
-def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool) -> RecvRequest:
+def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool,
+                     arrived: float | None = None) -> RecvRequest:
     """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError)."""
     missing = [k for k in (*REMOTE_KEYS, "remote_block_ids") if params.get(k) in (None, "")]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing}")
+    generation = params.get(GENERATION_KEY)
+    if generation is not None and (not isinstance(generation, str) or not generation):
+        raise ValueError(f"kv_transfer_params {GENERATION_KEY} must be a non-empty string, got {generation!r}")
+    view = lease_view(params, arrived)
     return RecvRequest(
         local_block_ids=_groups(local_block_ids),
         remote_block_ids=_groups(params["remote_block_ids"]),
@@ -44,7 +77,26 @@ def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool)
         remote_host=str(params["remote_host"]),
         remote_port=int(params["remote_port"]),
         report=report,
+        remote_generation=generation,
+        held_until=view.held_until if view else None,
     )
+
+
+def lease_view(params: dict[str, Any], arrived: float | None) -> LeaseView | None:
+    """What D may assume of P's hold, from P's published lease and D's arrival time."""
+    lease = lease_from_params(params)
+    if lease is None or arrived is None:
+        return None
+    return LeaseView(lease, arrived + LEASE_SAFETY * lease)
+
+
+def lease_from_params(params: dict[str, Any]) -> float | None:
+    lease = params.get(LEASE_KEY)
+    if lease is None:
+        return None
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
+        raise ValueError(f"kv_transfer_params {LEASE_KEY} must be a positive number, got {lease!r}")
+    return float(lease)
 
 
 def _groups(ids: Any) -> tuple[list[int], ...]:
@@ -63,11 +115,14 @@ class NixlkvStats(KVConnectorStats):
         if not self.data:
             self.reset()
 
+    # Counted events. D: failed_transfers, failed_handshakes, heartbeats_sent (request ids named);
+    # P: expired_leases, ignored_notifications (not nixlkv's or malformed), lease_extensions (a
+    # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held).
+    COUNTERS = ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications",
+                "heartbeats_sent", "lease_extensions", "stale_heartbeats")
+
     def reset(self) -> None:
-        self.data = {
-            "bytes": [], "descriptors": [], "transfer_s": [], "post_s": [],
-            "failed_transfers": 0, "failed_handshakes": 0, "expired_leases": 0, "ignored_notifications": 0,
-        }
+        self.data = {"bytes": [], "descriptors": [], "transfer_s": [], "post_s": [], **dict.fromkeys(self.COUNTERS, 0)}
 
     def record(self, nbytes: int, descriptors: int, transfer_s: float, post_s: float) -> None:
         self.data["bytes"].append(nbytes)
@@ -76,7 +131,7 @@ class NixlkvStats(KVConnectorStats):
         self.data["post_s"].append(post_s)
 
     def count(self, key: str, n: int = 1) -> None:
-        self.data[key] += n
+        self.data[key] = self.data.get(key, 0) + n
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -95,11 +150,9 @@ class NixlkvStats(KVConnectorStats):
             "avg_transfer_ms": 1e3 * sum(self.data["transfer_s"]) / n if n else 0.0,
             "avg_post_ms": 1e3 * sum(self.data["post_s"]) / n if n else 0.0,
         }
-        for key in ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications"):
-            out[key] = self.data[key]
+        for key in self.COUNTERS:
+            out[key] = self.data.get(key, 0)
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["bytes"] and not any(
-            self.data[k] for k in ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications")
-        )
+        return not self.data["bytes"] and not any(self.data.get(k, 0) for k in self.COUNTERS)

@@ -6,16 +6,22 @@ block ids and the remote's are handed to the workers in the next step's metadata
 Prefill (P): a request finishing with ``do_remote_decode`` keeps its blocks (``request_finished``
 returns True) and publishes kv_transfer_params under the keys vLLM's NixlConnector uses; the
 workers report it as sent once every consumer notified, or its lease expired.
+Heartbeats (D): every request waiting for remote KV, from its arrival until its load finished,
+is named in a heartbeat to its P every ``heartbeat_interval_s`` (sent by the workers), so P
+keeps its blocks however long D queues it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .config import ConnectorConfig
 from .handshake import SideChannelServer
-from .metadata import NixlkvMetadata, RecvRequest, recv_from_params
+from .metadata import (
+    GENERATION_KEY, LEASE_KEY, REMOTE_KEYS, LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, lease_view, recv_from_params,
+)
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -33,17 +39,39 @@ class NixlkvScheduler:
         self._send: dict[str, float] = {}
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
+        self.generation: str | None = None  # this engine's, published to consumers
+        # D: requests waiting for remote KV -> (remote, P request id, lease view, arrival time)
+        self._awaiting: dict[str, tuple[RemoteKey, str, LeaseView | None, float]] = {}
+        self._last_heartbeat = float("-inf")
 
     # ------------------------------------------------------------------ side channel
-    def serve_handshake(self, reply: bytes) -> None:
+    def serve_handshake(self, reply: bytes, generation: str | None = None) -> None:
         """Serve this engine's handshake reply (all ranks) on the side channel."""
         self._reply = reply
+        self.generation = generation
         if self._server is None:
             self._server = SideChannelServer(self.side_channel_host, self.side_channel_port, lambda: self._reply)
             self.side_channel_port = self._server.port
             logger.info("nixlkv side channel engine=%s listening on %s", self.engine_id, self._server.endpoint)
 
     # ------------------------------------------------------------------ decode side
+    def on_new_request(self, request: Any) -> None:
+        """Start heartbeating for a request that will read from a remote engine."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or any(params.get(k) in (None, "") for k in REMOTE_KEYS):
+            return
+        try:
+            key = (str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]))
+            now = time.monotonic()
+            view = lease_view(params, now)
+        except (ValueError, TypeError):
+            return  # update_state_after_alloc logs the invalid params
+        self._awaiting[request.request_id] = (key, str(params["remote_request_id"]), view, now)
+
+    def update_connector_output(self, finished_recving: Any) -> None:
+        for rid in finished_recving or ():
+            self._awaiting.pop(rid, None)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
@@ -57,18 +85,34 @@ class NixlkvScheduler:
         if not params or not params.get("do_remote_prefill"):
             return
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
+        if num_external_tokens <= 0:
+            self._awaiting.pop(request.request_id, None)
+        awaiting = self._awaiting.get(request.request_id)
         try:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
-            self._recv[request.request_id] = recv_from_params(params, local, report=num_external_tokens > 0)
+            self._recv[request.request_id] = recv_from_params(
+                params, local, report=num_external_tokens > 0, arrived=awaiting[3] if awaiting else None
+            )
         except (ValueError, TypeError) as exc:
             logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)
         params["do_remote_prefill"] = False  # one transfer per request
 
     # ------------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: Any) -> NixlkvMetadata:
-        meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)
+        meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send, heartbeats=self._due_heartbeats())
         self._recv, self._send = {}, {}
         return meta
+
+    def _due_heartbeats(self) -> dict[RemoteKey, dict[str, LeaseView | None]]:
+        interval = self.config.heartbeat_interval_s
+        now = time.monotonic()
+        if not interval or not self._awaiting or now - self._last_heartbeat < interval:
+            return {}
+        self._last_heartbeat = now
+        out: dict[RemoteKey, dict[str, LeaseView | None]] = {}
+        for key, remote_rid, view, _ in self._awaiting.values():
+            out.setdefault(key, {})[remote_rid] = view
+        return out
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -77,6 +121,7 @@ class NixlkvScheduler:
         if not params:
             return False, None
         rid = request.request_id
+        self._awaiting.pop(rid, None)
         if params.get("do_remote_prefill"):
             # D: finished (aborted) before allocation; tell P to free its blocks, read nothing.
             try:
@@ -103,6 +148,8 @@ class NixlkvScheduler:
             "remote_port": self.side_channel_port,
             "tp_size": self.tp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
+            LEASE_KEY: self.config.lease_s,
+            **({GENERATION_KEY: self.generation} if self.generation else {}),
         }
 
     def shutdown(self) -> None:

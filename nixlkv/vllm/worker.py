@@ -8,6 +8,11 @@ to hold and reports it as sent (its blocks free) once all arrived or its lease e
 
 Failures stay local: a handshake that fails fails only the requests bound to that remote; a READ
 that errors or times out fails its request and reports its blocks as invalid.
+
+Liveness (``liveness``): D sends the heartbeats the scheduler asks for to the P ranks it reads
+from, and never reads a request P may no longer hold (lease possibly expired) or that a previous
+incarnation of P prefilled (generation changed: the remote is handshaken again). P extends a hold
+by its lease on each heartbeat naming it, on its own clock.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ..transfer import InFlight, NixlRank, PreparedPlan, TransferError, parse_no
 from ..vllm_layers import layer_caches, registered_memory
 from . import handshake
 from .config import ConnectorConfig
-from .metadata import NixlkvMetadata, NixlkvStats, RecvRequest
+from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
+from .metadata import LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, RemoteKey
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -40,10 +46,12 @@ class HandshakeInfo:
 
 @dataclass
 class _Remote:
-    key: tuple[str, str, int]
+    key: RemoteKey
     future: concurrent.futures.Future | None = None
     prepared: PreparedPlan | None = None
     agents: dict[int, str] = field(default_factory=dict)
+    generation: str | None = None
+    pending_heartbeats: dict[str, LeaseView | None] = field(default_factory=dict)  # sent once handshaken
 
 
 @dataclass
@@ -56,6 +64,7 @@ class _Flight:
 @dataclass
 class _Hold:
     deadline: float
+    lease: float
     count: int = 0
     consumers: int | None = None
 
@@ -83,7 +92,10 @@ class NixlkvWorker:
         self.nixl: NixlRank | None = None
         self.geometry = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixlkv-handshake")
-        self._remotes: dict[tuple[str, str, int], _Remote] = {}
+        self._remotes: dict[RemoteKey, _Remote] = {}
+        self._generations: dict[RemoteKey, str] = {}  # last handshaken incarnation of each remote
+        self._retired: dict[RemoteKey, set[str]] = {}  # its previous incarnations
+        self._held_until: dict[tuple[RemoteKey, str], float] = {}  # P request -> held at least until
         self._waiting: dict[str, RecvRequest] = {}  # bound to a remote whose handshake is pending
         self._flights: dict[str, _Flight] = {}
         self._done_recv: set[str] = set()
@@ -120,7 +132,7 @@ class NixlkvWorker:
         if meta is not None:
             now = time.monotonic()
             for rid, lease in meta.reqs_to_send.items():
-                hold = _Hold(deadline=now + lease)
+                hold = _Hold(deadline=now + lease, lease=lease)
                 early = self._early.pop(rid, None)
                 if early is not None:  # D read before this worker heard of the request
                     hold.count, hold.consumers = early[0], early[1]
@@ -131,6 +143,7 @@ class NixlkvWorker:
                 self._holds[rid] = hold
             for rid, req in meta.reqs_to_recv.items():
                 self._start_recv(rid, req)
+            self._send_heartbeats(meta.heartbeats)
         self._progress()
 
     def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str]]:
@@ -161,17 +174,31 @@ class NixlkvWorker:
         return bool(self._waiting or self._flights)
 
     # ------------------------------------------------------------------ decode side
-    def _start_recv(self, rid: str, req: RecvRequest) -> None:
-        key = (req.remote_engine_id, req.remote_host, req.remote_port)
+    def _remote(self, key: RemoteKey) -> _Remote:
+        """The remote, its handshake started on the background thread if there is none yet."""
         remote = self._remotes.get(key)
         if remote is None:
             remote = self._remotes[key] = _Remote(key)
-            remote.future = self._executor.submit(self._handshake, req.remote_engine_id, req.remote_host, req.remote_port)
+            remote.future = self._executor.submit(self._handshake, *key)
             logger.info("nixlkv handshake start engine=%s remote=%s:%d", key[0], key[1], key[2])
+        return remote
+
+    def _start_recv(self, rid: str, req: RecvRequest) -> None:
+        remote = self._remote(req.key)
         if remote.prepared is None:
             self._waiting[rid] = req
-        else:
+        elif req.remote_generation is None or req.remote_generation == remote.generation:
             self._post(rid, req, remote)
+        elif req.remote_generation in self._retired.get(req.key, ()):
+            self._fail(rid, req, f"prefilled by a previous incarnation of the remote (generation {req.remote_generation})")
+        else:  # the remote restarted since we handshook it: handshake again before reading
+            logger.warning(
+                "nixlkv remote changed engine=%s remote=%s:%d: req=%s names generation %s, handshaken %s",
+                req.key[0], req.key[1], req.key[2], rid, req.remote_generation, remote.generation,
+            )
+            self._invalidate(req.key)
+            self._remote(req.key)
+            self._waiting[rid] = req
 
     def _handshake(self, engine_id: str, host: str, port: int) -> tuple[handshake.RemoteEngine, TransferPlan]:
         raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
@@ -190,9 +217,10 @@ class NixlkvWorker:
                 engine, plan = remote.future.result()
                 remote.agents = {r: self.nixl.add_remote(engine.agent_metadata[r]) for r in plan.covered}
                 remote.prepared = self.nixl.prepare(plan, remote.agents)
+                remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
                 del self._remotes[key]
-                bound = [rid for rid, req in self._waiting.items() if _key(req) == key]
+                bound = [rid for rid, req in self._waiting.items() if req.key == key]
                 self.stats.count("failed_handshakes")
                 logger.error(
                     "nixlkv handshake failed engine=%s remote=%s:%d error=%s: %s failing_requests=%s",
@@ -206,11 +234,72 @@ class NixlkvWorker:
                 key[0], next(iter(engine.geometry.values())).tp_size, list(plan.covered), list(plan.read_ranks),
                 plan.to_dict()["registered_descriptors"],
             )
-            for rid in [rid for rid, req in self._waiting.items() if _key(req) == key]:
-                self._post(rid, self._waiting.pop(rid), remote)
+            for rid in [rid for rid, req in self._waiting.items() if req.key == key]:
+                req = self._waiting.pop(rid)
+                if req.remote_generation not in (None, remote.generation):  # checked after the request arrived
+                    self._retired.setdefault(key, set()).add(req.remote_generation)
+                    self._fail(rid, req, f"prefilled by a previous incarnation of the remote (generation "
+                                         f"{req.remote_generation}, now {remote.generation})")
+                else:
+                    self._post(rid, req, remote)
+            if remote.pending_heartbeats:
+                self._beat(remote, remote.pending_heartbeats)
+                remote.pending_heartbeats = {}
+
+    def _new_generation(self, key: RemoteKey, generation: str) -> str:
+        previous = self._generations.get(key)
+        if previous is not None and previous != generation:
+            self._retired.setdefault(key, set()).add(previous)
+            logger.warning(
+                "nixlkv remote restarted engine=%s remote=%s:%d generation %s -> %s: its earlier requests fail",
+                key[0], key[1], key[2], previous, generation,
+            )
+        self._generations[key] = generation
+        return generation
+
+    def _send_heartbeats(self, heartbeats: Mapping[RemoteKey, Mapping[str, LeaseView | None]]) -> None:
+        """Name every request D still waits for to the P ranks this rank reads from."""
+        if not heartbeats:
+            return
+        named = {(key, rid) for key, views in heartbeats.items() for rid in views}
+        self._held_until = {k: v for k, v in self._held_until.items() if k in named}
+        for key, views in heartbeats.items():
+            remote = self._remote(key)
+            if remote.prepared is None:  # first heartbeat of a remote: sent once handshaken
+                remote.pending_heartbeats.update(views)
+            else:
+                self._beat(remote, views)
+
+    def _beat(self, remote: _Remote, views: Mapping[str, LeaseView | None]) -> None:
+        now = time.monotonic()
+        try:
+            for msg in heartbeat_messages(views):
+                for agent in remote.agents.values():
+                    self.nixl.notify(agent, msg)
+        except Exception as exc:  # noqa: BLE001 - the remote is gone: handshake again before reading
+            logger.warning("nixlkv heartbeat to engine=%s failed: %s: %s", remote.key[0], type(exc).__name__, exc)
+            self._invalidate(remote.key)
+            return
+        self.stats.count("heartbeats_sent", len(views))
+        for rid, view in views.items():
+            # Still held when the heartbeat left: held a lease after it arrives.
+            if view is not None and now < self._held(remote.key, rid, view.held_until):
+                self._held_until[(remote.key, rid)] = now + view.lease_s
+
+    def _held(self, key: RemoteKey, remote_rid: str, without_heartbeats: float) -> float:
+        """Until when P surely holds the request's blocks (D's clock)."""
+        return max(without_heartbeats, self._held_until.get((key, remote_rid), without_heartbeats))
+
+    def _lease_lapsed(self, req: RecvRequest) -> bool:
+        """True when P may have freed the blocks (no heartbeat kept the hold alive in time)."""
+        return req.held_until is not None and time.monotonic() > self._held(req.key, req.remote_request_id, req.held_until)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
         plan = remote.prepared.plan
+        if any(req.local_block_ids) and self._lease_lapsed(req):
+            self._fail(rid, req, "the remote's lease on the blocks may have expired before they could be read "
+                                 "(queued longer than its lease_s with no heartbeat in time); not reading them")
+            return
         try:
             local = list(req.local_block_ids) + [[]] * (self.num_groups - len(req.local_block_ids))
             remote_ids = list(req.remote_block_ids) + [[]] * (len(local) - len(req.remote_block_ids))
@@ -251,7 +340,7 @@ class NixlkvWorker:
                 self._invalidate(f.remote)
                 self._fail(rid, f.request, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
 
-    def _invalidate(self, key: tuple[str, str, int]) -> None:
+    def _invalidate(self, key: RemoteKey) -> None:
         """After a transfer error the remote is handshaken again before it is read from again."""
         remote = self._remotes.get(key)
         if remote is not None and remote.prepared is not None:
@@ -259,6 +348,7 @@ class NixlkvWorker:
 
     def _fail(self, rid: str, req: RecvRequest, why: str) -> None:
         self.stats.count("failed_transfers")
+        self._held_until.pop((req.key, req.remote_request_id), None)
         blocks = sorted({b for g in req.local_block_ids for b in g})
         logger.error(
             "nixlkv recv failed req=%s engine=%s remote=%s:%d blocks=%d reason=%s",
@@ -280,6 +370,9 @@ class NixlkvWorker:
         now = time.monotonic()
         for _agent, msgs in self.nixl.notifications().items():
             for msg in msgs:
+                if is_heartbeat(msg):
+                    self._on_heartbeat(msg, now)
+                    continue
                 parsed = parse_notification(msg)
                 if parsed is None:
                     self.stats.count("ignored_notifications")
@@ -301,6 +394,22 @@ class NixlkvWorker:
                 if hold.count >= consumers:
                     del self._holds[rid]
                     self._done_send.add(rid)
+
+    def _on_heartbeat(self, msg: bytes, now: float) -> None:
+        try:
+            rids = parse_heartbeat(msg)
+        except ValueError as exc:
+            self.stats.count("ignored_notifications")
+            logger.warning("nixlkv ignored a malformed heartbeat (%s): %r", exc, bytes(msg[:64]))
+            return
+        for rid in rids:
+            hold = self._holds.get(rid)
+            if hold is None:  # already freed (read, expired) or never held here
+                self.stats.count("stale_heartbeats")
+                logger.debug("nixlkv heartbeat for request %s not held by this worker", rid)
+                continue
+            hold.deadline = max(hold.deadline, now + hold.lease)
+            self.stats.count("lease_extensions")
 
     def _expire_holds(self) -> None:
         now = time.monotonic()
@@ -328,10 +437,6 @@ class NixlkvWorker:
             self._flights.clear()
             self.nixl.close()
             self.nixl = None
-
-
-def _key(req: RecvRequest) -> tuple[str, str, int]:
-    return (req.remote_engine_id, req.remote_host, req.remote_port)
 
 
 def serve_reply(engine_id: str, tp_size: int, infos: Mapping[int, HandshakeInfo], compat: str) -> bytes:

@@ -1,0 +1,122 @@
+"""Heartbeats keep P's hold alive while D queues a request; without them D refuses to read blocks
+P may have freed. Heartbeats are checked on P's clock only, and garbage is ignored and counted."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import pytest
+
+from nixlkv.testing import oracle
+from nixlkv.vllm.liveness import HEARTBEAT_PREFIX, MAX_IDS_PER_HEARTBEAT, heartbeat_messages, parse_heartbeat
+from nixlkv.vllm.metadata import LeaseView, NixlkvMetadata, NixlkvStats
+
+from connector_helpers import blocks, filled_pair
+from pd_harness import PDEngine, prompt, scenario
+from test_connector_lifecycle import SIDE, clean, prefill
+from test_connector_worker import drive, recv
+
+pytestmark = pytest.mark.nixl
+
+
+def test_heartbeat_wire_format_round_trips_and_refuses_garbage() -> None:
+    ids = [f"req-{i}" for i in range(MAX_IDS_PER_HEARTBEAT + 3)]
+    msgs = heartbeat_messages(ids)
+    assert len(msgs) == 2  # bounded size: chunked
+    assert sorted(r for m in msgs for r in parse_heartbeat(m)) == sorted(ids)
+    for bad in (b"nixlkv:r:1", HEARTBEAT_PREFIX + b"\xc1", HEARTBEAT_PREFIX + msgspec.msgpack.encode([1, 2]),
+                HEARTBEAT_PREFIX + msgspec.msgpack.encode([]), HEARTBEAT_PREFIX + msgspec.msgpack.encode([""]),
+                HEARTBEAT_PREFIX + msgspec.msgpack.encode(ids)):
+        with pytest.raises(ValueError):
+            parse_heartbeat(bad)
+
+
+def test_heartbeats_extend_the_hold_and_garbage_is_ignored(caplog) -> None:
+    """Two holds with a 0.4 s lease: the one D names in its heartbeats outlives it several times
+    and is then read byte-exact; the other expires. Malformed heartbeats and heartbeats for
+    requests P does not hold change nothing and are counted."""
+    p, d = filled_pair(1, 1, [1, 2, 3])
+    try:
+        pw, dw = p.workers[0], d.workers[0]
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"kept": 0.4, "unnamed": 0.4}))
+        key = ("P", "127.0.0.1", p.server.port)
+        beat = {key: {"kept": LeaseView(0.4, time.monotonic() + 0.36), "ghost": None}}
+        freed: set[str] = set()
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
+            while time.monotonic() - t0 < 1.5:
+                dw.start_load_kv(NixlkvMetadata(heartbeats=beat))
+                freed |= pw.get_finished(set())[0]
+                time.sleep(0.05)
+            name = dw._remotes[key].agents[0]
+            for garbage in (HEARTBEAT_PREFIX + b"\xc1", HEARTBEAT_PREFIX + msgspec.msgpack.encode([7]),
+                            HEARTBEAT_PREFIX + msgspec.msgpack.encode([])):
+                dw.nixl.notify(name, garbage)
+            collected = NixlkvStats()
+            deadline = time.monotonic() + 5
+            while collected.reduce()["ignored_notifications"] < 3 and time.monotonic() < deadline:
+                freed |= pw.get_finished(set())[0]
+                collected.aggregate(pw.take_stats() or NixlkvStats())
+        stats = collected.reduce()
+        assert freed == {"unnamed"}  # expired; "kept" outlived its lease 3x thanks to heartbeats
+        assert stats["ignored_notifications"] == 3 and "malformed heartbeat" in caplog.text
+        assert stats["lease_extensions"] > 0 and stats["stale_heartbeats"] > 0  # "ghost" is not held
+        assert stats["expired_leases"] == 1
+        assert "Traceback" not in caplog.text
+        dw.start_load_kv(NixlkvMetadata(reqs_to_recv={"kept": recv(p, "kept", [4, 5, 6], [1, 2, 3])}))
+        done, failed, sent = drive(p, d, {"kept"})
+        assert done[0] == {"kept"} and not failed[0] and sent[0] == {"kept"}
+        assert oracle.compare(d.ranks[0], oracle.expected_decode(d.ranks[0], blocks(d.ranks[0], [4, 5, 6]), seed=3)) is None
+        assert dw.take_stats().reduce()["heartbeats_sent"] > 0
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("heartbeat_interval_s", [0.2, 0.0], ids=["heartbeats", "no-heartbeats"])
+def test_decode_queueing_longer_than_the_lease(heartbeat_interval_s: float) -> None:
+    """vLLM's real Schedulers: P holds for lease_s=1 s; D has no free blocks for the request for
+    ~2.5 s (a local request occupies them). With heartbeats P keeps the blocks and D loads them
+    byte-exact; without, P frees them at lease expiry and D fails the request cleanly (invalid
+    blocks, nothing written) instead of reading blocks P may have reused."""
+    from vllm.v1.request import RequestStatus
+
+    p = PDEngine(scenario(1, 1), "prefill", "P", {**SIDE, "lease_s": 1.0})
+    d = PDEngine(scenario(1, 1, num_blocks=8), "decode", "D", {**SIDE, "heartbeat_interval_s": heartbeat_interval_s})
+    try:
+        oracle.fill_decode(d.ranks[0])
+        params = prefill(p, "r", 40)  # 3 blocks; D has 7 usable
+        d.add("hog", prompt(9, 70), 200, None)  # local prefill: 5 blocks, growing
+        d.step()
+        d.add("r", prompt(1, 40), 2, params)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.5:
+            d.step()
+            p.step()
+            time.sleep(0.1)
+        assert "r" not in d.recv_blocks, "the request was not queued behind the local one"
+        d.scheduler.finish_requests("hog", RequestStatus.FINISHED_ABORTED)
+        deadline = time.monotonic() + 30
+        while ("r" not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
+            d.step()
+            p.step()
+            time.sleep(0.005)
+        p_stats = {k: sum(s.reduce()[k] for s in p.stats) for k in ("expired_leases", "lease_extensions")}
+        assert p.finished_sending == {"r"}
+        if heartbeat_interval_s:
+            assert d.finished_recving == {"r"} and not d.failed_recving and not d.invalid_blocks
+            assert p_stats["expired_leases"] == 0 and p_stats["lease_extensions"] > 0, p_stats
+            assert oracle.compare(d.ranks[0], d.expected(0, {"r": d.recv_blocks["r"]})) is None
+        else:
+            assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0])
+            assert str(d.outputs["r"].finish_reason).lower().endswith("error")
+            assert p_stats == {"expired_leases": 1, "lease_extensions": 0}, p_stats
+            assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
+        clean(p)
+        clean(d)
+    finally:
+        p.close()
+        d.close()

@@ -1,0 +1,62 @@
+"""A prefill engine restarted under the same host:port and engine id (new process, new NIXL
+agents, new memory): D notices before reading (the request names a new generation), handshakes
+again and loads byte-exact from the new P; a request the old P prefilled fails cleanly without a
+READ, never read from the new P's memory at the old block ids."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from nixlkv.testing import oracle
+
+from pd_harness import PDEngine, prompt, scenario
+from test_connector_pd import run_decode, start_prefill, stop
+
+pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
+
+
+def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
+    old, old_pipe, old_params = start_prefill(1, 1, {"a": 40, "b": 40})
+    new = new_pipe = d = None
+    try:
+        port = old_params["a"]["remote_port"]
+        d = PDEngine(scenario(1, 1), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
+                                                    "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
+        oracle.fill_decode(d.ranks[0])
+        with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
+            run_decode(d, old_params, {"a": 40})
+            assert d.finished_recving == {"a"} and not d.failed_recving
+            old.kill()
+            old.join(10)
+            new, new_pipe, new_params = start_prefill(1, 1, {"c": 40}, port=port, first_prompt=10)
+            c = new_params["c"]
+            assert (c["remote_port"], c["remote_engine_id"]) == (port, old_params["a"]["remote_engine_id"])
+            assert c["remote_generation"] != old_params["b"]["remote_generation"]
+            d.add("c", prompt(10, 40), 2, dict(c))  # the new P's request first: D's handshake is stale
+            d.add("b", prompt(1, 40), 2, dict(old_params["b"]))  # the old P's: its blocks are gone
+            deadline = time.monotonic() + 60
+            while not {"b", "c"} <= set(d.outputs) and time.monotonic() < deadline:
+                d.step()
+                time.sleep(0.002)
+        assert {"b", "c"} <= set(d.outputs), "the decode engine hung"
+        assert d.failed_recving == {"b"} and "c" in d.finished_recving
+        assert d.invalid_blocks == set(d.recv_blocks["b"][0])
+        assert str(d.outputs["b"].finish_reason).lower().endswith("error")
+        assert caplog.text.count("nixlkv handshake done engine=P") == 2
+        assert "nixlkv remote restarted engine=P" in caplog.text and "previous incarnation" in caplog.text
+        expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
+        assert oracle.compare(d.ranks[0], expected) is None  # b's blocks: never written (no READ)
+        assert new_pipe.poll(60)
+        report = new_pipe.recv()
+        assert report["finished_sending"] == ["c"] and report["requests"] == 0, report
+        leaks = d.leaks()
+        assert leaks["requests"] == 0 and leaks["nonzero_refs"] == 0 and leaks["free_blocks"] == leaks["expected_free"]
+    finally:
+        if d is not None:
+            d.close()
+        stop(old, old_pipe)
+        if new is not None:
+            stop(new, new_pipe)
