@@ -178,3 +178,33 @@ def hybrid_block_ids(layout: HybridLayout, ids: list[int], num_attention_blocks:
         at += n
     return out
 
+
+
+def hybrid_setup(case: Any, dispatcher: Dispatcher) -> tuple[RankGeometry, dict[int, RankGeometry], Any]:
+    """(decode rank geometry, covered prefill ranks' geometry, vLLM's planner) of one planning
+    case, both sides built from the same vLLM layout at the same made-up addresses."""
+    from ..core import covered_remote_ranks
+    from .shapes import fake_base
+    from .vllm_baseline import HybridVllmPlanner
+
+    nb = case.num_blocks
+    local_layout = hybrid_layout(case.shape, case.d_tp, nb)
+    remote_layout = hybrid_layout(case.shape, case.p_tp, nb)
+    local_base = fake_base("decode", case.d_rank)
+    remote_bases = {r: fake_base("prefill", r) for r in covered_remote_ranks(case.d_rank, case.d_tp, case.p_tp)}
+    local = fabricate_hybrid_rank(dispatcher, local_layout, "decode", case.d_rank, local_base)
+    remote = {r: fabricate_hybrid_rank(dispatcher, remote_layout, "prefill", r, b) for r, b in remote_bases.items()}
+    vllm = HybridVllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb, local_layout, remote_layout,
+                             local_base, remote_bases)
+    return local, remote, vllm
+
+
+def hybrid_request_ids(case: Any, layout: HybridLayout, rng: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """(prefill, decode) block ids per group of one request, each side drawn from its own pool."""
+    from .shapes import block_ids
+
+    n = case.num_request_blocks
+    k = state_group_count(layout)
+    p_ids = hybrid_block_ids(layout, block_ids(case.pattern, n + k, case.num_blocks, rng), n)
+    d_ids = hybrid_block_ids(layout, block_ids(case.pattern, n + k, case.num_blocks, rng), n)
+    return p_ids, d_ids
