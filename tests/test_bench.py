@@ -253,3 +253,9 @@ def test_full_bench_has_the_hybrid_and_quick_does_not() -> None:
     assert {("nemotron-h-8b-like", 4, 2, t, p) for t in bench_run.TOKENS for p in PATTERNS} <= full
     assert {c.shape.name for c in bench_run.quick_cases()} == {"llama-8b-like"}
     assert not bench_run.NOT_MEASURED
+
+
+def test_cli_bench_shape_filter_names_the_shapes(capsys) -> None:
+    assert cli.main(["bench", "--no-transfer", "--shape", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "--shape 'no-such-model'" in err and "nemotron-h-8b-like" in err and "llama-8b-like" in err
