@@ -179,7 +179,6 @@ def hybrid_block_ids(layout: HybridLayout, ids: list[int], num_attention_blocks:
     return out
 
 
-
 def hybrid_setup(case: Any, dispatcher: Dispatcher) -> tuple[RankGeometry, dict[int, RankGeometry], Any]:
     """(decode rank geometry, covered prefill ranks' geometry, vLLM's planner) of one planning
     case, both sides built from the same vLLM layout at the same made-up addresses."""
