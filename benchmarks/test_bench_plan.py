@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nixlkv.bench.hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
 from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, Case, block_ids, fabricate_rank
 from nixlkv.bench.vllm_baseline import VllmPlanner
 from nixlkv.core import Dispatcher, covered_remote_ranks
@@ -21,6 +22,7 @@ CASES = [
     Case(LLAMA_8B, 8, 4, 131072, "contiguous"),
     Case(LLAMA_70B, 4, 8, 8192, "fragmented"),
     Case(DEEPSEEK_MLA, 8, 2, 8192, "contiguous"),
+    Case(NEMOTRON_H_8B, 4, 2, 8192, "fragmented"),
 ]
 
 
@@ -30,6 +32,11 @@ def dispatcher() -> Dispatcher:
 
 
 def _setup(case: Case, dispatcher: Dispatcher):
+    if isinstance(case.shape, HybridShape):
+        local, remote, vllm = hybrid_setup(case, dispatcher)
+        vllm.handshake()
+        p_ids, d_ids = hybrid_request_ids(case, vllm.local_layout, np.random.default_rng(0))
+        return local, remote, dispatcher.plan(local, remote), vllm, (p_ids, d_ids)
     nb = case.num_blocks
     local = fabricate_rank(dispatcher, case.shape, "decode", case.d_tp, 0, nb)
     remote = {
@@ -41,8 +48,8 @@ def _setup(case: Case, dispatcher: Dispatcher):
                        {r: [x.base for x in g.regions] for r, g in remote.items()})
     vllm.handshake()
     rng = np.random.default_rng(0)
-    ids = (block_ids(case.pattern, case.num_request_blocks, nb, rng), block_ids(case.pattern, case.num_request_blocks, nb, rng))
-    return local, remote, plan, vllm, ids
+    ids = ([block_ids(case.pattern, case.num_request_blocks, nb, rng)], [block_ids(case.pattern, case.num_request_blocks, nb, rng)])
+    return local, remote, plan, vllm, ids  # block ids per KV group: (prefill, decode)
 
 
 @pytest.mark.parametrize("side", ["nixlkv", "vllm"])
@@ -51,10 +58,10 @@ def test_per_request_planning(benchmark, dispatcher, case: Case, side: str) -> N
     _, _, plan, vllm, (p_ids, d_ids) = _setup(case, dispatcher)
     benchmark.group = f"request {case.label}"
     if side == "nixlkv":
-        resolved = benchmark(plan.resolve, [d_ids], [p_ids], case.num_tokens)
+        resolved = benchmark(plan.resolve, d_ids, p_ids, case.num_tokens)
         assert resolved.num_descriptors > 0
     else:
-        reads = benchmark(vllm.desc_ids, [d_ids], [p_ids])
+        reads = benchmark(vllm.desc_ids, d_ids, p_ids)
         assert sum(r[1].size for r in reads) > 0
 
 

@@ -17,7 +17,7 @@ from nixlkv import cli
 from nixlkv.bench import run as bench_run
 from nixlkv.bench.dram import run_transfer
 from nixlkv.bench.measure import interleaved, posted_after_merge
-from nixlkv.bench.shapes import Case, Shape, block_ids, fabricate_rank
+from nixlkv.bench.shapes import PATTERNS, Case, Shape, block_ids, fabricate_rank
 from nixlkv.bench.vllm_baseline import VllmPlanner
 from nixlkv.core import Dispatcher
 
@@ -149,3 +149,113 @@ def test_vllm_planner_needs_its_handshake_first() -> None:
     vllm = VllmPlanner(TINY, 1, 1, 0, 20, [0, 1000, 2000], {0: [0, 1000, 2000]})
     with pytest.raises(RuntimeError, match="handshake"):
         vllm.desc_ids([[1, 2]], [[1, 2]])
+
+
+# ---------------------------------------------------------------- hybrid (Nemotron-H-like)
+def _nemotron_like(pattern: str, n_groups: int = 8):
+    import dataclasses
+
+    from nixlkv.bench.hybrid import NEMOTRON_H_8B
+
+    return dataclasses.replace(NEMOTRON_H_8B, name=f"hybrid-{pattern}-g{n_groups}", pattern=pattern,
+                               mamba={**NEMOTRON_H_8B.mamba, "n_groups": n_groups})
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_hybrid_layout_is_where_a_real_engine_puts_every_page(dispatcher, role) -> None:
+    """The planning-only hybrid geometry equals the one read off a really allocated engine
+    (vLLM's allocate_kv_cache, the scenario nemotronh-like P4->D2), byte offset for byte offset."""
+    from nixlkv.bench.hybrid import fabricate_hybrid_rank, hybrid_layout
+    from nixlkv.testing.engines import build_rank
+    from nixlkv.testing.rehearsal import geometry
+    from nixlkv.testing.scenario import load
+
+    scenario = load("tests/scenarios/mamba-nemotronh-like-p4-d2.yaml")  # layers: mamba, attention, mamba
+    side = scenario.prefill if role == "prefill" else scenario.decode
+    real = build_rank(scenario, role, 0)
+    real_geo = geometry(real, dispatcher)
+    base = int(real.buffer.data_ptr())
+    layout = hybrid_layout(_nemotron_like("M*M"), side.tp, side.num_blocks)
+    ours = fabricate_hybrid_rank(dispatcher, layout, role, 0, base)
+    assert layout.group_spec_types == tuple(type(g.kv_cache_spec) for g in real.kv_cache_config.kv_cache_groups)
+    assert ours.regions == real_geo.regions and len(ours.regions) == 5  # 2 x (conv, ssm) + attention
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "reads"), [(4, 2, 2), (2, 4, 1), (1, 1, 1)])
+def test_vllm_hybrid_baseline_moves_the_same_bytes_as_nixlkv(dispatcher, p_tp, d_tp, reads) -> None:
+    """Nemotron-H-like (n_groups 8): vLLM's Mamba path (attention rows, then x / B / C / SSM rows
+    per aliased region) and nixlkv's per-layer regions address the same (local, remote) bytes."""
+    from nixlkv.bench.hybrid import NEMOTRON_H_8B, hybrid_request_ids, hybrid_setup
+
+    case = Case(NEMOTRON_H_8B, p_tp, d_tp, 9000, "fragmented")
+    local, remote, vllm = hybrid_setup(case, dispatcher)
+    plan = dispatcher.plan(local, remote)
+    vllm.handshake()
+    p_ids, d_ids = hybrid_request_ids(case, vllm.local_layout, np.random.default_rng(5))
+    assert [len(g) for g in d_ids] == [1] * 6 + [9]  # six Mamba groups, one state each; 9 attention blocks
+    ours = set(plan.byte_moves(plan.resolve(d_ids, p_ids, case.num_tokens)))
+    assert ours == _vllm_moves(vllm, d_ids, p_ids)
+    assert len(vllm.source_ranks) == reads
+    # 4 attention layers x 9 blocks + 24 Mamba layers x (x, B, C, SSM), per source rank
+    assert len(ours) == reads * (4 * 9 + 24 * 4)
+
+
+def _vllm_moves(vllm, d_ids, p_ids) -> set:
+    from nixlkv.core.plan import expand_ids
+
+    moves = set()
+    for read in vllm.reads(d_ids, p_ids):
+        la, ln = expand_ids(read.local_rows, read.local_ids)
+        ra, _ = expand_ids(vllm.remote_rows[read.remote_rank], read.remote_ids)
+        moves |= set(zip(la.tolist(), [read.remote_rank] * la.size, ra.tolist(), ln.tolist()))
+    return moves
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(4, 2), (2, 4)])
+def test_vllm_hybrid_baseline_reads_other_b_c_bytes_with_one_group(dispatcher, p_tp, d_tp) -> None:
+    """With n_groups = 1 (B/C replicated on every rank) vLLM 0.33 offsets B and C as if they
+    shrank with TP: the comparison sees exactly that, and only that, differ (x, SSM, attention agree)."""
+    from nixlkv.bench.hybrid import hybrid_request_ids, hybrid_setup
+
+    case = Case(_nemotron_like("M*M", n_groups=1), p_tp, d_tp, 2000, "contiguous")
+    local, remote, vllm = hybrid_setup(case, dispatcher)
+    plan = dispatcher.plan(local, remote)
+    vllm.handshake()
+    p_ids, d_ids = hybrid_request_ids(case, vllm.local_layout, np.random.default_rng(0))
+    ours = set(plan.byte_moves(plan.resolve(d_ids, p_ids, case.num_tokens)))
+    theirs = _vllm_moves(vllm, d_ids, p_ids)
+    conv = vllm.worker._conv_decomp  # D's per-rank (x, B, C) byte runs
+    (_, x_bytes), (b_start, _), (c_start, c_bytes) = conv.local_conv_offsets
+    local_page = vllm.local_layout.unified_page
+    differing = {(m[0] - vllm._local_bases[0]) % local_page for m in ours ^ theirs}
+    assert ours != theirs
+    assert differing and all(x_bytes <= off < c_start + c_bytes for off in differing)  # within B / C only
+    assert sum(m[3] for m in ours) == sum(m[3] for m in theirs)  # same amount, other columns
+
+
+def test_plan_case_runs_the_hybrid_shape_at_1k(dispatcher) -> None:
+    """The bench's hybrid rows: same bytes (plan_case raises otherwise), same READs, ids and
+    NIXL posts; registration counts come from both planners' own rows."""
+    from nixlkv.bench.hybrid import NEMOTRON_H_8B
+
+    for pattern in PATTERNS:
+        row = bench_run.plan_case(Case(NEMOTRON_H_8B, 4, 2, 1024, pattern), dispatcher, budget=0.001)
+        assert row["reads_ours"] == row["reads_vllm"] == 2
+        # per READ: 4 attention layers x 1 block + 24 Mamba layers x 4 parts
+        assert row["descs_ids_ours"] == row["descs_ids_vllm"] == 2 * (4 + 96)
+        assert row["descs_posted_ours"] == row["descs_posted_vllm"] > 0
+        assert row["registered_ours"] > 0 and row["registered_vllm"] > 0
+        assert row["plan_us_ours_p50"] > 0 and row["plan_us_vllm_p50"] > 0
+
+
+def test_full_bench_has_the_hybrid_and_quick_does_not() -> None:
+    full = {(c.shape.name, c.p_tp, c.d_tp, c.num_tokens, c.pattern) for c in bench_run.full_cases()}
+    assert {("nemotron-h-8b-like", 4, 2, t, p) for t in bench_run.TOKENS for p in PATTERNS} <= full
+    assert {c.shape.name for c in bench_run.quick_cases()} == {"llama-8b-like"}
+    assert not bench_run.NOT_MEASURED
+
+
+def test_cli_bench_shape_filter_names_the_shapes(capsys) -> None:
+    assert cli.main(["bench", "--no-transfer", "--shape", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "--shape 'no-such-model'" in err and "nemotron-h-8b-like" in err and "llama-8b-like" in err

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
+from ..core.errors import NixlkvError
 from ..core.plan import expand_ids
 from .dram import run_transfer
+from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
 from .measure import interleaved, posted_after_merge
 from .shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, PATTERNS, Case, block_ids, fabricate_rank
 from .vllm_baseline import VllmPlanner
@@ -20,10 +22,7 @@ from .vllm_baseline import VllmPlanner
 TOKENS = (1024, 8192, 131072)
 TRANSFER_LAYERS = 8  # real transfers move 8 of the model's layers: ~0.25 GB per request at TP1
 # Cases not measured, with why: reported next to the table so a reader does not assume coverage.
-NOT_MEASURED = {
-    "nemotron-h-like hybrid P4->D2": "nixlkv's mamba strategy is pending (planning refuses MambaSpec layers), "
-    "so there is no nixlkv side to compare yet",
-}
+NOT_MEASURED: dict[str, str] = {}
 
 
 def quick_cases() -> list[Case]:
@@ -36,7 +35,7 @@ def quick_cases() -> list[Case]:
 
 def full_cases() -> list[Case]:
     pairs = [(LLAMA_8B, 1, 1), (LLAMA_8B, 4, 2), (LLAMA_8B, 8, 4), (LLAMA_8B, 4, 8),
-             (LLAMA_70B, 8, 4), (LLAMA_70B, 4, 8), (DEEPSEEK_MLA, 8, 2)]
+             (LLAMA_70B, 8, 4), (LLAMA_70B, 4, 8), (DEEPSEEK_MLA, 8, 2), (NEMOTRON_H_8B, 4, 2)]
     return [Case(s, p, d, t, pat) for s, p, d in pairs for t in TOKENS for pat in PATTERNS]
 
 
@@ -53,13 +52,17 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
     """Every planning figure of one case, nixlkv and vLLM on the same geometry and block ids."""
     rng = np.random.default_rng(seed)
     nb = case.num_blocks
-    local = fabricate_rank(dispatcher, case.shape, "decode", case.d_tp, case.d_rank, nb)
-    covered = list(covered_remote_ranks(case.d_rank, case.d_tp, case.p_tp))
-    remote = {r: fabricate_rank(dispatcher, case.shape, "prefill", case.p_tp, r, nb) for r in covered}
+    hybrid = isinstance(case.shape, HybridShape)
+    if hybrid:
+        local, remote, vllm = hybrid_setup(case, dispatcher)
+    else:
+        local = fabricate_rank(dispatcher, case.shape, "decode", case.d_tp, case.d_rank, nb)
+        covered = list(covered_remote_ranks(case.d_rank, case.d_tp, case.p_tp))
+        remote = {r: fabricate_rank(dispatcher, case.shape, "prefill", case.p_tp, r, nb) for r in covered}
+        vllm = VllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb,
+                           [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()})
     # What arrives in a handshake: each covered rank's geometry as plain data.
     wire = {r: g.to_dict() for r, g in remote.items()}
-    vllm = VllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb,
-                       [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()})
 
     def ours_handshake():
         return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
@@ -69,10 +72,12 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
     plan = ours_handshake()
 
     n = case.num_request_blocks
-    p_ids = block_ids(case.pattern, n, nb, rng)
-    d_ids = block_ids(case.pattern, n, nb, rng)
-    resolved = plan.resolve([d_ids], [p_ids], case.num_tokens)
-    v_reads = vllm.reads([d_ids], [p_ids])
+    if hybrid:  # per group: the attention group's prompt blocks, one running state per Mamba group
+        p_groups, d_groups = hybrid_request_ids(case, vllm.local_layout, rng)
+    else:
+        p_groups, d_groups = [block_ids(case.pattern, n, nb, rng)], [block_ids(case.pattern, n, nb, rng)]
+    resolved = plan.resolve(d_groups, p_groups, case.num_tokens)
+    v_reads = vllm.reads(d_groups, p_groups)
     ours_bytes = sum(int(expand_ids(plan.local_descs, r.local_ids)[1].sum()) for r in resolved.reads)
     vllm_bytes = sum(int(expand_ids(r.local_rows, r.local_ids)[1].sum()) for r in v_reads)
     if ours_bytes != vllm_bytes:
@@ -81,7 +86,7 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
     reps = _reps(resolved.num_descriptors + sum(r.local_ids.size for r in v_reads), budget)
     scratch = IdScratch()  # what the connector's worker does: one id buffer reused per request
     t_ours, t_vllm = interleaved(
-        [lambda: plan.resolve([d_ids], [p_ids], case.num_tokens, scratch=scratch), lambda: vllm.desc_ids([d_ids], [p_ids])], reps
+        [lambda: plan.resolve(d_groups, p_groups, case.num_tokens, scratch=scratch), lambda: vllm.desc_ids(d_groups, p_groups)], reps
     )
     merged_ours = sum(
         posted_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids) for r in resolved.reads
@@ -126,13 +131,23 @@ def run(
     with_transfers: bool = True,
     transfer_reps: int | None = None,
     progress: Callable[[str], None] | None = None,
+    shape: str | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; return one JSON-ready object (headline keys first, then every row)."""
+    """Run the suite; return one JSON-ready object (headline keys first, then every row).
+
+    ``shape`` keeps only that shape's planning cases (by name).
+    """
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     dispatcher = Dispatcher.from_plugins()
+    cases = quick_cases() if quick else full_cases()
+    if shape is not None:
+        names = sorted({c.shape.name for c in cases})
+        cases = [c for c in cases if c.shape.name == shape]
+        if not cases:
+            raise NixlkvError(f"--shape {shape!r}: no {'quick' if quick else 'full'} case has it; use one of {names}")
     rows = []
-    for case in quick_cases() if quick else full_cases():
+    for case in cases:
         say(f"planning {case.label}")
         rows.append(plan_case(case, dispatcher, budget=1.5 if quick else 3.0))
     transfers = []

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..core import Dispatcher, LayerCache, PageLayout, RankGeometry, Topology
 from ..testing.kinds import KINDS
+from .hybrid import NEMOTRON_H_8B, HybridShape
 
 FAKE_BASE = 1 << 44  # planning-only geometry lives at made-up addresses; nothing is dereferenced
 RANK_SPAN = 1 << 40  # address distance between fabricated ranks, so no two ranks overlap
@@ -57,7 +58,7 @@ DEEPSEEK_MLA = Shape(
     {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "cache_dtype": "auto", "dtype": "bfloat16"},
     64,
 )
-SHAPES = {s.name: s for s in (LLAMA_8B, LLAMA_70B, DEEPSEEK_MLA)}
+SHAPES = {s.name: s for s in (LLAMA_8B, LLAMA_70B, DEEPSEEK_MLA, NEMOTRON_H_8B)}
 
 PATTERNS = ("contiguous", "fragmented")
 
@@ -66,7 +67,7 @@ PATTERNS = ("contiguous", "fragmented")
 class Case:
     """One planning measurement: a shape, a P->D TP pair, a prompt length and a block-id pattern."""
 
-    shape: Shape
+    shape: Shape | HybridShape
     p_tp: int
     d_tp: int
     num_tokens: int
@@ -99,6 +100,11 @@ def rank_layout(shape: Shape, tp: int, num_blocks: int, num_layers: int | None =
     return page, page * num_blocks * (num_layers or shape.num_layers)
 
 
+def fake_base(engine_id: str, rank: int) -> int:
+    """The made-up address a planning-only rank's KV allocation starts at (no two overlap)."""
+    return FAKE_BASE + (2 if engine_id == "decode" else 1) * 64 * RANK_SPAN + rank * RANK_SPAN
+
+
 def fabricate_rank(
     dispatcher: Dispatcher,
     shape: Shape,
@@ -117,7 +123,7 @@ def fabricate_rank(
     page = shape.page(tp)
     stride = page.nbytes
     if base is None:
-        base = FAKE_BASE + (2 if engine_id == "decode" else 1) * 64 * RANK_SPAN + rank * RANK_SPAN
+        base = fake_base(engine_id, rank)
     spec = shape.spec(tp)
     total = shape.total_kv_heads()
     caches = [

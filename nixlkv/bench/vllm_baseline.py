@@ -196,3 +196,173 @@ class VllmPlanner:
             rows = self.split_rows[i] if self.split_rows and tp_ratio < 0 else self.local_rows
             out.append(VllmRead(rank, lids, rids, rows))
         return out
+
+
+@dataclass(frozen=True)
+class VllmRegion:
+    """One region as vLLM's ``register_kv_caches`` would record it: a distinct base address."""
+
+    offset: int  # from the rank's allocation base
+    block_len: int
+    block_stride: int
+    group: int  # the owning group, or -1 when layers of several groups alias it
+    holds_mamba: bool
+
+
+def vllm_regions(layout) -> list[VllmRegion]:
+    """The regions ``register_kv_caches`` records for a hybrid layout (no PP, no kernel split).
+
+    It walks the layers in ``_region_sort_key`` order and keeps one region per distinct base
+    address; layers of other groups at the same address mark it shared (group -1). Every layer
+    here has a dense page at its base, so a region's block length is the unified page.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import _region_sort_key
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    regions: dict[int, VllmRegion] = {}
+    for layer in sorted(layout.layers, key=lambda x: _region_sort_key(x.name)):
+        mamba = isinstance(layer.spec, MambaSpec)
+        seen = regions.get(layer.offset)
+        if seen is None:
+            regions[layer.offset] = VllmRegion(layer.offset, int(layer.spec.page_size_bytes), layer.block_stride, layer.group, mamba)
+        else:
+            group = seen.group if seen.group == layer.group else -1
+            regions[layer.offset] = VllmRegion(seen.offset, seen.block_len, seen.block_stride, group, seen.holds_mamba or mamba)
+    return list(regions.values())
+
+
+class HybridVllmPlanner(VllmPlanner):
+    """vLLM's planner for a Mamba + attention hybrid (``_has_mamba``): attention descriptors for
+    every region, then x / B / C / SSM descriptors per Mamba-bearing region (``_build_mamba_local``
+    / ``_build_mamba_remote``), ids from ``_compute_desc_ids``'s Mamba path.
+
+    ``local_layout`` / ``remote_layout`` are :func:`nixlkv.bench.hybrid.hybrid_layout` of the two
+    sides; ``local_base`` / ``remote_bases`` the ranks' allocation bases.
+    """
+
+    def __init__(self, shape, p_tp: int, d_tp: int, d_rank: int, num_blocks: int, local_layout, remote_layout,
+                 local_base: int, remote_bases: dict[int, int]) -> None:
+        self.local_layout, self.remote_layout = local_layout, remote_layout
+        self.local_regions, self.remote_regions = vllm_regions(local_layout), vllm_regions(remote_layout)
+        local = [local_base + r.offset for r in self.local_regions]
+        remote = {k: [b + r.offset for r in self.remote_regions] for k, b in remote_bases.items()}
+        super().__init__(shape, p_tp, d_tp, d_rank, num_blocks, local, remote, num_layers=len(self.local_regions))
+
+    def _stand_in(self) -> types.SimpleNamespace:
+        from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+        from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
+
+        from ..testing.kinds import _conv_layout
+
+        W = _worker_class()
+        regions = self.local_regions
+        n = len(regions)
+        with _conv_layout("DS"):  # NIXL's Mamba transfer requires it (asserted by vLLM)
+            conv = derive_mamba_conv_split(self.local_layout.mamba_spec, self.d_tp)
+            self.remote_ssm_sizes = derive_mamba_conv_split(self.remote_layout.mamba_spec, self.p_tp).ssm_sizes
+        group_ids = [r.group for r in regions]
+        ns = types.SimpleNamespace(
+            transfer_topo=TransferTopology(
+                tp_rank=self.d_rank,
+                tp_size=self.d_tp,
+                block_size=self.shape.block_size,
+                engine_id="decode",
+                is_mla=False,
+                is_mamba=True,
+                total_num_kv_heads=self.shape.total_kv_heads(),
+                attn_backends=[],
+            ),
+            tp_rank=self.d_rank,
+            _has_mamba=True,
+            _conv_decomp=conv,
+            _mamba_ssm_size=conv.ssm_sizes,
+            _ssm_region_indices=[i for i, r in enumerate(regions) if r.holds_mamba],
+            _scratch_region_indices=[],
+            _transfer_layer_group_ids=[],
+            _transfer_layer_region_indices=[],
+            num_regions=n,
+            block_len_per_layer=[r.block_len for r in regions],
+            block_stride_per_layer=[r.block_stride for r in regions],
+            region_num_blocks=[self.num_blocks] * n,  # register_kv_caches: every region, with mamba
+            region_group_ids=group_ids,
+            _uses_region_group_mapping=len(set(group_ids)) > 1,
+            _region_is_mla=[False] * n,
+            _group_spec_types=self.local_layout.group_spec_types,
+            _logical_num_blocks=self.num_blocks,
+            _physical_blocks_per_logical_kv_block=1,
+            _ple_region_index=None,
+            _ple_group_index=None,
+            device_id=0,
+            use_mla=False,
+            draft_tp_mappings={},
+            _head_sharded_draft_regions=set(),
+            num_descs=self.num_blocks * n,
+        )
+        for name in ("_compute_desc_ids", "_build_fa_local", "_build_fa_remote", "_build_local_splits_from_plan",
+                     "_fa_desc_replicated", "_is_region_replicated", "_needs_split_local_xfer_handles",
+                     "_build_mamba_local", "_build_mamba_remote"):
+            setattr(ns, name, types.MethodType(getattr(W, name), ns))
+        for name in ("_block_strided_descs", "_strided_desc_starts", "_pack_strided_descs"):
+            setattr(ns, name, getattr(W, name))
+        return ns
+
+    def handshake(self) -> None:
+        """``register_local_xfer_handler`` (attention + Mamba rows) and what ``add_remote_agent``
+        prepares per source rank: the TP mapping, split local handles, attention + Mamba remote rows."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
+
+        ns = self.worker
+        mapping = compute_tp_mapping(ns.transfer_topo, self.p_tp, ns._group_spec_types)
+        local = np.concatenate([ns._build_fa_local(self._local_bases, 1), ns._build_mamba_local(self._local_bases)])
+        tp_ratio = ns.transfer_topo.tp_ratio(self.p_tp)
+        splits = []
+        if ns._needs_split_local_xfer_handles(tp_ratio, mapping):
+            splits = list(ns._build_local_splits_from_plan(mapping, local, ns.num_descs))
+        transfer_info = types.SimpleNamespace(remote_physical_blocks_per_logical=1)
+        remote = {}
+        for rank in mapping.all_source_ranks:
+            meta = types.SimpleNamespace(
+                engine_id="prefill",
+                kv_caches_base_addr=self._remote_bases[rank],
+                region_num_blocks=[self.num_blocks] * len(self.remote_regions),
+                num_blocks=self.num_blocks,
+                device_id=0,
+                block_strides=[r.block_stride for r in self.remote_regions],
+                ssm_sizes=self.remote_ssm_sizes,
+            )
+            remote[rank] = np.concatenate(
+                [ns._build_fa_remote(mapping, meta, 1), ns._build_mamba_remote(meta, tp_ratio, transfer_info)]
+            )
+        self.mapping, self.local_rows, self.split_rows, self.remote_rows = mapping, local, splits, remote
+
+    def desc_ids(self, local_block_ids: list[list[int]], remote_block_ids: list[list[int]]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Per READ, what ``_read_blocks_for_req`` / ``_read_blocks`` compute for a hybrid: each
+        group's ids kept only for the source ranks that serve it, then two ``_compute_desc_ids``."""
+        ns = self.worker
+        mapping = self._mapping()
+        n = ns.num_regions
+        out = []
+        for rank in mapping.all_source_ranks:
+            serves = [rank in ranks for ranks in mapping.source_ranks_per_group]
+            rids = [list(g) if s else [] for g, s in zip(remote_block_ids, serves)]
+            lids = [list(g) if s else [] for g, s in zip(local_block_ids, serves)]
+            remote_ids = ns._compute_desc_ids(
+                block_ids=rids,
+                dst_num_blocks=self.num_blocks,
+                block_size_ratio=None,
+                physical_blocks_per_logical=1,
+                region_num_blocks=[self.num_blocks] * n,
+                region_group_ids=ns.region_group_ids,
+                uses_region_group_mapping=ns._uses_region_group_mapping,
+            )
+            local_ids = ns._compute_desc_ids(
+                block_ids=lids,
+                dst_num_blocks=self.num_blocks,
+                block_size_ratio=1,
+                physical_blocks_per_logical=1,
+                region_num_blocks=[self.num_blocks] * n,
+                region_group_ids=ns.region_group_ids,
+                uses_region_group_mapping=ns._uses_region_group_mapping,
+            )
+            out.append((rank, local_ids, remote_ids))
+        return out
