@@ -7,6 +7,8 @@ reading side (the decode engine), "remote" the side read from (the prefill engin
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from .errors import IncompatibleTopology
@@ -94,8 +96,11 @@ def consumers_per_remote_rank(local_tp: int, remote_tp: int) -> int:
     return max(1, local_tp // remote_tp)
 
 
+@functools.lru_cache(maxsize=4096)
 def head_sources(local_rank: int, local_tp: int, remote_tp: int, num_heads: int) -> tuple[HeadRun, ...]:
     """Where each local head slot is read from, de-duplicated: one remote copy per head.
+
+    Cached: a plan asks the same question for every layer (pure function of four integers).
 
     Among the covered remote ranks that hold a head, the first is chosen, so reads are
     deterministic and a replicated head is read once, not once per replica.
