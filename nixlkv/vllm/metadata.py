@@ -8,6 +8,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from ..core.errors import RequestError
+
 # kv_transfer_params keys shared with vLLM's NixlConnector (proxies and routers read them).
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -23,6 +25,21 @@ class RecvRequest:
     remote_host: str
     remote_port: int
     report: bool = True  # the scheduler waits for this request (WAITING_FOR_REMOTE_KVS)
+    # Tokens each side's block list holds (each list is the tail of the list for that many
+    # tokens): what pairs blocks when P and D hold a different number of tokens per block.
+    num_tokens: int | None = None  # this (decode) engine's
+    remote_num_tokens: int | None = None  # what P published
+
+    def tokens_to_pair(self) -> int | None:
+        """The request's token count both block lists describe; RequestError when P and D disagree."""
+        if self.num_tokens is None or self.remote_num_tokens is None:
+            return self.remote_num_tokens if self.num_tokens is None else self.num_tokens
+        if self.num_tokens != self.remote_num_tokens:
+            raise RequestError(
+                f"kv_transfer_params remote_num_tokens={self.remote_num_tokens} but the decode engine holds "
+                f"{self.num_tokens} tokens of request {self.remote_request_id!r}: send decode the prompt that was prefilled"
+            )
+        return self.num_tokens
 
 
 @dataclass
@@ -31,11 +48,17 @@ class NixlkvMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
 
 
-def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool) -> RecvRequest:
-    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError)."""
+def recv_from_params(
+    params: dict[str, Any], local_block_ids: Any, report: bool, num_tokens: int | None = None
+) -> RecvRequest:
+    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError);
+    ``num_tokens``: the tokens the decode engine's blocks hold once loaded."""
     missing = [k for k in (*REMOTE_KEYS, "remote_block_ids") if params.get(k) in (None, "")]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing}")
+    remote_tokens = params.get("remote_num_tokens")
+    if remote_tokens is not None and (isinstance(remote_tokens, bool) or not isinstance(remote_tokens, int) or remote_tokens < 0):
+        raise ValueError(f"kv_transfer_params remote_num_tokens must be a non-negative integer, got {remote_tokens!r}")
     return RecvRequest(
         local_block_ids=_groups(local_block_ids),
         remote_block_ids=_groups(params["remote_block_ids"]),
@@ -44,6 +67,8 @@ def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool)
         remote_host=str(params["remote_host"]),
         remote_port=int(params["remote_port"]),
         report=report,
+        num_tokens=num_tokens,
+        remote_num_tokens=remote_tokens,
     )
 
 

@@ -59,7 +59,10 @@ class NixlkvScheduler:
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
         try:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
-            self._recv[request.request_id] = recv_from_params(params, local, report=num_external_tokens > 0)
+            self._recv[request.request_id] = recv_from_params(
+                params, local, report=num_external_tokens > 0,
+                num_tokens=request.num_computed_tokens + num_external_tokens,
+            )
         except (ValueError, TypeError) as exc:
             logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)
         params["do_remote_prefill"] = False  # one transfer per request

@@ -216,7 +216,7 @@ class NixlkvWorker:
             remote_ids = list(req.remote_block_ids) + [[]] * (len(local) - len(req.remote_block_ids))
             if not any(local):  # nothing to read (full prefix hit, abort): only free P's blocks
                 remote_ids = [[] for _ in remote_ids]
-            resolved = plan.resolve(local, remote_ids)
+            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair())
             flight = self.nixl.post(remote.prepared, resolved, req.remote_request_id)
         except (NixlkvError, ValueError) as exc:
             if isinstance(exc, TransferError):
