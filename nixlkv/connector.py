@@ -28,6 +28,7 @@ from .vllm.config import ConfigError, ConnectorConfig
 from .vllm.handshake import compat_hash
 from .vllm.metadata import NixlkvMetadata, NixlkvStats
 from .vllm.model_heads import kv_heads_by_layer
+from .vllm.model_mamba import mamba_hints_by_layer
 from .vllm.scheduler import NixlkvScheduler
 from .vllm.worker import HandshakeInfo, NixlkvWorker, serve_reply
 
@@ -89,7 +90,8 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank, tp_size = tp_rank_and_size(vllm_config)
             heads = kv_heads_by_layer(vllm_config.model_config)
             self._worker = NixlkvWorker(
-                self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads
+                self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads,
+                model_hints=mamba_hints_by_layer(vllm_config, kv_cache_config),
             )
 
     # ================================================================ worker side

@@ -42,6 +42,9 @@ class TinyModel:
     config_dir: Path
     layers: tuple[dict[str, Any], ...]
     layout: str  # the KV layout the engine resolves (the connector's required one, else vLLM's default)
+    # Off for the Mamba hybrid: vLLM's Mamba prefix caching needs mamba_cache_mode "align" (one
+    # state per block); the scenario's Mamba specs are vLLM's mode "none" (one state per request).
+    prefix_caching: bool = True
 
 
 _FA = {"kind": "full_attention", "num_kv_heads": 8, "head_size": 32}
@@ -58,7 +61,7 @@ MODELS = {
         {"kind": "mla", "count": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 32},), "LBNHC"),
     # Nemotron-H-like hybrid "M*M": Mamba2 (one B/C group, replicated on every rank), attention, Mamba2.
     "nemotron-h": TinyModel(MODELS_DIR / "tiny-nemotron-h", (
-        _MAMBA2, {**_FA, "num_kv_heads": 4}, _MAMBA2), "LBHNC"),
+        _MAMBA2, {**_FA, "num_kv_heads": 4}, _MAMBA2), "LBHNC", prefix_caching=False),
     # Gemma4-like: 3 sliding layers (8 KV heads x 32, window 64) + 1 full layer (2 KV heads x 64,
     # per_layer_config), so the full layer's heads are replicated from TP 4 on.
     "gemma4": TinyModel(MODELS_DIR / "tiny-gemma4", (
@@ -101,7 +104,7 @@ def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict
         model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=tiny.prefix_caching),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=KVTransferConfig(
@@ -125,7 +128,7 @@ class PDEngine:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash, resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -137,17 +140,23 @@ class PDEngine:
         self.case = case
         self.role = role
         self.tp = side.tp
-        self.block_size = side.block_size
         self.ranks = [build_rank(sc, role, r) for r in range(side.tp)]
         self.vc = vllm_config(kv_role, engine_id, side.tp, side.block_size, extra, case.model)
         required = nc.NixlkvConnector.get_required_kvcache_layout(self.vc)
         assert required in (None, side.layout), (required, side.layout)
         kcc = self.ranks[0].kv_cache_config
         self.vc.cache_config.num_gpu_blocks = kcc.num_blocks
+        # What vLLM's engine core does once the caches are sized: the block size is the smallest
+        # prefix-cacheable group's, the scheduler steps in the LCM of the groups' block sizes.
+        cacheable = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups if g.kv_cache_spec.prefix_cacheable]
+        self.vc.cache_config.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
+        self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(kcc, self.vc)
+        for rank in self.ranks:
+            rank.kv_cache_config.hash_block_size = self.hash_block_size
         init_none_hash(sha256)
         self.scheduler = Scheduler(
             vllm_config=self.vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(self.vc),
-            block_size=side.block_size, log_stats=True,
+            block_size=self.block_size, hash_block_size=self.hash_block_size, log_stats=True,
         )
         assert isinstance(self.scheduler.connector, nc.NixlkvConnector)
         self.workers = []
@@ -182,7 +191,7 @@ class PDEngine:
         sp = SamplingParams(max_tokens=max_tokens)
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
-                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+                      block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
         req.kv_transfer_params = params
         self.scheduler.add_request(req)
 
@@ -362,6 +371,8 @@ class PDRun:
 
     params: dict[str, dict]
     decode_groups: int
+    state_groups: list[int]  # Mamba groups (one running state per request)
+    recv_blocks: dict[str, tuple[list[int], ...]]  # D's blocks per request and group
     transfers: dict[str, int]  # D's stats, summed
     prefill_report: dict[str, Any]
     failed: set[str]
@@ -395,7 +406,9 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         report = parent.recv()
         assert report["finished_sending"] == sorted(prompts), report
         assert_no_leaks(report, "prefill")
-        return PDRun(params, d.ranks[0].num_groups, total, report, set(d.failed_recving))
+        rank = d.ranks[0]
+        states = [g for g in range(rank.num_groups) if rank.is_state_group(g)]
+        return PDRun(params, rank.num_groups, states, dict(d.recv_blocks), total, report, set(d.failed_recving))
     finally:
         if d is not None:
             d.close()
