@@ -22,6 +22,9 @@ def test_mla_latent_is_byte_exact(p_tp: int, d_tp: int) -> None:
     other P rank it covers gets a notification alone, and P frees all of them."""
     run = run_pd(PDCase("deepseek-mla", p_tp, d_tp), PROMPTS)
     assert run.transfers["transfers"] == len(PROMPTS) * d_tp and run.transfers["failed_transfers"] == 0
+    latent_page = 16 * (64 + 32) * 2  # 16 tokens x (kv_lora_rank + qk_rope_head_dim) x bfloat16
+    once = sum(-(-n // 16) for n in PROMPTS.values()) * 4 * latent_page  # 4 layers
+    assert run.transfers["bytes"] == d_tp * once  # every D rank reads each page once, never twice
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
