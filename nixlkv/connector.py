@@ -29,6 +29,7 @@ from .vllm.handshake import compat_hash
 from .vllm.liveness import engine_generation
 from .vllm.metadata import NixlkvMetadata, NixlkvStats
 from .vllm.model_heads import kv_heads_by_layer
+from .vllm.model_mamba import mamba_hints_by_layer
 from .vllm.scheduler import NixlkvScheduler
 from .vllm.worker import HandshakeInfo, NixlkvWorker, serve_reply
 
@@ -90,7 +91,8 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank, tp_size = tp_rank_and_size(vllm_config)
             heads = kv_heads_by_layer(vllm_config.model_config)
             self._worker = NixlkvWorker(
-                self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads
+                self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads,
+                model_hints=mamba_hints_by_layer(vllm_config, kv_cache_config),
             )
 
     # ================================================================ worker side

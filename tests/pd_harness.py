@@ -7,9 +7,13 @@ Used by the P/D acceptance tests: P runs in a separate process (``run_prefill``)
 
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
 import os
 import time
 import zlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -18,6 +22,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # what nixlkv needs for Mamba conv states
 
 from nixlkv.testing import oracle  # noqa: E402
 from nixlkv.testing.engines import DATA, build_rank  # noqa: E402
@@ -26,33 +31,80 @@ from nixlkv.testing.scenario import parse  # noqa: E402
 EOS = 2
 
 
-def scenario(p_tp: int, d_tp: int, block_size: int = 16, num_blocks: int = 96, window: int | None = None):
-    # Matches the shipped tiny-llama config.json: 4 layers, 8 KV heads, head_dim 32, bfloat16.
-    # With ``window``: 3 sliding-window layers + 1 full-attention layer (a hybrid, several KV groups).
-    fa = {"kind": "full_attention", "num_kv_heads": 8, "head_size": 32}
-    layers = [{**fa, "count": 4}] if window is None else [
-        {"kind": "sliding_window", "count": 3, "num_kv_heads": 8, "head_size": 32, "window": window}, {**fa, "count": 1}]
-    return parse({
-        "name": f"pd-p{p_tp}-d{d_tp}",
-        "model": {"layers": layers},
-        "prefill": {"tp": p_tp, "block_size": block_size, "layout": "LBHNC", "num_blocks": num_blocks},
-        "decode": {"tp": d_tp, "block_size": block_size, "layout": "LBHNC", "num_blocks": num_blocks},
-        "request": {"num_tokens": 16},
-    })
+MODELS_DIR = Path(__file__).parent / "models"
 
 
-def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict[str, Any]):
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny model both engines serve: the config.json vLLM's ModelConfig reads, and the scenario
+    layers that give the same per-rank KV specs its layers would report."""
+
+    config_dir: Path
+    layers: tuple[dict[str, Any], ...]
+    layout: str  # the KV layout the engine resolves (the connector's required one, else vLLM's default)
+    # Off for the Mamba hybrid: vLLM's Mamba prefix caching needs mamba_cache_mode "align" (one
+    # state per block); the scenario's Mamba specs are vLLM's mode "none" (one state per request).
+    prefix_caching: bool = True
+
+
+_FA = {"kind": "full_attention", "num_kv_heads": 8, "head_size": 32}
+_MAMBA2 = {"kind": "mamba", "mamba_type": "mamba2", "num_heads": 8, "head_dim": 16, "n_groups": 1, "d_state": 16,
+           "conv_kernel": 4, "dtype": "bfloat16", "ssm_dtype": "float32", "conv_layout": "DS"}
+MODELS = {
+    # The shipped tiny-llama: 4 layers, 8 KV heads, head_dim 32, bfloat16.
+    "llama": TinyModel(DATA / "tiny-llama", ({**_FA, "count": 4},), "LBHNC"),
+    # The same config with 3 sliding-window layers + 1 full-attention layer (several KV groups).
+    "llama-sw": TinyModel(DATA / "tiny-llama", (
+        {**_FA, "kind": "sliding_window", "count": 3, "window": 64}, {**_FA, "count": 1}), "LBHNC"),
+    # DeepSeek-V2-like MLA: one replicated latent head of kv_lora_rank + qk_rope_head_dim per token.
+    "deepseek-mla": TinyModel(MODELS_DIR / "tiny-deepseek-v2", (
+        {"kind": "mla", "count": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 32},), "LBNHC"),
+    # Nemotron-H-like hybrid "M*M": Mamba2 (one B/C group, replicated on every rank), attention, Mamba2.
+    "nemotron-h": TinyModel(MODELS_DIR / "tiny-nemotron-h", (
+        _MAMBA2, {**_FA, "num_kv_heads": 4}, _MAMBA2), "LBHNC", prefix_caching=False),
+    # Gemma4-like: 3 sliding layers (8 KV heads x 32, window 64) + 1 full layer (2 KV heads x 64,
+    # per_layer_config), so the full layer's heads are replicated from TP 4 on.
+    "gemma4": TinyModel(MODELS_DIR / "tiny-gemma4", (
+        {**_FA, "kind": "sliding_window", "count": 3, "window": 64},
+        {"kind": "full_attention", "count": 1, "num_kv_heads": 2, "head_size": 64}), "LBHNC"),
+}
+
+
+@dataclass(frozen=True)
+class PDCase:
+    """One P/D pairing of a tiny model: what the prefill process and the test both build from."""
+
+    model: str = "llama"
+    p_tp: int = 1
+    d_tp: int = 1
+    p_block: int = 16
+    d_block: int = 16
+    num_blocks: int = 96
+
+    def scenario(self):
+        m = MODELS[self.model]
+        return parse({
+            "name": f"pd-{self.model}-p{self.p_tp}b{self.p_block}-d{self.d_tp}b{self.d_block}",
+            "model": {"layers": [dict(layer) for layer in m.layers]},
+            "prefill": {"tp": self.p_tp, "block_size": self.p_block, "layout": m.layout, "num_blocks": self.num_blocks},
+            "decode": {"tp": self.d_tp, "block_size": self.d_block, "layout": m.layout, "num_blocks": self.num_blocks},
+            "request": {"num_tokens": 16},
+        })
+
+
+def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict[str, Any], model: str = "llama"):
     from vllm.config import (
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
     )
 
-    model = ModelConfig(model=str(DATA / "tiny-llama"), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
-                        max_model_len=4096)
+    tiny = MODELS[model]
+    model_config = ModelConfig(model=str(tiny.config_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                               max_model_len=4096)
     vc = VllmConfig(
-        model_config=model,
+        model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=tiny.prefix_caching),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=KVTransferConfig(
@@ -60,7 +112,7 @@ def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict
             kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra,
         ),
     )
-    vc.cache_config.kv_cache_layout = "LBHNC"
+    vc.cache_config.kv_cache_layout = tiny.layout
     return vc
 
 
@@ -72,29 +124,39 @@ class PDEngine:
     """One engine: vLLM's Scheduler (its connector built by vLLM from the kv-transfer config) and
     one worker-role NixlkvConnector per TP rank over fabricated KV caches."""
 
-    def __init__(self, sc, role: str, engine_id: str, extra: dict[str, Any]):
+    def __init__(self, case: PDCase, role: str, engine_id: str, extra: dict[str, Any]):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash, resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         import nixlkv.connector as nc
 
+        sc = case.scenario()
         side = sc.prefill if role == "prefill" else sc.decode
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        self.case = case
         self.role = role
         self.tp = side.tp
-        self.block_size = side.block_size
         self.ranks = [build_rank(sc, role, r) for r in range(side.tp)]
-        self.vc = vllm_config(kv_role, engine_id, side.tp, side.block_size, extra)
+        self.vc = vllm_config(kv_role, engine_id, side.tp, side.block_size, extra, case.model)
+        required = nc.NixlkvConnector.get_required_kvcache_layout(self.vc)
+        assert required in (None, side.layout), (required, side.layout)
         kcc = self.ranks[0].kv_cache_config
         self.vc.cache_config.num_gpu_blocks = kcc.num_blocks
+        # What vLLM's engine core does once the caches are sized: the block size is the smallest
+        # prefix-cacheable group's, the scheduler steps in the LCM of the groups' block sizes.
+        cacheable = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups if g.kv_cache_spec.prefix_cacheable]
+        self.vc.cache_config.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
+        self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(kcc, self.vc)
+        for rank in self.ranks:
+            rank.kv_cache_config.hash_block_size = self.hash_block_size
         init_none_hash(sha256)
         self.scheduler = Scheduler(
             vllm_config=self.vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(self.vc),
-            block_size=side.block_size, log_stats=True,
+            block_size=self.block_size, hash_block_size=self.hash_block_size, log_stats=True,
         )
         assert isinstance(self.scheduler.connector, nc.NixlkvConnector)
         self.workers = []
@@ -129,7 +191,7 @@ class PDEngine:
         sp = SamplingParams(max_tokens=max_tokens)
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
-                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+                      block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
         req.kv_transfer_params = params
         self.scheduler.add_request(req)
 
@@ -195,28 +257,35 @@ class PDEngine:
 
     def expected(self, rank_index: int, seeds: dict[str, tuple[list[int], ...]],
                  num_tokens: dict[str, int] | None = None) -> torch.Tensor:
-        """Sentinel everywhere but in the blocks each request must hold after its load. For a
-        sliding-window group (``num_tokens`` given) that is oracle.decode_receives: the window's
-        last cdiv(window, block_size) + 1 blocks, never a null block."""
+        """Sentinel everywhere but in what each request's load must write (oracle.decode_receives):
+        with ``num_tokens`` the token slots the prefill engine's blocks hold (its block size may
+        differ), and for a sliding-window group only the window's last cdiv(window, block_size) + 1
+        blocks, never a null block; without it, whole blocks. A state (Mamba) group: its running state."""
         rank = self.ranks[rank_index]
         target = torch.full_like(rank.buffer, oracle.SENTINEL)
         for rid, block_ids in seeds.items():
             gb = []
             for group, g in enumerate(block_ids):
                 ids = np.asarray(g, dtype=np.int64)
-                holds = ids != 0
-                first = 0
-                window = oracle.window_of(rank, group)
-                if window is not None:
+                holds, first = ids != 0, 0
+                if num_tokens is not None and not rank.is_state_group(group):
                     # The list ends with the request's last block; vLLM may leave out the null
-                    # blocks below the window, so positions are counted from the tail.
+                    # blocks below a window, so positions are counted from the tail.
                     bs = rank.group_block_size(group)
                     first = -(-num_tokens[rid] // bs) - ids.size
                     assert first >= 0, (rid, group, ids.size)
-                    holds = holds[:, None] & oracle.decode_receives(first + np.arange(ids.size), num_tokens[rid], window, bs, bs)
+                    receives = oracle.decode_receives(first + np.arange(ids.size), num_tokens[rid],
+                                                      oracle.window_of(rank, group), bs, self.peer_block_sizes[group])
+                    holds = holds[:, None] & receives
                 gb.append(oracle.GroupBlocks(ids, first, holds))
             oracle.write_pattern(rank, target, gb, request_seed(rid))
         return target
+
+    @functools.cached_property
+    def peer_block_sizes(self) -> list[int]:
+        """Tokens per block of each KV group on the other engine (vLLM sizes them per TP)."""
+        peer = build_rank(self.case.scenario(), "prefill" if self.role == "decode" else "decode", 0)
+        return [peer.group_block_size(g) for g in range(peer.num_groups)]
 
     def close(self) -> None:
         for w in self.workers:
@@ -228,13 +297,13 @@ def prompt(i: int, n: int) -> list[int]:
     return [(7 * i + 3 * t) % 900 + 10 for t in range(n)]
 
 
-def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: float = 30.0,
-                window: int | None = None, port: int = 0, first_prompt: int = 0) -> None:
+def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30.0, port: int = 0,
+                first_prompt: int = 0) -> None:
     """The prefill engine process: prefill every prompt (``prompt(first_prompt + i, n)``), publish
     kv_transfer_params to the parent, then keep stepping until every consumer notified (or
     ``stop``); report the leak check. ``port``: the side channel's (0: any free one)."""
     try:
-        engine = PDEngine(scenario(p_tp, d_tp, window=window), "prefill", "P",
+        engine = PDEngine(case, "prefill", "P",
                           {"side_channel_host": "127.0.0.1", "side_channel_port": port, "lease_s": lease_s})
     except BaseException as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -257,6 +326,95 @@ def run_prefill(conn, p_tp: int, d_tp: int, prompts: dict[str, int], lease_s: fl
         conn.recv()  # wait for the parent to say goodbye before tearing NIXL down
     finally:
         engine.close()
+
+
+def start_prefill(case: PDCase, prompts: dict[str, int], **kw):
+    """The prefill engine in a separate process (spawned); returns it, its pipe and what it published."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=run_prefill, args=(child, case, prompts), kwargs=kw, daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 180
+    while not parent.poll(0.2):
+        assert proc.is_alive() and time.monotonic() < deadline, "the prefill process published nothing"
+    params = parent.recv()
+    assert "error" not in params, params
+    return proc, parent, params
+
+
+def stop(proc, parent) -> None:
+    try:
+        parent.send("bye")
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(15)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def run_decode(d: PDEngine, params: dict[str, dict], prompts: dict[str, int], timeout: float = 60) -> None:
+    for i, (rid, n) in enumerate(prompts.items()):
+        d.add(rid, prompt(i, n), 2, dict(params[rid]))
+    deadline = time.monotonic() + timeout
+    while len(d.outputs) < len(prompts) and time.monotonic() < deadline:
+        d.step()
+        time.sleep(0.001)
+
+
+def assert_no_leaks(leaks: dict[str, Any], side: str) -> None:
+    assert leaks["requests"] == leaks["waiting"] == leaks["running"] == leaks["nonzero_refs"] == 0, (side, leaks)
+    assert leaks["free_blocks"] == leaks["expected_free"], (side, leaks)
+
+
+@dataclass
+class PDRun:
+    """What a whole P/D run observed, for checks beyond the ones ``run_pd`` makes itself."""
+
+    params: dict[str, dict]
+    decode_groups: int
+    state_groups: list[int]  # Mamba groups (one running state per request)
+    recv_blocks: dict[str, tuple[list[int], ...]]  # D's blocks per request and group
+    transfers: dict[str, int]  # D's stats, summed
+    prefill_report: dict[str, Any]
+    failed: set[str]
+
+
+def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), lease_s: float = 30.0) -> PDRun:
+    """P (separate process) prefills ``prompts``, D loads them through the connector. Checked here:
+    every byte of every D rank against the oracle (requests in ``fail`` must fail and write
+    nothing), the others received, every prefill request freed by notification, no request or
+    block left on either side."""
+    proc, parent, params = start_prefill(case, prompts, lease_s=lease_s)
+    d = None
+    try:
+        assert set(params) == set(prompts), params
+        d = PDEngine(case, "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0})
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        run_decode(d, params, prompts)
+        assert set(d.outputs) == set(prompts), sorted(d.outputs)
+        assert d.finished_recving == set(prompts) and d.failed_recving == set(fail), (d.finished_recving, d.failed_recving)
+        loaded = {rid: b for rid, b in d.recv_blocks.items() if rid not in fail}
+        for r in range(case.d_tp):
+            mismatch = oracle.compare(d.ranks[r], d.expected(r, loaded, prompts))
+            assert mismatch is None, str(mismatch)
+        assert_no_leaks(d.leaks(), "decode")
+        total: dict[str, int] = {}
+        for s in d.stats:
+            for k, v in s.reduce().items():
+                total[k] = total.get(k, 0) + v
+        assert parent.poll(60), "the prefill process never reported"
+        report = parent.recv()
+        assert report["finished_sending"] == sorted(prompts), report
+        assert_no_leaks(report, "prefill")
+        rank = d.ranks[0]
+        states = [g for g in range(rank.num_groups) if rank.is_state_group(g)]
+        return PDRun(params, rank.num_groups, states, dict(d.recv_blocks), total, report, set(d.failed_recving))
+    finally:
+        if d is not None:
+            d.close()
+        stop(proc, parent)
 
 
 def keep_blocks(expected: torch.Tensor, rank, block_ids: set[int]) -> None:

@@ -124,7 +124,7 @@ def _hybrid_decode(monkeypatch, policy: str):
         return vc
 
     monkeypatch.setattr(pd_harness, "vllm_config", with_policy)
-    d = pd_harness.PDEngine(pd_harness.scenario(1, 1, window=64), "decode", "D",
+    d = pd_harness.PDEngine(pd_harness.PDCase(model="llama-sw"), "decode", "D",
                             {"side_channel_host": "127.0.0.1", "side_channel_port": 0, "handshake_timeout_s": 0.5})
     assert len(d.ranks[0].kv_cache_config.kv_cache_groups) > 1
     return d

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pd_harness import PDEngine, prompt, scenario
+from pd_harness import PDCase, PDEngine, prompt
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -30,8 +30,8 @@ def prefill(p: PDEngine, rid: str, n: int) -> dict:
 def test_decode_abort_before_allocation_frees_prefill_blocks_at_once() -> None:
     from vllm.v1.request import RequestStatus
 
-    p = PDEngine(scenario(1, 1), "prefill", "P", {**SIDE, "lease_s": 600.0})
-    d = PDEngine(scenario(1, 1), "decode", "D", SIDE)
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 600.0})
+    d = PDEngine(PDCase(), "decode", "D", SIDE)
     try:
         params = prefill(p, "r", 50)
         assert p.scheduler.requests  # held for the consumer
@@ -53,7 +53,7 @@ def test_decode_abort_before_allocation_frees_prefill_blocks_at_once() -> None:
 def test_prefill_abort_publishes_nothing_and_frees() -> None:
     from vllm.v1.request import RequestStatus
 
-    p = PDEngine(scenario(1, 1), "prefill", "P", SIDE)
+    p = PDEngine(PDCase(), "prefill", "P", SIDE)
     try:
         p.add("x", prompt(2, 70), 1, {"do_remote_decode": True, "do_remote_prefill": False})
         p.scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
@@ -65,7 +65,7 @@ def test_prefill_abort_publishes_nothing_and_frees() -> None:
 
 
 def test_lease_expiry_frees_unread_blocks() -> None:
-    p = PDEngine(scenario(1, 1), "prefill", "P", {**SIDE, "lease_s": 0.5})
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 0.5})
     try:
         prefill(p, "y", 33)
         assert p.scheduler.requests

@@ -14,7 +14,7 @@ from nixlkv.vllm.liveness import HEARTBEAT_PREFIX, MAX_IDS_PER_HEARTBEAT, heartb
 from nixlkv.vllm.metadata import LeaseView, NixlkvMetadata, NixlkvStats
 
 from connector_helpers import blocks, filled_pair
-from pd_harness import PDEngine, prompt, scenario
+from pd_harness import PDCase, PDEngine, prompt
 from test_connector_lifecycle import SIDE, clean, prefill
 from test_connector_worker import drive, recv
 
@@ -84,8 +84,8 @@ def test_decode_queueing_longer_than_the_lease(heartbeat_interval_s: float) -> N
     blocks, nothing written) instead of reading blocks P may have reused."""
     from vllm.v1.request import RequestStatus
 
-    p = PDEngine(scenario(1, 1), "prefill", "P", {**SIDE, "lease_s": 1.0})
-    d = PDEngine(scenario(1, 1, num_blocks=8), "decode", "D", {**SIDE, "heartbeat_interval_s": heartbeat_interval_s})
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
+    d = PDEngine(PDCase(num_blocks=8), "decode", "D", {**SIDE, "heartbeat_interval_s": heartbeat_interval_s})
     try:
         oracle.fill_decode(d.ranks[0])
         params = prefill(p, "r", 40)  # 3 blocks; D has 7 usable

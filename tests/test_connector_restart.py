@@ -12,18 +12,17 @@ import pytest
 
 from nixlkv.testing import oracle
 
-from pd_harness import PDEngine, prompt, scenario
-from test_connector_pd import run_decode, start_prefill, stop
+from pd_harness import PDCase, PDEngine, prompt, run_decode, start_prefill, stop
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
 
 def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
-    old, old_pipe, old_params = start_prefill(1, 1, {"a": 40, "b": 40})
+    old, old_pipe, old_params = start_prefill(PDCase(), {"a": 40, "b": 40})
     new = new_pipe = d = None
     try:
         port = old_params["a"]["remote_port"]
-        d = PDEngine(scenario(1, 1), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
+        d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
                                                     "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
         oracle.fill_decode(d.ranks[0])
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
@@ -31,7 +30,7 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
             assert d.finished_recving == {"a"} and not d.failed_recving
             old.kill()
             old.join(10)
-            new, new_pipe, new_params = start_prefill(1, 1, {"c": 40}, port=port, first_prompt=10)
+            new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10)
             c = new_params["c"]
             assert (c["remote_port"], c["remote_engine_id"]) == (port, old_params["a"]["remote_engine_id"])
             assert c["remote_generation"] != old_params["b"]["remote_generation"]

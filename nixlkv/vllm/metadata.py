@@ -8,6 +8,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from ..core.errors import RequestError
+
 # kv_transfer_params keys shared with vLLM's NixlConnector (proxies and routers read them).
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 # nixlkv's own additions (optional; a proxy forwards kv_transfer_params whole).
@@ -45,6 +47,21 @@ class RecvRequest:
     # Until when P surely still holds the blocks without a heartbeat (D's time.monotonic(): D's
     # arrival + LEASE_SAFETY * P's lease_s); None when P published no lease (not checked).
     held_until: float | None = None
+    # Tokens each side's block list holds (each list is the tail of the list for that many
+    # tokens): what pairs blocks when P and D hold a different number of tokens per block.
+    num_tokens: int | None = None  # this (decode) engine's
+    remote_num_tokens: int | None = None  # what P published
+
+    def tokens_to_pair(self) -> int | None:
+        """The request's token count both block lists describe; RequestError when P and D disagree."""
+        if self.num_tokens is None or self.remote_num_tokens is None:
+            return self.remote_num_tokens if self.num_tokens is None else self.num_tokens
+        if self.num_tokens != self.remote_num_tokens:
+            raise RequestError(
+                f"kv_transfer_params remote_num_tokens={self.remote_num_tokens} but the decode engine holds "
+                f"{self.num_tokens} tokens of request {self.remote_request_id!r}: send decode the prompt that was prefilled"
+            )
+        return self.num_tokens
 
     @property
     def key(self) -> RemoteKey:
@@ -59,15 +76,21 @@ class NixlkvMetadata(KVConnectorMetadata):
     heartbeats: dict[RemoteKey, dict[str, LeaseView | None]] = field(default_factory=dict)
 
 
-def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool,
-                     arrived: float | None = None) -> RecvRequest:
-    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError)."""
+def recv_from_params(
+    params: dict[str, Any], local_block_ids: Any, report: bool, arrived: float | None = None,
+    num_tokens: int | None = None,
+) -> RecvRequest:
+    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError);
+    ``num_tokens``: the tokens the decode engine's blocks hold once loaded."""
     missing = [k for k in (*REMOTE_KEYS, "remote_block_ids") if params.get(k) in (None, "")]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing}")
     generation = params.get(GENERATION_KEY)
     if generation is not None and (not isinstance(generation, str) or not generation):
         raise ValueError(f"kv_transfer_params {GENERATION_KEY} must be a non-empty string, got {generation!r}")
+    remote_tokens = params.get("remote_num_tokens")
+    if remote_tokens is not None and (isinstance(remote_tokens, bool) or not isinstance(remote_tokens, int) or remote_tokens < 0):
+        raise ValueError(f"kv_transfer_params remote_num_tokens must be a non-negative integer, got {remote_tokens!r}")
     view = lease_view(params, arrived)
     return RecvRequest(
         local_block_ids=_groups(local_block_ids),
@@ -79,6 +102,8 @@ def recv_from_params(params: dict[str, Any], local_block_ids: Any, report: bool,
         report=report,
         remote_generation=generation,
         held_until=view.held_until if view else None,
+        num_tokens=num_tokens,
+        remote_num_tokens=remote_tokens,
     )
 
 

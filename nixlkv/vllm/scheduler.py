@@ -91,7 +91,8 @@ class NixlkvScheduler:
         try:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
             self._recv[request.request_id] = recv_from_params(
-                params, local, report=num_external_tokens > 0, arrived=awaiting[3] if awaiting else None
+                params, local, report=num_external_tokens > 0, arrived=awaiting[3] if awaiting else None,
+                num_tokens=request.num_computed_tokens + num_external_tokens,
             )
         except (ValueError, TypeError) as exc:
             logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)

@@ -80,6 +80,7 @@ class NixlkvWorker:
         compat: str,
         total_kv_heads: Callable[[str], int] | int,
         dispatcher: Dispatcher | None = None,
+        model_hints: Callable[[str], Mapping[str, Any]] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.topology = Topology(tp_size, tp_rank)
@@ -87,6 +88,7 @@ class NixlkvWorker:
         self.config = config
         self.compat = compat
         self.total_kv_heads = total_kv_heads
+        self.model_hints = model_hints  # per-layer model facts beyond head counts (Mamba geometry)
         self.dispatcher = dispatcher or config.dispatcher()
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.nixl: NixlRank | None = None
@@ -109,7 +111,7 @@ class NixlkvWorker:
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         memory = registered_memory(kv_caches)
-        layers = layer_caches(self.kv_cache_config, kv_caches, self.total_kv_heads)
+        layers = layer_caches(self.kv_cache_config, kv_caches, self.total_kv_heads, self.model_hints)
         self.geometry = self.dispatcher.local_geometry(self.engine_id, self.topology, layers, memory)
         self.nixl = NixlRank(
             f"{self.engine_id}-tp{self.topology.tp_rank}",
@@ -305,7 +307,7 @@ class NixlkvWorker:
             remote_ids = list(req.remote_block_ids) + [[]] * (len(local) - len(req.remote_block_ids))
             if not any(local):  # nothing to read (full prefix hit, abort): only free P's blocks
                 remote_ids = [[] for _ in remote_ids]
-            resolved = plan.resolve(local, remote_ids)
+            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair())
             flight = self.nixl.post(remote.prepared, resolved, req.remote_request_id)
         except (NixlkvError, ValueError) as exc:
             if isinstance(exc, TransferError):
