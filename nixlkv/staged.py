@@ -88,17 +88,24 @@ class Reader:
         self.staging_bytes = int(staging_bytes)
         self._memory = [_bytes_of(t) for t in memory]
         self._queue: deque[StagedFlight] = deque()
-        self.buffer: torch.Tensor | None = None
+        self.staged_requests = 0  # counters, for logs and tests
+        self.rounds_posted = 0
+        self.buffer: torch.Tensor | None = None  # allocated by the first plan that stages
         self._reg = None
         if self.mode != "direct":
             if self.staging_bytes < 2:
                 raise StagingError(f"staging_bytes must be at least 2 bytes for descriptor_mode {mode!r}, got {staging_bytes}")
             if not self._memory:
                 raise StagingError(f"descriptor_mode {mode!r} needs the local KV memory as tensors to scatter into")
+
+    def _ensure_buffer(self) -> torch.Tensor:
+        """The staging buffer, on the KV cache's device, registered with this rank's agent."""
+        if self.buffer is None:
             device = self._memory[0][2].device
             self.buffer = torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
-            dev_id = device.index or 0
-            self._reg = nixl.agent.register_memory([(self.buffer.data_ptr(), self.staging_bytes, dev_id, "")], nixl.mem_type)
+            regs = [(self.buffer.data_ptr(), self.staging_bytes, device.index or 0, "")]
+            self._reg = self.nixl.agent.register_memory(regs, self.nixl.mem_type)
+        return self.buffer
 
     @property
     def half(self) -> int:
@@ -118,10 +125,11 @@ class Reader:
         if self.mode == "auto" and not staged.can_help:
             return rp
         agent = self.nixl.agent
-        dev = self.buffer.device.index or 0
+        buffer = self._ensure_buffer()
+        dev = buffer.device.index or 0
         halves = []
         for h in range(2):
-            rows = staged.staging_rows(self.buffer.data_ptr() + h * self.half, dev)
+            rows = staged.staging_rows(buffer.data_ptr() + h * self.half, dev)
             halves.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.nixl.mem_type))
         remote = {
             p: agent.prep_xfer_dlist(agents[p], rows, plan.remote[p].mem_type) for p, rows in staged.remote_descs.items()
@@ -141,6 +149,7 @@ class Reader:
             return self.nixl.post(rp.prepared, resolved, remote_request_id)
         msg = notification(remote_request_id, resolved.consumers)
         flight = StagedFlight(rp, choice.staged, msg, posted_at=time.perf_counter())
+        self.staged_requests += 1
         try:
             for rank in choice.staged.notify_only:
                 self.nixl.agent.send_notif(rp.prepared.agents[rank], msg)
@@ -261,6 +270,7 @@ class Reader:
             raise TransferError(f"posting the staged READs of round {r} failed: {type(exc).__name__}: {exc}") from exc
         flight.reading = (r, handles)
         flight.next_round = r + 1
+        self.rounds_posted += 1
 
     def _handles_done(self, handles: list[object]) -> bool:
         done = True
