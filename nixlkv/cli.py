@@ -132,7 +132,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     from .testing.rehearsal import rehearse
 
     scenario = _load(args.scenario)
-    result = rehearse(scenario)
+    result = rehearse(scenario, descriptor_mode=args.descriptor_mode)
     if args.json:
         d = result.to_dict()
         if not args.plans:
@@ -149,6 +149,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         gbps = result.bytes_moved / result.transfer_seconds / 1e9 if result.transfer_seconds else 0.0
         print(f"moved {result.bytes_moved} bytes in {result.descriptors} descriptors / {result.reads} READs "
               f"in {result.transfer_seconds * 1e3:.1f} ms ({gbps:.2f} GB/s); notifications {result.notifications}")
+        print(f"descriptor mode {result.descriptor_mode}: ran as {result.modes} per decode rank; "
+              f"NIXL posted {result.posted_descriptors} descriptors after its merge")
         print(f"byte-exact: {result.message}")
     else:
         print(f"{result.outcome}: {result.message}")
@@ -195,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("--plans", action="store_true", help="include the full plans in the --json output (needs --json)")
+    p.add_argument("--descriptor-mode", choices=("auto", "direct", "staged"), default="auto",
+                   help="how READs are posted: the plan's descriptors, whole pages through a staging buffer, "
+                        "or chosen per request (default)")
     p.set_defaults(func=cmd_rehearse)
     p = sub.add_parser("bench", help="nixlkv against vLLM 0.33's own planner: planning time, descriptors, NIXL GB/s")
     p.add_argument("--quick", action="store_true", help="Llama-8B-like subset (under ~3 minutes on 2 cores)")

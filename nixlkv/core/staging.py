@@ -232,6 +232,11 @@ class StagedPlan:
         shared = np.bincount(self._seg_span, minlength=len(spans)) > 1 if len(segs) else np.zeros(0, bool)
         # Staging can merge what direct cannot: a dense remote span that direct reads in slices
         # or into slices (a local sub-page row, or several segments sharing one remote page).
+        self._shared_spans = bool(shared.any())
+        self._span_rank = np.array([s.remote_rank for s in spans], dtype=np.int64)
+        self._local_addr = plan.local_descs[:, 0].astype(np.int64)
+        self._local_len = plan.local_descs[:, 1].astype(np.int64)
+        self._local_stride = plan.local_descs[:, 3].astype(np.int64)
         self.can_help = bool(
             any(s.dense and (shared[j] or not local_dense[self._seg_span == j].all()) for j, s in enumerate(spans))
         )
@@ -265,54 +270,59 @@ class StagedPlan:
         lb = np.concatenate([p[1] for p in parts])
         rb = np.concatenate([p[2] for p in parts])
         span = self._seg_span[seg]
-        key = span * self._max_blocks + rb
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        order = np.argsort(first, kind="stable")  # pages in first-use order
-        page_of_entry = np.empty_like(order)
-        page_of_entry[order] = np.arange(order.size)
-        page_of_entry = page_of_entry[inverse.ravel()]
-        page_span = span[first[order]]
-        page_rb = rb[first[order]]
+        if self._shared_spans:  # several segments read one remote page: read it once
+            key = span * self._max_blocks + rb
+            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+            order = np.argsort(first, kind="stable")  # pages in first-use order
+            rank_of = np.empty_like(order)
+            rank_of[order] = np.arange(order.size)
+            page_of_entry = rank_of[inverse.ravel()]
+            first = first[order]
+        else:  # one segment per span: every entry is its own page, already in request order
+            page_of_entry = first = np.arange(seg.size)
+        page_span = span[first]
+        page_rb = rb[first]
         page_round, page_slot = self._place(page_span)
         page_len = self._span_len[page_span]
-        page_rank = np.array([s.remote_rank for s in self.spans], dtype=np.int64)[page_span]
-
-        rounds = []
-        last_round: dict[int, int] = {}
-        num_rounds = int(page_round[-1]) + 1
+        page_rank = self._span_rank[page_span]
+        staging_ids = self._span_slot_row[page_span] + page_slot
+        remote_ids = self._span_row_start[page_span] + page_rb
         entry_round = page_round[page_of_entry]
-        sort = np.lexsort((seg, entry_round))
-        bounds_e = np.searchsorted(entry_round[sort], np.arange(num_rounds + 1))
-        bounds_p = np.searchsorted(page_round, np.arange(num_rounds + 1))
-        for r in range(num_rounds):
-            p0, p1 = int(bounds_p[r]), int(bounds_p[r + 1])
-            reads = []
-            for rank in np.unique(page_rank[p0:p1]).tolist():
-                sel = np.nonzero(page_rank[p0:p1] == rank)[0] + p0
-                staging_ids = self._span_slot_row[page_span[sel]] + page_slot[sel]
-                reads.append(ReadOp(rank, staging_ids, self._span_row_start[page_span[sel]] + page_rb[sel]))
-                last_round[rank] = r
-            ent = sort[bounds_e[r] : bounds_e[r + 1]]
-            scatters = []
-            seg_r = seg[ent]
-            cuts = np.nonzero(np.diff(seg_r))[0] + 1
-            for group in np.split(ent, cuts):
-                i = int(seg[group[0]])
-                row = plan.local_descs[i]
-                pages = page_of_entry[group]
-                scatters.append(
-                    Scatter(
-                        segment=i,
-                        local_address=int(row[0]),
-                        local_stride=int(row[3]),
-                        local_blocks=lb[group],
-                        slot_len=int(self._span_len[self._seg_span[i]]),
-                        slots=page_slot[pages],
-                        delta=int(self._seg_delta[i]),
-                        nbytes=int(row[1]),
-                    )
+        # Entries grouped by (round, segment), request order kept within each group. Without
+        # shared pages they already are: a segment's entries are contiguous, rounds ascend.
+        if self._shared_spans:
+            sort = np.lexsort((seg, entry_round))
+            seg, lb, entry_round, entry_slot = seg[sort], lb[sort], entry_round[sort], page_slot[page_of_entry[sort]]
+        else:
+            entry_slot = page_slot
+        num_rounds = int(page_round[-1]) + 1
+        # Pages run rank-major and rounds ascend, so each (round, rank) READ is one slice.
+        read_cuts = _runs(page_round, page_rank)
+        scatter_cuts = _runs(entry_round, seg)
+        reads: list[list[ReadOp]] = [[] for _ in range(num_rounds)]
+        staged_bytes = [0] * num_rounds
+        last_round: dict[int, int] = {}
+        for a, b in zip(read_cuts[:-1].tolist(), read_cuts[1:].tolist()):
+            r, rank = int(page_round[a]), int(page_rank[a])
+            reads[r].append(ReadOp(rank, staging_ids[a:b], remote_ids[a:b]))
+            staged_bytes[r] += int(page_len[a:b].sum())
+            last_round[rank] = r
+        scatters: list[list[Scatter]] = [[] for _ in range(num_rounds)]
+        for a, b in zip(scatter_cuts[:-1].tolist(), scatter_cuts[1:].tolist()):
+            i = int(seg[a])
+            scatters[int(entry_round[a])].append(
+                Scatter(
+                    segment=i,
+                    local_address=int(self._local_addr[i]),
+                    local_stride=int(self._local_stride[i]),
+                    local_blocks=lb[a:b],
+                    slot_len=int(self._span_len[self._seg_span[i]]),
+                    slots=entry_slot[a:b],
+                    delta=int(self._seg_delta[i]),
+                    nbytes=int(self._local_len[i]),
                 )
-            rounds.append(Round(tuple(reads), tuple(scatters), int(page_len[p0:p1].sum())))
+            )
+        rounds = [Round(tuple(reads[r]), tuple(scatters[r]), staged_bytes[r]) for r in range(num_rounds)]
         return StagedRequest(tuple(rounds), resolved.notify_only, resolved.consumers, last_round)
 
     def _place(self, page_span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -345,6 +355,15 @@ class StagedPlan:
             for rnd in staged.rounds
             for r in rnd.reads
         )
+
+
+def _runs(*keys: np.ndarray) -> np.ndarray:
+    """Boundaries of the runs of equal consecutive key tuples: ``[0, ..., n]``."""
+    n = keys[0].size
+    change = np.zeros(max(n - 1, 0), dtype=bool)
+    for k in keys:
+        change |= k[1:] != k[:-1]
+    return np.concatenate([[0], np.flatnonzero(change) + 1, [n]])
 
 
 def posted_direct(plan: TransferPlan, resolved: ResolvedRequest) -> int:
