@@ -4,7 +4,8 @@ through a registered staging buffer and a local scatter, ``auto`` chosen per req
 The layout (which remote pages go to which staging slots, which bytes then go where) comes from
 :mod:`nixlkv.core.staging`; this module owns the buffer, the NIXL handles and the torch copies
 (CPU and CUDA alike). A staged request runs in rounds of at most half the buffer (double
-buffering: round ``r + 1`` is read while round ``r`` is scattered). Each prefill rank's
+buffering: round ``r``'s scatter runs on a scatter thread while round ``r + 1`` is read into
+the other half). Each prefill rank's
 notification rides on the last READ from that rank, posted only after every earlier READ from it
 completed, so a prefill rank never frees blocks still to be read. Staged requests share the
 buffer one at a time, first come first served.
@@ -12,10 +13,11 @@ buffer one at a time, first come first served.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from .core.staging import (
 from .transfer import InFlight, NixlRank, PreparedPlan, TransferError, notification
 
 DEFAULT_STAGING_BYTES = 64 << 20
+PROBE_EVERY = 16  # auto: every so many declined requests, one is staged to re-measure the copy
 
 
 @dataclass
@@ -66,6 +69,7 @@ class StagedFlight:
     mode: str = "staged"
     next_round: int = 0  # the next round to post
     reading: tuple[int, list[object]] | None = None  # (round, handles) being read
+    scattering: tuple[int, concurrent.futures.Future] | None = None  # (round, copy) on the scatter thread
     done: bool = False
     error: TransferError | None = None
     scatter_seconds: float = 0.0
@@ -81,13 +85,17 @@ class Reader:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         memory: Sequence[torch.Tensor] = (),
         costs: TransferCosts | None = None,
+        overlap: bool = True,
     ) -> None:
         self.nixl = nixl
+        self.overlap = overlap  # scatter on a thread while the next round is read
         self.mode = check_mode(mode)
-        self.costs = costs or TransferCosts()
+        self.costs = costs  # measured on the first plan that could stage, unless given
         self.staging_bytes = int(staging_bytes)
         self._memory = [_bytes_of(t) for t in memory]
         self._queue: deque[StagedFlight] = deque()
+        self._scatter_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._declined = 0  # auto requests that could have staged but went direct
         self.staged_requests = 0  # counters, for logs and tests
         self.rounds_posted = 0
         self.buffer: torch.Tensor | None = None  # allocated by the first plan that stages
@@ -139,7 +147,16 @@ class Reader:
         return rp
 
     def choose(self, rp: ReaderPlan, resolved: ResolvedRequest) -> Choice:
-        return choose(self.mode, rp.plan, rp.staged, resolved, self.costs)
+        if self.mode == "auto" and rp.staged is not None and self.costs is None:
+            self.costs = measured_costs(self._ensure_buffer().device)
+        choice = choose(self.mode, rp.plan, rp.staged, resolved, self.costs)
+        if self.mode == "auto" and choice.mode == "direct" and choice.staged is not None:
+            # Staging could help but costs more now: stage one request in PROBE_EVERY anyway,
+            # so that a machine that got quieter is noticed (the scatter refreshes the measure).
+            self._declined += 1
+            if self._declined % PROBE_EVERY == 0:
+                return Choice("staged", choice.staged, choice.posted_direct, choice.posted_staged)
+        return choice
 
     # ------------------------------------------------------------------ per request
     def post(self, rp: ReaderPlan, resolved: ResolvedRequest, remote_request_id: str) -> InFlight | StagedFlight:
@@ -191,6 +208,10 @@ class Reader:
         if flight.reading is not None:
             self._release_handles(flight.reading[1])
             flight.reading = None
+        try:
+            self._settle(flight)  # a copy in progress finishes before the blocks are given up
+        except TransferError:
+            pass
         if flight in self._queue:
             self._queue.remove(flight)
         if not flight.done and flight.error is None:
@@ -200,6 +221,9 @@ class Reader:
     def close(self) -> None:
         for flight in list(self._queue):
             self.release(flight)
+        if self._scatter_pool is not None:
+            self._scatter_pool.shutdown(wait=True)
+            self._scatter_pool = None
         if self._reg is not None:
             try:
                 self.nixl.agent.deregister_memory(self._reg)
@@ -209,13 +233,16 @@ class Reader:
 
     # ------------------------------------------------------------------ the state machine
     def _advance(self) -> None:
-        """Move the head of the queue as far as it goes without blocking: a READ done is
-        scattered after the next round's READ is posted (into the other half)."""
+        """Move the head of the queue as far as it goes without blocking."""
         while self._queue:
             flight = self._queue[0]
             try:
                 progressed = self._step(flight)
             except TransferError as exc:
+                try:
+                    self._settle(flight)  # never leave a copy running into blocks given up
+                except TransferError:
+                    pass
                 flight.error = exc
                 progressed = True
             if flight.done or flight.error is not None:
@@ -225,8 +252,18 @@ class Reader:
                 return
 
     def _step(self, flight: StagedFlight) -> bool:
-        if flight.reading is None:
+        """One move of a staged request. Round ``r``'s scatter runs on the scatter thread while
+        this thread posts round ``r + 1`` into the other half (UCX over ``cma`` moves the bytes
+        inside the posting call); round ``r + 2`` reuses round ``r``'s half only once that
+        scatter finished."""
+        if flight.reading is None and flight.next_round == 0:
             self._post_round(flight)
+            return True
+        if flight.scattering is not None and not flight.scattering[1].done():
+            return False
+        self._settle(flight)
+        if flight.reading is None:  # every round read and scattered
+            flight.done = True
             return True
         r, handles = flight.reading
         if not self._handles_done(handles):
@@ -237,15 +274,46 @@ class Reader:
             )
         self._release_handles(handles)
         flight.reading = None
+        scatters = flight.request.rounds[r].scatters
+        if self.overlap:
+            flight.scattering = (r, self._pool().submit(self._scatter, scatters, r % 2))
+        else:  # copy while the round is still in cache, then read the next one
+            flight.scatter_seconds += self._scatter(scatters, r % 2)
+            flight.nbytes += sum(s.total_bytes for s in scatters)
+            if flight.next_round == len(flight.request.rounds):
+                self._learn(flight)
         if flight.next_round < len(flight.request.rounds):
-            self._post_round(flight)  # the next round reads the other half meanwhile
-        t0 = time.perf_counter()
-        self._scatter(flight.request.rounds[r].scatters, r % 2)
-        flight.scatter_seconds += time.perf_counter() - t0
-        flight.nbytes += sum(s.total_bytes for s in flight.request.rounds[r].scatters)
-        if flight.reading is None:
-            flight.done = True
+            self._post_round(flight)
         return True
+
+    def _settle(self, flight: StagedFlight) -> None:
+        """Wait for the request's scatter in progress, if any (it writes only the request's own
+        blocks, from a READ that completed), and account for it; a failed copy fails the request."""
+        if flight.scattering is None:
+            return
+        r, future = flight.scattering
+        flight.scattering = None
+        try:
+            flight.scatter_seconds += future.result()
+        except TransferError:
+            raise
+        except Exception as exc:  # a torch/numpy error in the copy
+            raise TransferError(f"scattering round {r} failed: {type(exc).__name__}: {exc}") from exc
+        flight.nbytes += sum(s.total_bytes for s in flight.request.rounds[r].scatters)
+        if flight.reading is None and flight.next_round == len(flight.request.rounds):
+            self._learn(flight)
+
+    def _learn(self, flight: StagedFlight) -> None:
+        """Refresh ``auto``'s copy bandwidth from a finished request's real scatter."""
+        if self.mode != "auto" or self.costs is None or flight.scatter_seconds <= 0 or flight.nbytes <= 0:
+            return
+        seen = flight.nbytes / flight.scatter_seconds
+        self.costs = replace(self.costs, copy_bytes_per_s=0.5 * self.costs.copy_bytes_per_s + 0.5 * seen)
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._scatter_pool is None:
+            self._scatter_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixlkv-scatter")
+        return self._scatter_pool
 
     def _post_round(self, flight: StagedFlight) -> None:
         r = flight.next_round
@@ -294,12 +362,49 @@ class Reader:
                 pass
         handles.clear()
 
-    def _scatter(self, scatters: Iterable[Scatter], half: int) -> None:
+    def _scatter(self, scatters: Iterable[Scatter], half: int) -> float:
+        """Copy one round out of its half (on the scatter thread); seconds it took."""
+        t0 = time.perf_counter()
         base = self.buffer.data_ptr() + half * self.half
         for s in scatters:
             copy_rows(self._memory, self.buffer, base, s)
         if self.buffer.is_cuda:  # the next READ into this half must not overtake the copies
             torch.cuda.current_stream(self.buffer.device).synchronize()
+        return time.perf_counter() - t0
+
+
+def measured_costs(device: torch.device, page: int = 16 << 10, pages: int = 2048) -> TransferCosts:
+    """TransferCosts with this machine's copy bandwidth as it is now: the scatter's own kind of
+    copy (pages into every other page slot, as a P>D head slice lands; 32 MiB by default, out of
+    the core's caches), best of three. The executor then refines the copy bandwidth from every
+    staged request's real scatter.
+
+    NIXL's own byte rate is taken as half of a plain copy's (``cma`` measured at 45-75% of
+    memcpy for large descriptors); the per-descriptor cost is the measured constant of
+    :class:`TransferCosts`.
+    """
+    src = torch.ones(pages * page, dtype=torch.uint8, device=device)
+    dst = torch.zeros(2 * pages * page, dtype=torch.uint8, device=device)
+    best_strided, best_plain = float("inf"), float("inf")
+    for _ in range(3):
+        for strided in (True, False):
+            if src.is_cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            if src.is_cuda:
+                target = dst.view(pages, 2 * page)[:, :page] if strided else dst[: pages * page].view(pages, page)
+                target.copy_(src.view(pages, page))
+                torch.cuda.synchronize(device)
+            else:
+                d, s_ = dst.numpy().reshape(pages, 2 * page), src.numpy().reshape(pages, page)
+                np.copyto(d[:, :page] if strided else dst.numpy()[: pages * page].reshape(pages, page), s_)
+            dt = time.perf_counter() - t0
+            if strided:
+                best_strided = min(best_strided, dt)
+            else:
+                best_plain = min(best_plain, dt)
+    nbytes = pages * page
+    return TransferCosts(copy_bytes_per_s=nbytes / best_strided, nixl_bytes_per_s=0.5 * nbytes / best_plain)
 
 
 def _bytes_of(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:

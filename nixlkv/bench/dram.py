@@ -20,7 +20,7 @@ import torch
 
 from ..core import Dispatcher, covered_remote_ranks
 from ..core.plan import expand_ids
-from ..core.staging import posted_direct
+from ..core.staging import TransferCosts, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, Reader
 from ..transfer import NixlRank, TransferError
 from .measure import Timing, memcpy_seconds, posted_after_merge
@@ -38,9 +38,13 @@ class TransferResult:
     nbytes: int  # bytes one request moves into decode rank 0
     ours: Timing  # in the descriptor mode ``auto`` picks, READs and local scatter end to end
     ours_direct: Timing  # the plan's own descriptors, posted directly
+    ours_staged: Timing  # staged forced: whole pages through the staging buffer, then the scatter
     vllm: Timing
     memcpy: Timing
-    mode: str  # the descriptor mode auto picked for this request
+    mode: str  # the descriptor mode auto picked in most repetitions
+    modes: list[str]  # what auto picked, repetition by repetition
+    descs_posted_staged_nixl: int
+    descs_posted_staged_computed: int
     descs_posted_ours_nixl: int  # NIXL telemetry descCount, summed over the READs (every round)
     descs_posted_ours_computed: int  # computed for the same READs (core.staging, measure.posted_after_merge)
     descs_posted_direct: int  # computed for the plan's own READs
@@ -61,7 +65,9 @@ class TransferResult:
             "ours_ms_p50": self.ours.p50 * 1e3,
             "ours_ms_p99": self.ours.p99 * 1e3,
             "ours_direct_ms_p50": self.ours_direct.p50 * 1e3,
+            "ours_staged_ms_p50": self.ours_staged.p50 * 1e3,
             "descriptor_mode": self.mode,
+            "descriptor_modes": self.modes,
             "vllm_ms_p50": self.vllm.p50 * 1e3,
             "vllm_ms_p99": self.vllm.p99 * 1e3,
             "memcpy_ms_p50": self.memcpy.p50 * 1e3,
@@ -71,6 +77,10 @@ class TransferResult:
             "ours_vs_memcpy": self.memcpy.p50 / self.ours.p50,
             "ours_direct_gbps": self.gbps(self.ours_direct),
             "ours_direct_vs_memcpy": self.memcpy.p50 / self.ours_direct.p50,
+            "ours_staged_gbps": self.gbps(self.ours_staged),
+            "ours_staged_vs_memcpy": self.memcpy.p50 / self.ours_staged.p50,
+            "descs_posted_staged_nixl": self.descs_posted_staged_nixl,
+            "descs_posted_staged_computed": self.descs_posted_staged_computed,
             "vllm_vs_memcpy": self.memcpy.p50 / self.vllm.p50,
             "reps": self.ours.reps,
             "descs_posted_ours_nixl": self.descs_posted_ours_nixl,
@@ -102,6 +112,7 @@ def run_transfer(
     seed: int = 0,
     descriptor_mode: str = "auto",
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    costs: TransferCosts | None = None,
 ) -> TransferResult:
     """Move one request of ``case`` into decode rank ``case.d_rank``, ``reps`` times each way:
     nixlkv in ``descriptor_mode`` (READs plus, when staged, the local scatter), nixlkv direct,
@@ -140,11 +151,16 @@ def run_transfer(
     p_nixl = {r: NixlRank(f"bench-P{r}", [(b.ctypes.data, b.nbytes)]) for r, b in p_bufs.items()}
     src, dst = _buffer(nbytes, fill=7), _buffer(nbytes, None)
     reader = None
+    readers: list[Reader] = []
     try:
         agents = {r: d_nixl.add_remote(p.metadata()) for r, p in p_nixl.items()}
-        reader = Reader(d_nixl, descriptor_mode, staging_bytes, [torch.from_numpy(d_buf)])
+        memory = [torch.from_numpy(d_buf)]
+        reader = Reader(d_nixl, descriptor_mode, staging_bytes, memory, costs=costs)
         prepared = reader.prepare(plan, agents)
-        choice = reader.choose(prepared, resolved)
+        stager = Reader(d_nixl, "staged", staging_bytes, memory)
+        readers.append(stager)
+        staged_prepared = stager.prepare(plan, agents)
+        staged_request = stager.choose(staged_prepared, resolved).staged
         agent = d_nixl.agent
         v_local = {id(rows): agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM") for rows in [vllm.local_rows, *vllm.split_rows]}
         v_remote = {r: agent.prep_xfer_dlist(agents[r], rows, "DRAM") for r, rows in vllm.remote_rows.items()}
@@ -153,9 +169,13 @@ def run_transfer(
         def ours() -> None:
             flight = reader.post(prepared, resolved, "bench-req")
             reader.wait(flight, WAIT_TIMEOUT)
-            if flight.mode != choice.mode:
-                raise TransferError(f"auto picked {choice.mode!r} for the request, but it ran {flight.mode!r}")
+            modes.append(flight.mode)
             posted["ours"] = int(flight.posted_descriptors or 0)
+
+        def ours_staged() -> None:
+            flight = stager.post(staged_prepared, resolved, "bench-req")
+            stager.wait(flight, WAIT_TIMEOUT)
+            posted["staged"] = int(flight.posted_descriptors or 0)
 
         def ours_direct() -> None:
             flight = d_nixl.post(prepared.prepared, resolved, "bench-req")
@@ -181,28 +201,35 @@ def run_transfer(
             for h in handles:
                 agent.release_xfer_handle(h)
 
-        fns = [lambda: memcpy_seconds(dst, src), ours, theirs, ours_direct]
-        samples: list[list[float]] = [[], [], [], []]
+        fns = [lambda: memcpy_seconds(dst, src), ours, theirs, ours_direct, ours_staged]
+        samples: list[list[float]] = [[] for _ in fns]
+        modes: list[str] = []
         for fn in fns:  # warm-up: connections, page tables, first-touch
             fn()
-        d_buf.fill(0)
-        ours()  # what the spot check reads is what nixlkv's mode wrote, not the others
-        checked = _spot_check(plan, resolved, d_buf, p_bufs)
+        checked = 0
+        for fn in (ours_staged, ours):  # what the spot check reads is what that mode wrote
+            d_buf.fill(0)
+            fn()
+            checked += _spot_check(plan, resolved, d_buf, p_bufs)
+        modes.clear()
+        order = list(range(len(fns)))
         for rep in range(reps):
-            for i in (0, 1, 2, 3) if rep % 2 == 0 else (3, 2, 1, 0):
+            for i in order if rep % 2 == 0 else order[::-1]:
                 t0 = time.perf_counter()
                 fns[i]()
                 samples[i].append(time.perf_counter() - t0)
         for p in p_nixl.values():
             p.notifications()  # drain
     finally:
-        if reader is not None:
-            reader.close()
+        for r in ([reader] if reader is not None else []) + readers:
+            r.close()
         d_nixl.close()
         for p in p_nixl.values():
             p.close()
     comp_direct = posted_direct(plan, resolved)
-    comp_ours = prepared.staged.posted(choice.staged) if choice.mode == "staged" else comp_direct
+    comp_staged = staged_prepared.staged.posted(staged_request)
+    last_mode = modes[-1]
+    comp_ours = comp_staged if last_mode == "staged" else comp_direct
     comp_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
     notes = []
     if num_layers != shape.num_layers:
@@ -215,8 +242,12 @@ def run_transfer(
         memcpy=Timing.of(samples[0]),
         ours=Timing.of(samples[1]),
         ours_direct=Timing.of(samples[3]),
+        ours_staged=Timing.of(samples[4]),
         vllm=Timing.of(samples[2]),
-        mode=choice.mode,
+        mode=max(set(modes), key=modes.count),
+        modes=modes,
+        descs_posted_staged_nixl=posted["staged"],
+        descs_posted_staged_computed=comp_staged,
         descs_posted_ours_nixl=posted["ours"],
         descs_posted_ours_computed=comp_ours,
         descs_posted_direct=comp_direct,

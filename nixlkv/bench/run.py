@@ -9,11 +9,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..core import Dispatcher, RankGeometry, covered_remote_ranks
 from ..core.plan import expand_ids
-from ..core.staging import StagedPlan, StagingError, choose
-from ..staged import DEFAULT_STAGING_BYTES
+from ..core.staging import StagedPlan, StagingError, TransferCosts, choose
+from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import run_transfer
 from .measure import interleaved, posted_after_merge
 from .shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, PATTERNS, Case, block_ids, fabricate_rank
@@ -51,7 +52,9 @@ def _reps(ids_per_request: int, budget: float) -> int:
     return int(min(300, max(15, budget * 1e7 / max(ids_per_request, 1))))
 
 
-def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float = 3.0) -> dict[str, Any]:
+def plan_case(
+    case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float = 3.0, costs: TransferCosts | None = None
+) -> dict[str, Any]:
     """Every planning figure of one case, nixlkv and vLLM on the same geometry and block ids."""
     rng = np.random.default_rng(seed)
     nb = case.num_blocks
@@ -93,10 +96,10 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
     except StagingError:
         staged_plan = None
     usable = staged_plan if staged_plan is not None and staged_plan.can_help else None
-    choice = choose("auto", plan, usable, resolved)
+    choice = choose("auto", plan, usable, resolved, costs)
     merged_ours = staged_plan.posted(choice.staged) if choice.mode == "staged" else merged_direct
     merged_staged = staged_plan.posted(staged_plan.stage(resolved)) if staged_plan is not None else None
-    (t_choose,) = interleaved([lambda: choose("auto", plan, usable, resolved)], max(5, reps // 4), warmup=1)
+    (t_choose,) = interleaved([lambda: choose("auto", plan, usable, resolved, costs)], max(5, reps // 4), warmup=1)
     merged_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
     reg_ours = int(plan.local_descs[:, 4].sum()) + sum(int(d[:, 4].sum()) for d in plan.remote_descs.values())
     return {
@@ -146,16 +149,21 @@ def run(
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     dispatcher = Dispatcher.from_plugins()
+    costs = measured_costs(torch.device("cpu"))  # what auto decides on: this machine's copy bandwidth now
     rows = []
     for case in quick_cases() if quick else full_cases():
         say(f"planning {case.label}")
-        rows.append(plan_case(case, dispatcher, budget=1.5 if quick else 3.0))
+        rows.append(plan_case(case, dispatcher, budget=1.5 if quick else 3.0, costs=costs))
     transfers = []
     if with_transfers:
         for case in transfer_cases():
             say(f"transfer {case.label} ({TRANSFER_LAYERS} layers)")
-            transfers.append(run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher).to_dict())
+            transfers.append(
+                run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher, costs=costs).to_dict()
+            )
     out = summary(rows, transfers)
+    out["auto_costs"] = {"per_descriptor_us": costs.per_descriptor_s * 1e6, "copy_gbps_measured": costs.copy_bytes_per_s / 1e9,
+                         "nixl_gbps_assumed": costs.nixl_bytes_per_s / 1e9}
     out["mode"] = "quick" if quick else "full"
     out["runtime_s"] = time.perf_counter() - t0
     out["machine"] = f"{platform.node()} {platform.machine()} cpus={_cpus()} (shared: timings noisy, ratios from one run)"
@@ -205,6 +213,7 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
         out["plan_us_vllm_p99"] = hetero["plan_us_vllm_p99"]
         out["descs_ratio_vs_vllm_hetero"] = hetero["descs_ratio"]
         out["descriptor_mode_hetero"] = hetero["descriptor_mode_ours"]
+        out["descs_ratio_vs_vllm_hetero_staged"] = hetero["descs_posted_ours_staged"] / hetero["descs_posted_vllm"]
         out["descs_posted_direct_hetero"] = hetero["descs_posted_ours_direct"]
         out["choose_us_hetero_p50"] = hetero["choose_us_ours_p50"]
         out["descs_posted_ours_hetero"] = hetero["descs_posted_ours"]
@@ -229,6 +238,7 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
             out[f"nixl_vs_memcpy{key}"] = t["ours_vs_memcpy"]
             out[f"transfer_mode{key}"] = t["descriptor_mode"]
             out[f"nixl_direct_vs_memcpy{key}"] = t["ours_direct_vs_memcpy"]
+            out[f"nixl_staged_vs_memcpy{key}"] = t["ours_staged_vs_memcpy"]
             out[f"nixl_gbps{key}"] = t["ours_gbps"]
             out[f"memcpy_gbps{key}"] = t["memcpy_gbps"]
             out[f"vllm_style_nixl_vs_memcpy{key}"] = t["vllm_vs_memcpy"]
@@ -237,6 +247,7 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
             out[f"merge_count_checked{key}"] = (
                 t["descs_posted_ours_nixl"] == t["descs_posted_ours_computed"]
                 and t["descs_posted_vllm_nixl"] == t["descs_posted_vllm_computed"]
+                and t["descs_posted_staged_nixl"] == t["descs_posted_staged_computed"]
             )
     return out
 

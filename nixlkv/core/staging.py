@@ -149,11 +149,14 @@ class TransferCosts:
     """What a READ costs on the machine, for ``auto``: seconds per posted descriptor, NIXL and
     local-copy bandwidth, and the fixed cost of one scatter call and one staging round.
 
-    Defaults measured on this project's 2-core VM (UCX ``cma``: one system call per descriptor,
-    see docs/performance.md); override where the fabric differs.
+    Staging trades descriptors for one extra local copy of every byte, so what decides is the
+    descriptor cost against the copy bandwidth. Measured on this project's 2-core VM (UCX
+    ``cma``, docs/performance.md): a descriptor costs ~4-8 us whatever the load, while copy
+    bandwidth falls tenfold when the machine is shared. The executor therefore measures the copy
+    bandwidth where it runs (``nixlkv.staged.measured_costs``); these defaults are a quiet machine.
     """
 
-    per_descriptor_s: float = 5e-6
+    per_descriptor_s: float = 6e-6
     nixl_bytes_per_s: float = 6e9
     copy_bytes_per_s: float = 6e9
     per_scatter_s: float = 20e-6
@@ -416,4 +419,4 @@ def choose(
     nbytes = request_bytes(plan, resolved)
     if costs.staged(staged, ps) < costs.direct(pd, nbytes):
         return Choice("staged", staged, pd, ps)
-    return Choice("direct", None, pd, ps)
+    return Choice("direct", staged, pd, ps)
