@@ -45,6 +45,7 @@ class TransferResult:
     modes: list[str]  # what auto picked, repetition by repetition
     descs_posted_staged_nixl: int
     descs_posted_staged_computed: int
+    costs: TransferCosts | None  # what auto decided on at the end (refined from its real scatters)
     descs_posted_ours_nixl: int  # NIXL telemetry descCount, summed over the READs (every round)
     descs_posted_ours_computed: int  # computed for the same READs (core.staging, measure.posted_after_merge)
     descs_posted_direct: int  # computed for the plan's own READs
@@ -81,6 +82,7 @@ class TransferResult:
             "ours_staged_vs_memcpy": self.memcpy.p50 / self.ours_staged.p50,
             "descs_posted_staged_nixl": self.descs_posted_staged_nixl,
             "descs_posted_staged_computed": self.descs_posted_staged_computed,
+            "auto_copy_gbps": self.costs.copy_bytes_per_s / 1e9 if self.costs else None,
             "vllm_vs_memcpy": self.memcpy.p50 / self.vllm.p50,
             "reps": self.ours.reps,
             "descs_posted_ours_nixl": self.descs_posted_ours_nixl,
@@ -248,6 +250,7 @@ def run_transfer(
         modes=modes,
         descs_posted_staged_nixl=posted["staged"],
         descs_posted_staged_computed=comp_staged,
+        costs=reader.costs,
         descs_posted_ours_nixl=posted["ours"],
         descs_posted_ours_computed=comp_ours,
         descs_posted_direct=comp_direct,

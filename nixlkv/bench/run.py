@@ -149,18 +149,21 @@ def run(
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     dispatcher = Dispatcher.from_plugins()
-    costs = measured_costs(torch.device("cpu"))  # what auto decides on: this machine's copy bandwidth now
+    # What auto decides on: this machine's copy bandwidth now, refined by the real transfers'
+    # scatters when they run (first, so that the planning cases report what auto would pick).
+    costs = measured_costs(torch.device("cpu"))
+    transfers, learned = [], []
+    if with_transfers:
+        for case in transfer_cases():
+            say(f"transfer {case.label} ({TRANSFER_LAYERS} layers)")
+            result = run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher, costs=costs)
+            transfers.append(result.to_dict())
+            learned.append(result.costs)
+    costs = next((c for c in reversed(learned) if c is not None), costs)
     rows = []
     for case in quick_cases() if quick else full_cases():
         say(f"planning {case.label}")
         rows.append(plan_case(case, dispatcher, budget=1.5 if quick else 3.0, costs=costs))
-    transfers = []
-    if with_transfers:
-        for case in transfer_cases():
-            say(f"transfer {case.label} ({TRANSFER_LAYERS} layers)")
-            transfers.append(
-                run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher, costs=costs).to_dict()
-            )
     out = summary(rows, transfers)
     out["auto_costs"] = {"per_descriptor_us": costs.per_descriptor_s * 1e6, "copy_gbps_measured": costs.copy_bytes_per_s / 1e9,
                          "nixl_gbps_assumed": costs.nixl_bytes_per_s / 1e9}
