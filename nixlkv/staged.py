@@ -150,12 +150,12 @@ class Reader:
         if self.mode == "auto" and rp.staged is not None and self.costs is None:
             self.costs = measured_costs(self._ensure_buffer().device)
         choice = choose(self.mode, rp.plan, rp.staged, resolved, self.costs)
-        if self.mode == "auto" and choice.mode == "direct" and choice.staged is not None:
+        if self.mode == "auto" and choice.mode == "direct" and rp.staged is not None and rp.staged.can_help:
             # Staging could help but costs more now: stage one request in PROBE_EVERY anyway,
             # so that a machine that got quieter is noticed (the scatter refreshes the measure).
             self._declined += 1
             if self._declined % PROBE_EVERY == 0:
-                return Choice("staged", choice.staged, choice.posted_direct, choice.posted_staged)
+                return Choice("staged", choice.staged or rp.staged.stage(resolved))
         return choice
 
     # ------------------------------------------------------------------ per request
@@ -198,6 +198,11 @@ class Reader:
             if time.perf_counter() > deadline:
                 self.release(flight)
                 raise TransferError(f"staged READs not done after {timeout} s")
+            copying = self._queue[0].scattering if self._queue else None
+            if copying is not None:  # block on the copy instead of spinning against it for the GIL
+                concurrent.futures.wait([copying[1]], timeout=0.01)
+            else:
+                time.sleep(50e-6)
         return time.perf_counter() - flight.posted_at
 
     def release(self, flight: InFlight | StagedFlight) -> None:

@@ -101,8 +101,9 @@ def test_auto_follows_the_costs_and_only_where_staging_can_merge_more(dispatcher
     plan, resolved = _plan(dispatcher, 4, 2, 1024, "contiguous")
     sp = StagedPlan(plan, 32 << 20)
     assert choose("auto", plan, sp, resolved, CHEAP_COPY).mode == "staged"
-    dear = choose("auto", plan, sp, resolved, DEAR_COPY)
-    assert dear.mode == "direct" and dear.posted_staged < dear.posted_direct
+    assert choose("auto", plan, sp, resolved, DEAR_COPY).mode == "direct"
+    cheap = choose("auto", plan, sp, resolved, CHEAP_COPY)
+    assert cheap.posted_staged * 8 <= cheap.posted_direct  # what it was chosen on
     for p_tp, d_tp in ((1, 1), (2, 4)):  # whole local pages, or remote slices: nothing to gain
         plan, resolved = _plan(dispatcher, p_tp, d_tp, 1024, "contiguous")
         sp = StagedPlan(plan, 32 << 20)

@@ -379,7 +379,10 @@ def posted_direct(plan: TransferPlan, resolved: ResolvedRequest) -> int:
 
 def request_bytes(plan: TransferPlan, resolved: ResolvedRequest) -> int:
     lengths = plan.local_descs[:, 1].astype(np.int64)
-    return sum(int(lengths[row_index(plan.local_descs, r.local_ids)].sum()) for r in resolved.reads)
+    return sum(
+        int(r.nbytes) if getattr(r, "nbytes", None) is not None else int(lengths[row_index(plan.local_descs, r.local_ids)].sum())
+        for r in resolved.reads
+    )
 
 
 @dataclass(frozen=True)
@@ -414,9 +417,11 @@ def choose(
     if not staged_plan.can_help:
         return Choice("direct", None)
     costs = costs or TransferCosts()
+    nbytes = request_bytes(plan, resolved)
+    if nbytes / costs.copy_bytes_per_s >= resolved.num_descriptors * costs.per_descriptor_s:
+        return Choice("direct", None)  # the copy alone costs more than every descriptor could save
     staged = staged_plan.stage(resolved)
     pd, ps = posted_direct(plan, resolved), staged_plan.posted(staged)
-    nbytes = request_bytes(plan, resolved)
     if costs.staged(staged, ps) < costs.direct(pd, nbytes):
         return Choice("staged", staged, pd, ps)
     return Choice("direct", staged, pd, ps)

@@ -22,8 +22,14 @@ from . import oracle
 from .engines import FabricatedRank, build_rank
 from .scenario import Scenario
 
-# A small staging buffer, so that staged rehearsals run in several rounds (the connector's is larger).
+# A small staging buffer, so that staged rehearsals run in several rounds (the connector's is
+# larger); never less than two rounds of the largest prefill page (Mamba states are MiBs).
 REHEARSAL_STAGING_BYTES = 4 << 20
+
+
+def rehearsal_staging_bytes(engines: Engines) -> int:
+    largest = max((r.page.nbytes for p in engines.plans for g in p.remote.values() for r in g.regions), default=0)
+    return max(REHEARSAL_STAGING_BYTES, 4 * largest)
 REQUEST_ID = "rehearsal-req-0"  # the request's id on the prefill (remote) engine
 NOTIFICATION_TIMEOUT = 10.0  # seconds every prefill rank may take to hear from all its readers
 Fault = Callable[[int, ResolvedRequest], ResolvedRequest]
@@ -132,7 +138,7 @@ def rehearse(
     dispatcher: Dispatcher | None = None,
     fault: Fault | None = None,
     descriptor_mode: str = "auto",
-    staging_bytes: int = REHEARSAL_STAGING_BYTES,
+    staging_bytes: int | None = None,
 ) -> RehearsalResult:
     """Run one scenario end to end. ``fault`` (tests only) may corrupt each resolved request;
     ``descriptor_mode`` is how the READs are posted (see :mod:`nixlkv.staged`)."""
@@ -180,7 +186,7 @@ def transfer_and_check(
     engines: Engines,
     fault: Fault | None = None,
     descriptor_mode: str = "auto",
-    staging_bytes: int = REHEARSAL_STAGING_BYTES,
+    staging_bytes: int | None = None,
 ) -> RehearsalResult:
     """The NIXL half of :func:`rehearse` on engines already built (by :func:`build`)."""
     return transfer_and_check_modes(scenario, engines, (descriptor_mode,), fault, staging_bytes)[descriptor_mode]
@@ -191,7 +197,7 @@ def transfer_and_check_modes(
     engines: Engines,
     modes: Sequence[str],
     fault: Fault | None = None,
-    staging_bytes: int = REHEARSAL_STAGING_BYTES,
+    staging_bytes: int | None = None,
 ) -> dict[str, RehearsalResult]:
     """The NIXL half of :func:`rehearse`, once per descriptor mode on the same engines: prefill
     is filled and the expected decode bytes computed once (READs never write prefill memory);
@@ -231,11 +237,12 @@ def _transfer_and_check(
     engines: Engines,
     result: RehearsalResult,
     fault: Fault | None,
-    staging_bytes: int,
+    staging_bytes: int | None,
     truth: _Truth | None = None,
 ) -> None:
     req = scenario.request
     truth = truth or _Truth(scenario, engines)
+    staging_bytes = staging_bytes or rehearsal_staging_bytes(engines)
     p_blocks, d_blocks = truth.p_blocks, truth.d_blocks
     for d in engines.decode:
         oracle.fill_decode(d)
