@@ -134,7 +134,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     scenario = _load(args.scenario)
     if args.baseline == "vllm":
         return _rehearse_vllm(scenario, args)
-    result = rehearse(scenario)
+    result = rehearse(scenario, descriptor_mode=args.descriptor_mode)
     if args.json:
         d = result.to_dict()
         if not args.plans:
@@ -151,6 +151,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         gbps = result.bytes_moved / result.transfer_seconds / 1e9 if result.transfer_seconds else 0.0
         print(f"moved {result.bytes_moved} bytes in {result.descriptors} descriptors / {result.reads} READs "
               f"in {result.transfer_seconds * 1e3:.1f} ms ({gbps:.2f} GB/s); notifications {result.notifications}")
+        print(f"descriptor mode {result.descriptor_mode}: ran as {result.modes} per decode rank; "
+              f"NIXL posted {result.posted_descriptors} descriptors after its merge")
         print(f"byte-exact: {result.message}")
     else:
         print(f"{result.outcome}: {result.message}")
@@ -238,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plans", action="store_true", help="include the full plans in the --json output (needs --json)")
     p.add_argument("--baseline", choices=["vllm"], help="let vLLM 0.33's own NixlConnector move the bytes instead")
     p.add_argument("--timeout", type=float, default=90.0, help="--baseline: seconds before the run counts as a hang")
+    p.add_argument("--descriptor-mode", choices=("auto", "direct", "staged"), default="auto",
+                   help="how READs are posted: the plan's descriptors, whole pages through a staging buffer, "
+                        "or chosen per request (default)")
     p.set_defaults(func=cmd_rehearse)
     p = sub.add_parser("compare", help="nixlkv and vLLM 0.33's NixlConnector over a directory of scenarios: one table")
     p.add_argument("--scenarios", required=True, help="directory of scenario files (YAML or JSON)")

@@ -58,6 +58,7 @@ class InFlight:
     nbytes: int = 0
     # Descriptors NIXL actually posted after merging adjacent ones (telemetry; None unless captured).
     posted_descriptors: int | None = None
+    mode: str = "direct"  # descriptor mode (see nixlkv.staged): this class is always direct
 
 
 class NixlRank:

@@ -20,6 +20,7 @@ from nixlkv.bench.measure import interleaved, posted_after_merge
 from nixlkv.bench.shapes import PATTERNS, Case, Shape, block_ids, fabricate_rank
 from nixlkv.bench.vllm_baseline import VllmPlanner
 from nixlkv.core import Dispatcher
+from nixlkv.core.staging import TransferCosts
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -87,11 +88,23 @@ def test_vllm_baseline_moves_the_same_bytes_as_nixlkv(dispatcher, shape, p_tp, d
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize(("p_tp", "d_tp", "pattern"), [(1, 1, "contiguous"), (1, 1, "fragmented"), (4, 2, "fragmented")])
+@pytest.mark.parametrize(("p_tp", "d_tp", "pattern"), [
+    (1, 1, "contiguous"), (1, 1, "fragmented"), (4, 2, "fragmented"), (4, 2, "contiguous"), (2, 4, "contiguous"),
+])
 def test_computed_merge_equals_nixl_telemetry(dispatcher, p_tp, d_tp, pattern) -> None:
-    """The descriptor counts in the tables are computed; NIXL's own count must agree."""
-    result = run_transfer(Case(TINY, p_tp, d_tp, 500, pattern), num_layers=2, reps=1, dispatcher=dispatcher)
+    """The descriptor counts in the tables are computed; NIXL's own count must agree, in the
+    descriptor mode auto picked (staged: summed over every round)."""
+    cheap_copy = TransferCosts(copy_bytes_per_s=1e12)  # auto then stages wherever staging merges more
+    result = run_transfer(Case(TINY, p_tp, d_tp, 500, pattern), num_layers=2, reps=1, dispatcher=dispatcher, costs=cheap_copy)
     assert result.descs_posted_ours_nixl == result.descs_posted_ours_computed > 0
+    assert result.descs_posted_staged_nixl == result.descs_posted_staged_computed > 0
+    assert result.descs_posted_ours_computed <= result.descs_posted_direct
+    if p_tp > d_tp:  # head slices on D: staging merges whole P pages
+        assert result.modes == ["staged"]
+        if pattern == "contiguous":  # one descriptor per (layer, P rank) run: 2 x 2 here
+            assert result.descs_posted_ours_nixl == 4 and result.descs_posted_direct == 2 * 2 * 32
+    else:
+        assert result.modes == ["direct"]
     assert result.descs_posted_vllm_nixl == result.descs_posted_vllm_computed > 0
     assert result.spot_checked_bytes > 0
     if (p_tp, d_tp, pattern) == (1, 1, "contiguous"):
@@ -138,8 +151,17 @@ def test_cli_bench_quick_json_has_every_headline_key(monkeypatch, capsys, tmp_pa
                 "nixl_gbps", "memcpy_gbps", "nixl_gbps_hetero", "memcpy_gbps_hetero"):
         assert isinstance(out[key], float) and math.isfinite(out[key]) and out[key] > 0, key
     assert out["merge_count_checked"] is True and out["merge_count_checked_hetero"] is True
-    # P4->D2 head slices never merge, on either side: same count
-    assert out["descs_ratio_vs_vllm_hetero"] == 1.0
+    # P4->D2: head slices never merge, so the plan's own descriptors are vLLM's count; auto
+    # stages whole pages instead, and NIXL's telemetry agrees with the staged count
+    assert out["descs_posted_direct_hetero"] == out["descs_posted_vllm_hetero"]
+    assert out["descs_ratio_vs_vllm_hetero_staged"] <= 1 / 8
+    # auto reports what it picked, from the costs it measured on this machine now
+    assert out["descriptor_mode_hetero"] in ("staged", "direct")
+    expected = out["descs_ratio_vs_vllm_hetero_staged"] if out["descriptor_mode_hetero"] == "staged" else 1.0
+    assert out["descs_ratio_vs_vllm_hetero"] == expected
+    assert out["auto_costs"]["copy_gbps_measured"] > 0
+    assert out["nixl_staged_vs_memcpy_hetero"] > 0 and out["nixl_direct_vs_memcpy_hetero"] > 0
+    assert out["transfer_mode"] == "direct" and out["descs_ratio_vs_vllm_equal_tp"] == 1.0
     assert out["transfer_layers"] == "2 of 2"
     assert "llama-8b-like P4->D2 8k contiguous" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,6 +10,7 @@ from nixlkv.vllm.config import ConfigError, ConnectorConfig
 def test_defaults_and_env_side_channel() -> None:
     c = ConnectorConfig.parse({}, env={})
     assert c.backends == ("UCX",) and c.side_channel_port == 5600 and c.side_channel_host == "localhost"
+    assert c.descriptor_mode == "auto" and c.staging_bytes == 64 << 20
     c = ConnectorConfig.parse(None, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"})
     assert c.side_channel_port == 7000 and c.side_channel_host == "10.0.0.2"
 
@@ -29,7 +30,10 @@ def test_all_keys_parse() -> None:
         "heartbeat_interval_s": 0,
         "max_handshake_bytes": 1 << 20,
         "enforce_compat_hash": False,
+        "descriptor_mode": "staged",
+        "staging_bytes": 8 << 20,
     }, env={})
+    assert c.descriptor_mode == "staged" and c.staging_bytes == 8 << 20
     assert c.pin_strategies == {"FullAttentionSpec": "full_attention"}
     assert c.disable_strategies == ("sliding_window",) and c.allowed_plugins == ("nixlkv_example_plugin",)
     assert c.handshake_timeout_s == 2.0 and c.lease_s == 60.0 and not c.enforce_compat_hash
@@ -62,6 +66,10 @@ def test_unknown_key_lists_known_keys() -> None:
     ("max_handshake_bytes", 10),
     ("enforce_compat_hash", "yes"),
     ("side_channel_host", ""),
+    ("descriptor_mode", "fast"),
+    ("descriptor_mode", None),
+    ("staging_bytes", 4096),
+    ("staging_bytes", "64MiB"),
 ])
 def test_bad_values_name_the_key(key, value) -> None:
     with pytest.raises(ConfigError, match=key):

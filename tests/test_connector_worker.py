@@ -75,6 +75,45 @@ def test_pd_worker_byte_exact(p_tp: int, d_tp: int) -> None:
         d.close()
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(4, 2), (2, 4)])
+def test_pd_worker_staged_rounds_two_requests_share_the_buffer(p_tp: int, d_tp: int) -> None:
+    """descriptor_mode 'staged' with a buffer far smaller than a request: two requests queue for
+    it, each runs in several rounds, both land byte-exact and every P rank frees both (one
+    notification per reader per request, sent with its last round)."""
+    sc = fa_scenario(p_tp, d_tp, num_tokens=200)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D", config=ConnectorConfig(descriptor_mode="staged", staging_bytes=16 << 10))
+    try:
+        p1, p2 = [5, 9, 3, 20, 21, 22, 40, 7, 8, 11, 12, 13, 30], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
+        d1, d2 = [60, 2, 14, 15, 16, 33, 34, 35, 50, 51, 52, 53, 1], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 17, 18, 19]
+        for r in p.ranks:
+            oracle.fill_prefill(r, blocks(r, p1 + p2), seed=3)
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        for w in p.workers:
+            w.start_load_kv(NixlkvMetadata(reqs_to_send={"req-1": 30.0, "req-2": 30.0}))
+        for w in d.workers:
+            w.start_load_kv(NixlkvMetadata(reqs_to_recv={
+                "req-1": recv(p, "req-1", d1, p1),
+                "req-2": RecvRequest(
+                    local_block_ids=(d2,), remote_block_ids=(p2,), remote_engine_id=p.engine_id,
+                    remote_request_id="req-2", remote_host="127.0.0.1", remote_port=p.server.port,
+                ),
+            }))
+        done_recv, failed, done_send = drive(p, d, {"req-1", "req-2"})
+        assert not any(failed.values()), failed
+        assert all(v == {"req-1", "req-2"} for v in done_recv.values()), done_recv
+        assert all(v == {"req-1", "req-2"} for v in done_send.values()), done_send
+        for r in d.ranks:
+            assert oracle.compare(r, oracle.expected_decode(r, blocks(r, d1 + d2), seed=3)) is None
+        for w in d.workers:
+            assert w.reader.buffer is not None and w.reader.buffer.numel() == 16 << 10
+            assert w.reader.staged_requests == 2 and w.reader.rounds_posted > 2 * 2, w.reader.rounds_posted
+    finally:
+        p.close()
+        d.close()
+
+
 def test_handshake_timeout_fails_only_bound_requests() -> None:
     """A remote nobody answers for fails its requests after handshake_timeout_s; a healthy one still serves."""
     sc = fa_scenario(1, 1, num_tokens=40)

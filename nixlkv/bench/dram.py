@@ -16,8 +16,12 @@ from typing import Any
 
 import numpy as np
 
+import torch
+
 from ..core import Dispatcher, covered_remote_ranks
 from ..core.plan import expand_ids
+from ..core.staging import TransferCosts, posted_direct
+from ..staged import DEFAULT_STAGING_BYTES, Reader
 from ..transfer import NixlRank, TransferError
 from .measure import Timing, memcpy_seconds, posted_after_merge
 from .shapes import Case, block_ids, fabricate_rank, rank_layout
@@ -32,11 +36,19 @@ class TransferResult:
     layers: int  # layers actually moved
     model_layers: int  # layers of the model shape (the transfer is scaled down when fewer)
     nbytes: int  # bytes one request moves into decode rank 0
-    ours: Timing
+    ours: Timing  # in the descriptor mode ``auto`` picks, READs and local scatter end to end
+    ours_direct: Timing  # the plan's own descriptors, posted directly
+    ours_staged: Timing  # staged forced: whole pages through the staging buffer, then the scatter
     vllm: Timing
     memcpy: Timing
-    descs_posted_ours_nixl: int  # NIXL telemetry descCount, summed over the READs
-    descs_posted_ours_computed: int  # measure.posted_after_merge on the same ids
+    mode: str  # the descriptor mode auto picked in most repetitions
+    modes: list[str]  # what auto picked, repetition by repetition
+    descs_posted_staged_nixl: int
+    descs_posted_staged_computed: int
+    costs: TransferCosts | None  # what auto decided on at the end (refined from its real scatters)
+    descs_posted_ours_nixl: int  # NIXL telemetry descCount, summed over the READs (every round)
+    descs_posted_ours_computed: int  # computed for the same READs (core.staging, measure.posted_after_merge)
+    descs_posted_direct: int  # computed for the plan's own READs
     descs_posted_vllm_nixl: int
     descs_posted_vllm_computed: int
     spot_checked_bytes: int
@@ -53,6 +65,10 @@ class TransferResult:
             "bytes": self.nbytes,
             "ours_ms_p50": self.ours.p50 * 1e3,
             "ours_ms_p99": self.ours.p99 * 1e3,
+            "ours_direct_ms_p50": self.ours_direct.p50 * 1e3,
+            "ours_staged_ms_p50": self.ours_staged.p50 * 1e3,
+            "descriptor_mode": self.mode,
+            "descriptor_modes": self.modes,
             "vllm_ms_p50": self.vllm.p50 * 1e3,
             "vllm_ms_p99": self.vllm.p99 * 1e3,
             "memcpy_ms_p50": self.memcpy.p50 * 1e3,
@@ -60,10 +76,18 @@ class TransferResult:
             "vllm_gbps": self.gbps(self.vllm),
             "memcpy_gbps": self.gbps(self.memcpy),
             "ours_vs_memcpy": self.memcpy.p50 / self.ours.p50,
+            "ours_direct_gbps": self.gbps(self.ours_direct),
+            "ours_direct_vs_memcpy": self.memcpy.p50 / self.ours_direct.p50,
+            "ours_staged_gbps": self.gbps(self.ours_staged),
+            "ours_staged_vs_memcpy": self.memcpy.p50 / self.ours_staged.p50,
+            "descs_posted_staged_nixl": self.descs_posted_staged_nixl,
+            "descs_posted_staged_computed": self.descs_posted_staged_computed,
+            "auto_copy_gbps": self.costs.copy_bytes_per_s / 1e9 if self.costs else None,
             "vllm_vs_memcpy": self.memcpy.p50 / self.vllm.p50,
             "reps": self.ours.reps,
             "descs_posted_ours_nixl": self.descs_posted_ours_nixl,
             "descs_posted_ours_computed": self.descs_posted_ours_computed,
+            "descs_posted_direct": self.descs_posted_direct,
             "descs_posted_vllm_nixl": self.descs_posted_vllm_nixl,
             "descs_posted_vllm_computed": self.descs_posted_vllm_computed,
             "spot_checked_bytes": self.spot_checked_bytes,
@@ -82,8 +106,19 @@ def _buffer(nbytes: int, fill: int | None) -> np.ndarray:
     return buf
 
 
-def run_transfer(case: Case, num_layers: int, reps: int, dispatcher: Dispatcher, seed: int = 0) -> TransferResult:
-    """Move one request of ``case`` into decode rank ``case.d_rank``, ``reps`` times each way."""
+def run_transfer(
+    case: Case,
+    num_layers: int,
+    reps: int,
+    dispatcher: Dispatcher,
+    seed: int = 0,
+    descriptor_mode: str = "auto",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    costs: TransferCosts | None = None,
+) -> TransferResult:
+    """Move one request of ``case`` into decode rank ``case.d_rank``, ``reps`` times each way:
+    nixlkv in ``descriptor_mode`` (READs plus, when staged, the local scatter), nixlkv direct,
+    vLLM's descriptors, and a memcpy of the same byte count."""
     shape = case.shape
     rng = np.random.default_rng(seed)
     nb = case.num_blocks
@@ -117,18 +152,36 @@ def run_transfer(case: Case, num_layers: int, reps: int, dispatcher: Dispatcher,
     d_nixl = NixlRank("bench-D", [(d_buf.ctypes.data, d_buf.nbytes)], capture_telemetry=True)
     p_nixl = {r: NixlRank(f"bench-P{r}", [(b.ctypes.data, b.nbytes)]) for r, b in p_bufs.items()}
     src, dst = _buffer(nbytes, fill=7), _buffer(nbytes, None)
+    reader = None
+    readers: list[Reader] = []
     try:
         agents = {r: d_nixl.add_remote(p.metadata()) for r, p in p_nixl.items()}
-        prepared = d_nixl.prepare(plan, agents)
+        memory = [torch.from_numpy(d_buf)]
+        reader = Reader(d_nixl, descriptor_mode, staging_bytes, memory, costs=costs)
+        prepared = reader.prepare(plan, agents)
+        stager = Reader(d_nixl, "staged", staging_bytes, memory)
+        readers.append(stager)
+        staged_prepared = stager.prepare(plan, agents)
+        staged_request = stager.choose(staged_prepared, resolved).staged
         agent = d_nixl.agent
         v_local = {id(rows): agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM") for rows in [vllm.local_rows, *vllm.split_rows]}
         v_remote = {r: agent.prep_xfer_dlist(agents[r], rows, "DRAM") for r, rows in vllm.remote_rows.items()}
         posted: dict[str, int] = {}
 
         def ours() -> None:
-            flight = d_nixl.post(prepared, resolved, "bench-req")
-            d_nixl.wait(flight, WAIT_TIMEOUT)
+            flight = reader.post(prepared, resolved, "bench-req")
+            reader.wait(flight, WAIT_TIMEOUT)
+            modes.append(flight.mode)
             posted["ours"] = int(flight.posted_descriptors or 0)
+
+        def ours_staged() -> None:
+            flight = stager.post(staged_prepared, resolved, "bench-req")
+            stager.wait(flight, WAIT_TIMEOUT)
+            posted["staged"] = int(flight.posted_descriptors or 0)
+
+        def ours_direct() -> None:
+            flight = d_nixl.post(prepared.prepared, resolved, "bench-req")
+            d_nixl.wait(flight, WAIT_TIMEOUT)
 
         def theirs() -> None:
             handles = []
@@ -150,25 +203,35 @@ def run_transfer(case: Case, num_layers: int, reps: int, dispatcher: Dispatcher,
             for h in handles:
                 agent.release_xfer_handle(h)
 
-        fns = [lambda: memcpy_seconds(dst, src), ours, theirs]
-        samples: list[list[float]] = [[], [], []]
+        fns = [lambda: memcpy_seconds(dst, src), ours, theirs, ours_direct, ours_staged]
+        samples: list[list[float]] = [[] for _ in fns]
+        modes: list[str] = []
         for fn in fns:  # warm-up: connections, page tables, first-touch
             fn()
-        checked = _spot_check(plan, resolved, d_buf, p_bufs)
+        checked = 0
+        for fn in (ours_staged, ours):  # what the spot check reads is what that mode wrote
+            d_buf.fill(0)
+            fn()
+            checked += _spot_check(plan, resolved, d_buf, p_bufs)
+        modes.clear()
+        order = list(range(len(fns)))
         for rep in range(reps):
-            for i in (0, 1, 2) if rep % 2 == 0 else (2, 1, 0):
+            for i in order if rep % 2 == 0 else order[::-1]:
                 t0 = time.perf_counter()
                 fns[i]()
                 samples[i].append(time.perf_counter() - t0)
         for p in p_nixl.values():
             p.notifications()  # drain
     finally:
+        for r in ([reader] if reader is not None else []) + readers:
+            r.close()
         d_nixl.close()
         for p in p_nixl.values():
             p.close()
-    comp_ours = sum(
-        posted_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids) for r in resolved.reads
-    )
+    comp_direct = posted_direct(plan, resolved)
+    comp_staged = staged_prepared.staged.posted(staged_request)
+    last_mode = modes[-1]
+    comp_ours = comp_staged if last_mode == "staged" else comp_direct
     comp_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
     notes = []
     if num_layers != shape.num_layers:
@@ -180,9 +243,17 @@ def run_transfer(case: Case, num_layers: int, reps: int, dispatcher: Dispatcher,
         nbytes=nbytes,
         memcpy=Timing.of(samples[0]),
         ours=Timing.of(samples[1]),
+        ours_direct=Timing.of(samples[3]),
+        ours_staged=Timing.of(samples[4]),
         vllm=Timing.of(samples[2]),
+        mode=max(set(modes), key=modes.count),
+        modes=modes,
+        descs_posted_staged_nixl=posted["staged"],
+        descs_posted_staged_computed=comp_staged,
+        costs=reader.costs,
         descs_posted_ours_nixl=posted["ours"],
         descs_posted_ours_computed=comp_ours,
+        descs_posted_direct=comp_direct,
         descs_posted_vllm_nixl=posted["vllm"],
         descs_posted_vllm_computed=comp_vllm,
         spot_checked_bytes=checked,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.staging import descriptors_after_merge
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -39,15 +41,6 @@ def interleaved(fns: Sequence[Callable[[], object]], reps: int, warmup: int = 2)
     return [Timing.of(s) for s in samples]
 
 
-def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Which strided row ``(addr, len, dev, stride, count)`` each descriptor id falls in."""
-    starts = np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
-        raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
-    return np.searchsorted(starts, ids, side="right") - 1
-
-
 def posted_after_merge(local_rows: np.ndarray, local_ids: np.ndarray, remote_rows: np.ndarray, remote_ids: np.ndarray) -> int:
     """Descriptors NIXL 1.5.1's ``make_prepped_xfer`` posts for one READ, computed.
 
@@ -55,26 +48,10 @@ def posted_after_merge(local_rows: np.ndarray, local_ids: np.ndarray, remote_row
     strided row (``stride == len``) with the next id. Measured on this machine with
     ``get_xfer_telemetry().descCount``: rows adjacent in memory are *not* joined across, and a
     row with ``len < stride`` (a head slice) never merges. ``tests/test_bench.py`` checks this
-    computation against NIXL's own count.
+    computation against NIXL's own count. (The computation lives in ``nixlkv.core.staging``,
+    where ``auto`` uses it to choose a descriptor mode.)
     """
-    lids = np.asarray(local_ids, dtype=np.int64)
-    rids = np.asarray(remote_ids, dtype=np.int64)
-    if lids.shape != rids.shape:
-        raise ValueError(f"{lids.size} local ids but {rids.size} remote ids")
-    lrow, rrow = row_index(local_rows, lids), row_index(remote_rows, rids)
-    if lids.size < 2:
-        return int(lids.size)
-    ldense = (local_rows[:, 1] == local_rows[:, 3])[lrow]
-    rdense = (remote_rows[:, 1] == remote_rows[:, 3])[rrow]
-    joins = (
-        (lrow[1:] == lrow[:-1])
-        & (rrow[1:] == rrow[:-1])
-        & (np.diff(lids) == 1)
-        & (np.diff(rids) == 1)
-        & ldense[1:]
-        & rdense[1:]
-    )
-    return int(lids.size - joins.sum())
+    return descriptors_after_merge(local_rows, local_ids, remote_rows, remote_ids)
 
 
 def memcpy_seconds(dst: np.ndarray, src: np.ndarray) -> float:

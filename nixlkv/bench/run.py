@@ -9,10 +9,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
 from ..core.plan import expand_ids
+from ..core.staging import StagedPlan, StagingError, TransferCosts, choose
+from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import run_transfer
 from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
 from .measure import interleaved, posted_after_merge
@@ -48,7 +51,9 @@ def _reps(ids_per_request: int, budget: float) -> int:
     return int(min(300, max(15, budget * 1e7 / max(ids_per_request, 1))))
 
 
-def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float = 3.0) -> dict[str, Any]:
+def plan_case(
+    case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float = 3.0, costs: TransferCosts | None = None
+) -> dict[str, Any]:
     """Every planning figure of one case, nixlkv and vLLM on the same geometry and block ids."""
     rng = np.random.default_rng(seed)
     nb = case.num_blocks
@@ -88,9 +93,19 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
     t_ours, t_vllm = interleaved(
         [lambda: plan.resolve(d_groups, p_groups, case.num_tokens, scratch=scratch), lambda: vllm.desc_ids(d_groups, p_groups)], reps
     )
-    merged_ours = sum(
+    merged_direct = sum(
         posted_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids) for r in resolved.reads
     )
+    # What the connector's default (descriptor_mode auto, default staging buffer) posts.
+    try:
+        staged_plan = StagedPlan(plan, DEFAULT_STAGING_BYTES // 2)
+    except StagingError:
+        staged_plan = None
+    usable = staged_plan if staged_plan is not None and staged_plan.can_help else None
+    choice = choose("auto", plan, usable, resolved, costs)
+    merged_ours = staged_plan.posted(choice.staged) if choice.mode == "staged" else merged_direct
+    merged_staged = staged_plan.posted(staged_plan.stage(resolved)) if staged_plan is not None else None
+    (t_choose,) = interleaved([lambda: choose("auto", plan, usable, resolved, costs)], max(5, reps // 4), warmup=1)
     merged_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
     reg_ours = int(plan.local_descs[:, 4].sum()) + sum(int(d[:, 4].sum()) for d in plan.remote_descs.values())
     return {
@@ -112,6 +127,10 @@ def plan_case(case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float =
         "descs_ids_ours": resolved.num_descriptors,
         "descs_ids_vllm": int(sum(r.local_ids.size for r in v_reads)),
         "descs_posted_ours": merged_ours,
+        "descriptor_mode_ours": choice.mode,
+        "descs_posted_ours_direct": merged_direct,
+        "descs_posted_ours_staged": merged_staged,
+        "choose_us_ours_p50": t_choose.p50 * 1e6,
         "descs_posted_vllm": merged_vllm,
         "descs_ratio": merged_ours / merged_vllm,
         "registered_ours": reg_ours,
@@ -146,16 +165,24 @@ def run(
         cases = [c for c in cases if c.shape.name == shape]
         if not cases:
             raise NixlkvError(f"--shape {shape!r}: no {'quick' if quick else 'full'} case has it; use one of {names}")
-    rows = []
-    for case in cases:
-        say(f"planning {case.label}")
-        rows.append(plan_case(case, dispatcher, budget=1.5 if quick else 3.0))
-    transfers = []
+    # What auto decides on: this machine's copy bandwidth now, refined by the real transfers'
+    # scatters when they run (first, so that the planning cases report what auto would pick).
+    costs = measured_costs(torch.device("cpu"))
+    transfers, learned = [], []
     if with_transfers:
         for case in transfer_cases():
             say(f"transfer {case.label} ({TRANSFER_LAYERS} layers)")
-            transfers.append(run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher).to_dict())
+            result = run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher, costs=costs)
+            transfers.append(result.to_dict())
+            learned.append(result.costs)
+    costs = next((c for c in reversed(learned) if c is not None), costs)
+    rows = []
+    for case in cases:
+        say(f"planning {case.label}")
+        rows.append(plan_case(case, dispatcher, budget=1.5 if quick else 3.0, costs=costs))
     out = summary(rows, transfers)
+    out["auto_costs"] = {"per_descriptor_us": costs.per_descriptor_s * 1e6, "copy_gbps_measured": costs.copy_bytes_per_s / 1e9,
+                         "nixl_gbps_assumed": costs.nixl_bytes_per_s / 1e9}
     out["mode"] = "quick" if quick else "full"
     out["runtime_s"] = time.perf_counter() - t0
     out["machine"] = f"{platform.node()} {platform.machine()} cpus={_cpus()} (shared: timings noisy, ratios from one run)"
@@ -169,6 +196,9 @@ def run(
         "Dispatcher.plan at handshake and TransferPlan.resolve per request",
         "descs_posted: descriptors NIXL 1.5.1 posts after merging, computed by measure.posted_after_merge "
         "and checked against NIXL telemetry (descCount) in the real transfers",
+        "nixlkv runs in descriptor_mode auto (the connector's default, staging buffer "
+        f"{DEFAULT_STAGING_BYTES >> 20} MiB): descs_posted_ours and the transfer GB/s are for the mode auto picked "
+        "(READs plus the local scatter when staged, timed end to end); *_direct keys are the plan's own descriptors",
         memcpy_note(),
     ]
     return out
@@ -201,6 +231,10 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
         out["plan_us_vllm_p50"] = hetero["plan_us_vllm_p50"]
         out["plan_us_vllm_p99"] = hetero["plan_us_vllm_p99"]
         out["descs_ratio_vs_vllm_hetero"] = hetero["descs_ratio"]
+        out["descriptor_mode_hetero"] = hetero["descriptor_mode_ours"]
+        out["descs_ratio_vs_vllm_hetero_staged"] = hetero["descs_posted_ours_staged"] / hetero["descs_posted_vllm"]
+        out["descs_posted_direct_hetero"] = hetero["descs_posted_ours_direct"]
+        out["choose_us_hetero_p50"] = hetero["choose_us_ours_p50"]
         out["descs_posted_ours_hetero"] = hetero["descs_posted_ours"]
         out["descs_posted_vllm_hetero"] = hetero["descs_posted_vllm"]
         out["registered_ours_hetero"] = hetero["registered_ours"]
@@ -210,6 +244,7 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
         out["handshake_ms_vllm_hetero"] = hetero["handshake_ms_vllm"]
     if frag:
         out["descs_ratio_vs_vllm_fragmented"] = frag["descs_ratio"]
+        out["descriptor_mode_fragmented"] = frag["descriptor_mode_ours"]
         out["descs_posted_ours_fragmented"] = frag["descs_posted_ours"]
         out["descs_posted_vllm_fragmented"] = frag["descs_posted_vllm"]
         out["plan_time_ratio_vs_vllm_fragmented"] = frag["plan_time_ratio"]
@@ -220,6 +255,9 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
         t = next((x for x in transfers if label in x["label"]), None)
         if t:
             out[f"nixl_vs_memcpy{key}"] = t["ours_vs_memcpy"]
+            out[f"transfer_mode{key}"] = t["descriptor_mode"]
+            out[f"nixl_direct_vs_memcpy{key}"] = t["ours_direct_vs_memcpy"]
+            out[f"nixl_staged_vs_memcpy{key}"] = t["ours_staged_vs_memcpy"]
             out[f"nixl_gbps{key}"] = t["ours_gbps"]
             out[f"memcpy_gbps{key}"] = t["memcpy_gbps"]
             out[f"vllm_style_nixl_vs_memcpy{key}"] = t["vllm_vs_memcpy"]
@@ -228,6 +266,7 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
             out[f"merge_count_checked{key}"] = (
                 t["descs_posted_ours_nixl"] == t["descs_posted_ours_computed"]
                 and t["descs_posted_vllm_nixl"] == t["descs_posted_vllm_computed"]
+                and t["descs_posted_staged_nixl"] == t["descs_posted_staged_computed"]
             )
     return out
 

@@ -8,19 +8,28 @@ or ``failed`` (an unexpected error, or an expected rejection that did not happen
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..core import Dispatcher, NixlkvError, ResolvedRequest, Topology, TransferPlan
+from ..staged import Reader, memory_tensors
 from ..transfer import NixlRank, TransferError, parse_notification
 from ..vllm_layers import layer_caches, registered_memory
 from . import oracle
 from .engines import FabricatedRank, build_rank
 from .scenario import Scenario
 
+# A small staging buffer, so that staged rehearsals run in several rounds (the connector's is
+# larger); never less than two rounds of the largest prefill page (Mamba states are MiBs).
+REHEARSAL_STAGING_BYTES = 4 << 20
+
+
+def rehearsal_staging_bytes(engines: Engines) -> int:
+    largest = max((r.page.nbytes for p in engines.plans for g in p.remote.values() for r in g.regions), default=0)
+    return max(REHEARSAL_STAGING_BYTES, 4 * largest)
 REQUEST_ID = "rehearsal-req-0"  # the request's id on the prefill (remote) engine
 NOTIFICATION_TIMEOUT = 10.0  # seconds every prefill rank may take to hear from all its readers
 Fault = Callable[[int, ResolvedRequest], ResolvedRequest]
@@ -37,6 +46,9 @@ class RehearsalResult:
     reads: int = 0
     transfer_seconds: float = 0.0
     build_seconds: float = 0.0
+    descriptor_mode: str = "direct"  # what was asked for: auto | direct | staged
+    modes: list[str] = field(default_factory=list)  # per decode rank: the mode its request ran in
+    posted_descriptors: int = 0  # what NIXL posted after its merge (telemetry), every rank and round
     notifications: dict[str, int] = field(default_factory=dict)  # per P rank: messages for REQUEST_ID
     # per P rank, every nixlkv notification received, as (request id, consumers it announces)
     notification_log: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
@@ -121,10 +133,17 @@ def choose_blocks(
     return out
 
 
-def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fault | None = None) -> RehearsalResult:
-    """Run one scenario end to end. ``fault`` (tests only) may corrupt each resolved request."""
+def rehearse(
+    scenario: Scenario,
+    dispatcher: Dispatcher | None = None,
+    fault: Fault | None = None,
+    descriptor_mode: str = "auto",
+    staging_bytes: int | None = None,
+) -> RehearsalResult:
+    """Run one scenario end to end. ``fault`` (tests only) may corrupt each resolved request;
+    ``descriptor_mode`` is how the READs are posted (see :mod:`nixlkv.staged`)."""
     dispatcher = dispatcher or Dispatcher.from_plugins()
-    result = RehearsalResult(scenario.name, "failed")
+    result = RehearsalResult(scenario.name, "failed", descriptor_mode=descriptor_mode)
     t0 = time.perf_counter()
     try:
         engines = build(scenario, dispatcher)
@@ -143,7 +162,7 @@ def rehearse(scenario: Scenario, dispatcher: Dispatcher | None = None, fault: Fa
         result.message = f"expected planning to fail with {scenario.expect_error!r}, but it succeeded"
         return result
     try:
-        _transfer_and_check(scenario, engines, result, fault)
+        _transfer_and_check(scenario, engines, result, fault, staging_bytes)
     except (NixlkvError, NotImplementedError) as exc:
         result.outcome, result.message = "failed", f"{type(exc).__name__}: {exc}"
     return result
@@ -162,43 +181,99 @@ def request_blocks(
     return p_blocks, d_blocks
 
 
-def transfer_and_check(scenario: Scenario, engines: Engines, fault: Fault | None = None) -> RehearsalResult:
+def transfer_and_check(
+    scenario: Scenario,
+    engines: Engines,
+    fault: Fault | None = None,
+    descriptor_mode: str = "auto",
+    staging_bytes: int | None = None,
+) -> RehearsalResult:
     """The NIXL half of :func:`rehearse` on engines already built (by :func:`build`)."""
-    result = RehearsalResult(scenario.name, "failed")
-    result.plans = [p.to_dict() for p in engines.plans]
-    try:
-        _transfer_and_check(scenario, engines, result, fault)
-    except (NixlkvError, NotImplementedError) as exc:
-        result.outcome, result.message = "failed", f"{type(exc).__name__}: {exc}"
-    return result
+    return transfer_and_check_modes(scenario, engines, (descriptor_mode,), fault, staging_bytes)[descriptor_mode]
 
 
-def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalResult, fault: Fault | None) -> None:
+def transfer_and_check_modes(
+    scenario: Scenario,
+    engines: Engines,
+    modes: Sequence[str],
+    fault: Fault | None = None,
+    staging_bytes: int | None = None,
+) -> dict[str, RehearsalResult]:
+    """The NIXL half of :func:`rehearse`, once per descriptor mode on the same engines: prefill
+    is filled and the expected decode bytes computed once (READs never write prefill memory);
+    decode is reset to the sentinel before each mode, and every byte checked after it."""
+    truth = _Truth(scenario, engines)
+    out = {}
+    for mode in modes:
+        result = RehearsalResult(scenario.name, "failed", descriptor_mode=mode)
+        result.plans = [p.to_dict() for p in engines.plans]
+        try:
+            _transfer_and_check(scenario, engines, result, fault, staging_bytes, truth)
+        except (NixlkvError, NotImplementedError) as exc:
+            result.outcome, result.message = "failed", f"{type(exc).__name__}: {exc}"
+        out[mode] = result
+    return out
+
+
+class _Truth:
+    """A request's block ids, prefill filled with them, and (computed on first use) what every
+    decode rank must hold afterwards."""
+
+    def __init__(self, scenario: Scenario, engines: Engines) -> None:
+        self.p_blocks, self.d_blocks = request_blocks(scenario, engines)
+        self.seed = scenario.request.seed
+        for p in engines.prefill:
+            oracle.fill_prefill(p, self.p_blocks, self.seed)
+        self._expected: dict[int, Any] = {}
+
+    def expected(self, d: FabricatedRank):
+        if d.tp_rank not in self._expected:
+            self._expected[d.tp_rank] = oracle.expected_decode(d, self.d_blocks, self.seed)
+        return self._expected[d.tp_rank]
+
+
+def _transfer_and_check(
+    scenario: Scenario,
+    engines: Engines,
+    result: RehearsalResult,
+    fault: Fault | None,
+    staging_bytes: int | None,
+    truth: _Truth | None = None,
+) -> None:
     req = scenario.request
-    p_blocks, d_blocks = request_blocks(scenario, engines)
-    for p in engines.prefill:
-        oracle.fill_prefill(p, p_blocks, req.seed)
+    truth = truth or _Truth(scenario, engines)
+    staging_bytes = staging_bytes or rehearsal_staging_bytes(engines)
+    p_blocks, d_blocks = truth.p_blocks, truth.d_blocks
     for d in engines.decode:
         oracle.fill_decode(d)
 
     p_nixl = {p.tp_rank: NixlRank(f"P{p.tp_rank}", registered_memory(p.kv_caches)) for p in engines.prefill}
-    d_nixl = {d.tp_rank: NixlRank(f"D{d.tp_rank}", registered_memory(d.kv_caches)) for d in engines.decode}
+    d_nixl = {
+        d.tp_rank: NixlRank(f"D{d.tp_rank}", registered_memory(d.kv_caches), capture_telemetry=True)
+        for d in engines.decode
+    }
+    readers: list[Reader] = []
     try:
         flights = []
         for d, plan in zip(engines.decode, engines.plans):
             agent = d_nixl[d.tp_rank]
+            reader = Reader(agent, result.descriptor_mode, staging_bytes, memory_tensors(d.kv_caches))
+            readers.append(reader)
             names = {rank: agent.add_remote(p_nixl[rank].metadata()) for rank in plan.covered}
-            prepared = agent.prepare(plan, names)
+            prepared = reader.prepare(plan, names)
             resolved = plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks], req.num_tokens)
             if fault is not None:
                 resolved = fault(d.tp_rank, resolved)
-            result.descriptors += resolved.num_descriptors
+            flight = reader.post(prepared, resolved, REQUEST_ID)
+            result.modes.append(flight.mode)
             result.reads += len(resolved.reads)
-            flights.append((agent, agent.post(prepared, resolved, REQUEST_ID)))
+            flights.append((reader, flight))
         t_start = min(f.posted_at for _, f in flights)
-        for agent, flight in flights:
-            agent.wait(flight)
+        for reader, flight in flights:
+            reader.wait(flight)
+            result.descriptors += flight.descriptors
             result.bytes_moved += flight.nbytes
+            result.posted_descriptors += flight.posted_descriptors or 0
         result.transfer_seconds = time.perf_counter() - t_start
         consumers = engines.plans[0].consumers
         result.notification_log = _collect_notifications(p_nixl, consumers)
@@ -209,13 +284,15 @@ def _transfer_and_check(scenario: Scenario, engines: Engines, result: RehearsalR
         result.outcome, result.message = "failed", str(exc)
         return
     finally:
+        for reader in readers:
+            reader.close()
         for n in (*p_nixl.values(), *d_nixl.values()):
             n.close()
 
     wrong = _notification_errors(result.notification_log, consumers)
     mismatches = []
     for d in engines.decode:
-        expected = oracle.expected_decode(d, d_blocks, req.seed)
+        expected = truth.expected(d)
         result.bytes_checked += d.buffer.numel()
         m = oracle.compare(d, expected)
         if m is not None:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.errors import NixlkvError
+from ..core.staging import DESCRIPTOR_MODES
+
+MIN_STAGING_BYTES = 1 << 20  # two halves of at least one typical page each
 
 
 class ConfigError(NixlkvError):
@@ -31,6 +34,9 @@ class ConnectorConfig:
     # NIXL
     backends: tuple[str, ...] = ("UCX",)
     nixl_num_threads: int = 0
+    # descriptor mode of the decode side's READs (see nixlkv/staged.py and docs/performance.md)
+    descriptor_mode: str = "auto"
+    staging_bytes: int = 64 << 20
     # side channel
     side_channel_host: str = "localhost"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
@@ -97,7 +103,15 @@ class ConnectorConfig:
                     f"heartbeat_interval_s must be a number of seconds >= 0 (0: no heartbeats), got {value!r}"
                 )
             out["heartbeat_interval_s"] = float(value)
-        for key, lo in (("nixl_num_threads", 0), ("max_handshake_bytes", 1024)):
+        if "descriptor_mode" in extra:
+            value = extra["descriptor_mode"]
+            if value not in DESCRIPTOR_MODES:
+                raise ConfigError(
+                    f"descriptor_mode must be one of {list(DESCRIPTOR_MODES)} (auto: chosen per request from "
+                    f"measured costs), got {value!r}"
+                )
+            out["descriptor_mode"] = value
+        for key, lo in (("nixl_num_threads", 0), ("max_handshake_bytes", 1024), ("staging_bytes", MIN_STAGING_BYTES)):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:

@@ -24,8 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import Dispatcher, NixlkvError, Topology, TransferPlan
-from ..transfer import InFlight, NixlRank, PreparedPlan, TransferError, parse_notification
+from ..core import Dispatcher, IdScratch, NixlkvError, Topology, TransferPlan
+from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
+from ..transfer import InFlight, NixlRank, TransferError, parse_notification
 from ..vllm_layers import layer_caches, registered_memory
 from . import handshake
 from .config import ConnectorConfig
@@ -48,7 +49,7 @@ class HandshakeInfo:
 class _Remote:
     key: RemoteKey
     future: concurrent.futures.Future | None = None
-    prepared: PreparedPlan | None = None
+    prepared: ReaderPlan | None = None
     agents: dict[int, str] = field(default_factory=dict)
     generation: str | None = None
     pending_heartbeats: dict[str, LeaseView | None] = field(default_factory=dict)  # sent once handshaken
@@ -58,7 +59,7 @@ class _Remote:
 class _Flight:
     request: RecvRequest
     remote: tuple[str, str, int]
-    flight: InFlight
+    flight: InFlight | StagedFlight
 
 
 @dataclass
@@ -92,6 +93,7 @@ class NixlkvWorker:
         self.dispatcher = dispatcher or config.dispatcher()
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.nixl: NixlRank | None = None
+        self.reader: Reader | None = None  # posts READs in config.descriptor_mode
         self.geometry = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixlkv-handshake")
         self._remotes: dict[RemoteKey, _Remote] = {}
@@ -107,6 +109,7 @@ class NixlkvWorker:
         self._early: dict[str, tuple[int, int, float]] = {}  # notifications before the hold: count, consumers, seen
         self._done_send: set[str] = set()
         self.stats = NixlkvStats()
+        self._ids = IdScratch()  # descriptor ids of the request being posted (NIXL copies them)
 
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -118,6 +121,9 @@ class NixlkvWorker:
             memory,
             backends=self.config.backends,
             num_threads=self.config.nixl_num_threads,
+        )
+        self.reader = Reader(
+            self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
         )
         logger.info(
             "nixlkv registered engine=%s rank=%d/%d regions=%d memory_ranges=%d",
@@ -218,7 +224,7 @@ class NixlkvWorker:
             try:
                 engine, plan = remote.future.result()
                 remote.agents = {r: self.nixl.add_remote(engine.agent_metadata[r]) for r in plan.covered}
-                remote.prepared = self.nixl.prepare(plan, remote.agents)
+                remote.prepared = self.reader.prepare(plan, remote.agents)
                 remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
                 del self._remotes[key]
@@ -307,8 +313,8 @@ class NixlkvWorker:
             remote_ids = list(req.remote_block_ids) + [[]] * (len(local) - len(req.remote_block_ids))
             if not any(local):  # nothing to read (full prefix hit, abort): only free P's blocks
                 remote_ids = [[] for _ in remote_ids]
-            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair())
-            flight = self.nixl.post(remote.prepared, resolved, req.remote_request_id)
+            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair(), scratch=self._ids)
+            flight = self.reader.post(remote.prepared, resolved, req.remote_request_id)
         except (NixlkvError, ValueError) as exc:
             if isinstance(exc, TransferError):
                 self._invalidate(remote.key)
@@ -320,7 +326,7 @@ class NixlkvWorker:
         now = time.perf_counter()
         for rid, f in list(self._flights.items()):
             try:
-                done = self.nixl.poll(f.flight)
+                done = self.reader.poll(f.flight)
             except TransferError as exc:
                 del self._flights[rid]
                 self._invalidate(f.remote)
@@ -333,12 +339,12 @@ class NixlkvWorker:
                 if f.request.report:
                     self._done_recv.add(rid)
                 logger.debug(
-                    "nixlkv recv done req=%s engine=%s bytes=%d descriptors=%d transfer_ms=%.2f",
-                    rid, f.remote[0], f.flight.nbytes, f.flight.descriptors, 1e3 * elapsed,
+                    "nixlkv recv done req=%s engine=%s mode=%s bytes=%d descriptors=%d transfer_ms=%.2f",
+                    rid, f.remote[0], f.flight.mode, f.flight.nbytes, f.flight.descriptors, 1e3 * elapsed,
                 )
             elif now - f.flight.posted_at > self.config.transfer_timeout_s:
                 del self._flights[rid]
-                self.nixl.release(f.flight)
+                self.reader.release(f.flight)
                 self._invalidate(f.remote)
                 self._fail(rid, f.request, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
 
@@ -435,8 +441,9 @@ class NixlkvWorker:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.nixl is not None:
             for f in self._flights.values():
-                self.nixl.release(f.flight)
+                self.reader.release(f.flight)
             self._flights.clear()
+            self.reader.close()
             self.nixl.close()
             self.nixl = None
 

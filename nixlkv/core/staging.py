@@ -1,0 +1,427 @@
+"""Descriptor modes: post the plan's READs as they are (``direct``), or gather whole remote pages
+through a staging buffer and scatter them locally (``staged``); ``auto`` picks per request.
+
+Why staging: NIXL merges neighbouring descriptors only where both sides are one dense strided row
+(``stride == len``). When a decode page is assembled from several prefill ranks (P>D TP with
+head-outermost pages) every local descriptor is a sub-page slice and never merges, although each
+prefill rank's pages of consecutive blocks are contiguous. Reading those whole pages into
+consecutive slots of a staging buffer merges them into one descriptor per run; one vectorised copy
+per segment then puts each slice in place.
+
+This module computes only the layout (numpy, engine-agnostic): the staged remote rows (one strided
+row per remote *span*: the bytes of one remote region's page that the plan reads), the staging
+rows (one dense row per span length over the whole buffer), and per request the rounds of READs
+and the scatter program. The executor (``nixlkv.staged``) owns the buffer and does the copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import NixlkvError, RequestError
+from .plan import ReadOp, ResolvedRequest, TransferPlan
+
+DESCRIPTOR_MODES = ("auto", "direct", "staged")
+
+
+class StagingError(NixlkvError):
+    """The staged mode cannot serve this plan or request (the message says why and what works)."""
+
+
+def check_mode(mode: str, where: str = "descriptor_mode") -> str:
+    if mode not in DESCRIPTOR_MODES:
+        raise StagingError(f"{where} must be one of {list(DESCRIPTOR_MODES)}, got {mode!r}")
+    return mode
+
+
+def descriptors_after_merge(
+    local_rows: np.ndarray, local_ids: np.ndarray, remote_rows: np.ndarray, remote_ids: np.ndarray
+) -> int:
+    """Descriptors NIXL 1.5.1's ``make_prepped_xfer`` posts for one READ, computed.
+
+    NIXL joins neighbouring entries when both sides continue in the same dense strided row
+    (``stride == len``) with the next id; rows adjacent in memory are not joined across, and a
+    row with ``len < stride`` never merges (probed with NIXL telemetry; the bench and tests check
+    this computation against ``get_xfer_telemetry().descCount`` in real transfers).
+    """
+    lids = np.asarray(local_ids, dtype=np.int64)
+    rids = np.asarray(remote_ids, dtype=np.int64)
+    if lids.shape != rids.shape:
+        raise ValueError(f"{lids.size} local ids but {rids.size} remote ids")
+    lrow, rrow = row_index(local_rows, lids), row_index(remote_rows, rids)
+    if lids.size < 2:
+        return int(lids.size)
+    ldense = (local_rows[:, 1] == local_rows[:, 3])[lrow]
+    rdense = (remote_rows[:, 1] == remote_rows[:, 3])[rrow]
+    joins = (
+        (lrow[1:] == lrow[:-1])
+        & (rrow[1:] == rrow[:-1])
+        & (np.diff(lids) == 1)
+        & (np.diff(rids) == 1)
+        & ldense[1:]
+        & rdense[1:]
+    )
+    return int(lids.size - joins.sum())
+
+
+def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which strided row ``(addr, len, dev, stride, count)`` each descriptor id falls in."""
+    starts = row_starts(rows)
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
+        raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
+    return np.searchsorted(starts, ids, side="right") - 1
+
+
+def row_starts(rows: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``[offset, +nbytes)`` of every page of ``remote_region`` on ``remote_rank``: what the
+    staged mode reads per remote block (the union of the plan's segments reading that region)."""
+
+    remote_rank: int
+    remote_region: str
+    offset: int
+    nbytes: int
+    dense: bool  # the span is the whole page and pages are back to back: NIXL merges its runs
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """One segment's share of a round: staging slots of ``slot_len`` bytes -> local blocks.
+
+    Local block ``local_blocks[i]`` of the segment's local row (``local_address`` +
+    block * ``local_stride``) receives ``nbytes`` bytes from staging offset
+    ``slots[i] * slot_len + delta``.
+    """
+
+    segment: int
+    local_address: int
+    local_stride: int
+    local_blocks: np.ndarray
+    slot_len: int
+    slots: np.ndarray
+    delta: int
+    nbytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.local_blocks.size) * self.nbytes
+
+
+@dataclass(frozen=True)
+class Round:
+    """READs into the staging buffer (staging ids, staged remote ids), then the scatters."""
+
+    reads: tuple[ReadOp, ...]
+    scatters: tuple[Scatter, ...]
+    staged_bytes: int  # bytes the READs of this round move
+
+
+@dataclass(frozen=True)
+class StagedRequest:
+    rounds: tuple[Round, ...]
+    notify_only: tuple[int, ...]
+    consumers: int
+    last_round: Mapping[int, int]  # remote rank -> the round whose READ carries its notification
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for rnd in self.rounds for r in rnd.reads)
+
+    @property
+    def scatter_bytes(self) -> int:
+        return sum(s.total_bytes for rnd in self.rounds for s in rnd.scatters)
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(rnd.staged_bytes for rnd in self.rounds)
+
+
+@dataclass(frozen=True)
+class TransferCosts:
+    """What a READ costs on the machine, for ``auto``: seconds per posted descriptor, NIXL and
+    local-copy bandwidth, and the fixed cost of one scatter call and one staging round.
+
+    Staging trades descriptors for one extra local copy of every byte, so what decides is the
+    descriptor cost against the copy bandwidth. Measured on this project's 2-core VM (UCX
+    ``cma``, docs/performance.md): a descriptor costs ~4-8 us whatever the load, while copy
+    bandwidth falls tenfold when the machine is shared. The executor therefore measures the copy
+    bandwidth where it runs (``nixlkv.staged.measured_costs``); these defaults are a quiet machine.
+    """
+
+    per_descriptor_s: float = 6e-6
+    nixl_bytes_per_s: float = 6e9
+    copy_bytes_per_s: float = 6e9
+    per_scatter_s: float = 20e-6
+    per_round_s: float = 100e-6
+
+    def direct(self, posted: int, nbytes: int) -> float:
+        return posted * self.per_descriptor_s + nbytes / self.nixl_bytes_per_s
+
+    def staged(self, req: StagedRequest, posted: int) -> float:
+        scatters = sum(len(r.scatters) for r in req.rounds)
+        return (
+            posted * self.per_descriptor_s
+            + req.staged_bytes / self.nixl_bytes_per_s
+            + req.scatter_bytes / self.copy_bytes_per_s
+            + scatters * self.per_scatter_s
+            + len(req.rounds) * self.per_round_s
+        )
+
+
+class StagedPlan:
+    """A TransferPlan's READs gathered through a staging buffer of ``staging_bytes``.
+
+    Built once per plan (handshake time). Addresses of the staging rows are offsets from the
+    buffer's start; :meth:`staging_rows` places them at the executor's buffer.
+    """
+
+    def __init__(self, plan: TransferPlan, staging_bytes: int) -> None:
+        if staging_bytes < 1:
+            raise StagingError(f"staging_bytes must be a positive number of bytes, got {staging_bytes}")
+        self.plan = plan
+        self.staging_bytes = int(staging_bytes)
+        segs = plan.segments
+        keys: dict[tuple[int, str], list[int]] = {}
+        for i, s in enumerate(segs):
+            keys.setdefault((s.remote_rank, s.remote_region), []).append(i)
+        spans: list[Span] = []
+        self._seg_span = np.zeros(len(segs), dtype=np.int64)
+        self._seg_delta = np.zeros(len(segs), dtype=np.int64)
+        remote_rows: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        self._span_row_start = np.zeros(len(keys), dtype=np.int64)
+        for j, ((rank, name), idx) in enumerate(keys.items()):
+            lo = min(segs[i].remote_offset for i in idx)
+            hi = max(segs[i].remote_offset + segs[i].nbytes for i in idx)
+            region = plan.remote[rank].region(name)
+            if region is None:  # TransferPlan validated this; kept for a clear message
+                raise StagingError(f"remote rank {rank} has no region {name!r}")
+            dense = lo == 0 and hi == region.page.nbytes == region.block_stride
+            if hi - lo > self.staging_bytes:
+                raise StagingError(
+                    f"staging_bytes={self.staging_bytes} is smaller than one remote page span of "
+                    f"{hi - lo} B (remote rank {rank}, {name!r}); raise staging_bytes or use descriptor_mode 'direct'"
+                )
+            spans.append(Span(rank, name, lo, hi - lo, dense))
+            rows = remote_rows.setdefault(rank, [])
+            self._span_row_start[j] = sum(r[4] for r in rows)
+            rows.append((region.base + lo, hi - lo, plan.remote[rank].device_id, region.block_stride, region.num_blocks))
+            for i in idx:
+                self._seg_span[i] = j
+                self._seg_delta[i] = segs[i].remote_offset - lo
+        self.spans = tuple(spans)
+        self.remote_descs = {p: np.array(r, dtype=np.uint64).reshape(-1, 5) for p, r in remote_rows.items()}
+        self._span_len = np.array([s.nbytes for s in spans], dtype=np.int64)
+        self.slot_lengths = tuple(sorted({s.nbytes for s in spans}))
+        self._len_row_start = {}
+        at = 0
+        for length in self.slot_lengths:
+            self._len_row_start[length] = at
+            at += self.staging_bytes // length
+        self._span_slot_row = np.array([self._len_row_start[s.nbytes] for s in spans], dtype=np.int64)
+        self._max_blocks = max((plan.remote[s.remote_rank].region(s.remote_region).num_blocks for s in spans), default=1)
+        # Local rows: one per segment, in segment order; remote rows: per rank, in segment order.
+        self._local_starts = row_starts(plan.local_descs)
+        self._remote_seg = {p: np.array([i for i, s in enumerate(segs) if s.remote_rank == p], dtype=np.int64) for p in plan.remote_descs}
+        self._remote_starts = {p: row_starts(rows) for p, rows in plan.remote_descs.items()}
+        local_dense = plan.local_descs[:, 1] == plan.local_descs[:, 3]
+        shared = np.bincount(self._seg_span, minlength=len(spans)) > 1 if len(segs) else np.zeros(0, bool)
+        # Staging can merge what direct cannot: a dense remote span that direct reads in slices
+        # or into slices (a local sub-page row, or several segments sharing one remote page).
+        self._shared_spans = bool(shared.any())
+        self._span_rank = np.array([s.remote_rank for s in spans], dtype=np.int64)
+        self._local_addr = plan.local_descs[:, 0].astype(np.int64)
+        self._local_len = plan.local_descs[:, 1].astype(np.int64)
+        self._local_stride = plan.local_descs[:, 3].astype(np.int64)
+        self.can_help = bool(
+            any(s.dense and (shared[j] or not local_dense[self._seg_span == j].all()) for j, s in enumerate(spans))
+        )
+
+    def staging_rows(self, base: int, device_id: int) -> np.ndarray:
+        """One dense row per span length over the whole buffer at ``base``: slot ``k`` of length
+        ``L`` is bytes ``[k * L, (k + 1) * L)``."""
+        rows = [(base, L, device_id, L, self.staging_bytes // L) for L in self.slot_lengths]
+        return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+    # ------------------------------------------------------------------ per request
+    def stage(self, resolved: ResolvedRequest) -> StagedRequest:
+        """The rounds of one request: whole remote pages into staging slots, in the request's order
+        (so consecutive remote blocks sit in consecutive slots and NIXL merges them), each remote
+        page read once, at most ``staging_bytes`` per round."""
+        plan = self.plan
+        parts = []
+        for read in resolved.reads:
+            lids = np.asarray(read.local_ids, dtype=np.int64)
+            rids = np.asarray(read.remote_ids, dtype=np.int64)
+            seg = row_index(plan.local_descs, lids)
+            rrow = row_index(plan.remote_descs[read.remote_rank], rids)
+            if not np.array_equal(self._remote_seg[read.remote_rank][rrow], seg):
+                raise RequestError(f"READ from remote rank {read.remote_rank} pairs ids of different segments")
+            lb = lids - self._local_starts[seg]
+            rb = rids - self._remote_starts[read.remote_rank][rrow]
+            parts.append((seg, lb, rb))
+        if not parts:
+            return StagedRequest((), resolved.notify_only, resolved.consumers, {})
+        seg = np.concatenate([p[0] for p in parts])
+        lb = np.concatenate([p[1] for p in parts])
+        rb = np.concatenate([p[2] for p in parts])
+        span = self._seg_span[seg]
+        if self._shared_spans:  # several segments read one remote page: read it once
+            key = span * self._max_blocks + rb
+            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+            order = np.argsort(first, kind="stable")  # pages in first-use order
+            rank_of = np.empty_like(order)
+            rank_of[order] = np.arange(order.size)
+            page_of_entry = rank_of[inverse.ravel()]
+            first = first[order]
+        else:  # one segment per span: every entry is its own page, already in request order
+            page_of_entry = first = np.arange(seg.size)
+        page_span = span[first]
+        page_rb = rb[first]
+        page_round, page_slot = self._place(page_span)
+        page_len = self._span_len[page_span]
+        page_rank = self._span_rank[page_span]
+        staging_ids = self._span_slot_row[page_span] + page_slot
+        remote_ids = self._span_row_start[page_span] + page_rb
+        entry_round = page_round[page_of_entry]
+        # Entries grouped by (round, segment), request order kept within each group. Without
+        # shared pages they already are: a segment's entries are contiguous, rounds ascend.
+        if self._shared_spans:
+            sort = np.lexsort((seg, entry_round))
+            seg, lb, entry_round, entry_slot = seg[sort], lb[sort], entry_round[sort], page_slot[page_of_entry[sort]]
+        else:
+            entry_slot = page_slot
+        num_rounds = int(page_round[-1]) + 1
+        # Pages run rank-major and rounds ascend, so each (round, rank) READ is one slice.
+        read_cuts = _runs(page_round, page_rank)
+        scatter_cuts = _runs(entry_round, seg)
+        reads: list[list[ReadOp]] = [[] for _ in range(num_rounds)]
+        staged_bytes = [0] * num_rounds
+        last_round: dict[int, int] = {}
+        for a, b in zip(read_cuts[:-1].tolist(), read_cuts[1:].tolist()):
+            r, rank = int(page_round[a]), int(page_rank[a])
+            reads[r].append(ReadOp(rank, staging_ids[a:b], remote_ids[a:b]))
+            staged_bytes[r] += int(page_len[a:b].sum())
+            last_round[rank] = r
+        scatters: list[list[Scatter]] = [[] for _ in range(num_rounds)]
+        for a, b in zip(scatter_cuts[:-1].tolist(), scatter_cuts[1:].tolist()):
+            i = int(seg[a])
+            scatters[int(entry_round[a])].append(
+                Scatter(
+                    segment=i,
+                    local_address=int(self._local_addr[i]),
+                    local_stride=int(self._local_stride[i]),
+                    local_blocks=lb[a:b],
+                    slot_len=int(self._span_len[self._seg_span[i]]),
+                    slots=entry_slot[a:b],
+                    delta=int(self._seg_delta[i]),
+                    nbytes=int(self._local_len[i]),
+                )
+            )
+        rounds = [Round(tuple(reads[r]), tuple(scatters[r]), staged_bytes[r]) for r in range(num_rounds)]
+        return StagedRequest(tuple(rounds), resolved.notify_only, resolved.consumers, last_round)
+
+    def _place(self, page_span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(round, slot) per page, pages in order: each run of equal-length pages continues in the
+        current round at the next slot aligned to its length, spilling into new rounds."""
+        n = page_span.size
+        lengths = self._span_len[page_span]
+        rnd = np.zeros(n, dtype=np.int64)
+        slot = np.zeros(n, dtype=np.int64)
+        cuts = np.concatenate([[0], np.nonzero(np.diff(lengths))[0] + 1, [n]])
+        cur_round, cursor = 0, 0
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            L = int(lengths[a])
+            per_round = self.staging_bytes // L
+            first = -(-cursor // L)
+            if first >= per_round:
+                cur_round, first = cur_round + 1, 0
+            pos = first + np.arange(b - a, dtype=np.int64)
+            rnd[a:b] = cur_round + pos // per_round
+            slot[a:b] = pos % per_round
+            cur_round = int(rnd[b - 1])
+            cursor = int(slot[b - 1] + 1) * L
+        return rnd, slot
+
+    def posted(self, staged: StagedRequest) -> int:
+        """Descriptors NIXL posts for a staged request (after its merge)."""
+        rows = self.staging_rows(0, 0)
+        return sum(
+            descriptors_after_merge(rows, r.local_ids, self.remote_descs[r.remote_rank], r.remote_ids)
+            for rnd in staged.rounds
+            for r in rnd.reads
+        )
+
+
+def _runs(*keys: np.ndarray) -> np.ndarray:
+    """Boundaries of the runs of equal consecutive key tuples: ``[0, ..., n]``."""
+    n = keys[0].size
+    change = np.zeros(max(n - 1, 0), dtype=bool)
+    for k in keys:
+        change |= k[1:] != k[:-1]
+    return np.concatenate([[0], np.flatnonzero(change) + 1, [n]])
+
+
+def posted_direct(plan: TransferPlan, resolved: ResolvedRequest) -> int:
+    """Descriptors NIXL posts for the plan's own READs (after its merge)."""
+    return sum(
+        descriptors_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids)
+        for r in resolved.reads
+    )
+
+
+def request_bytes(plan: TransferPlan, resolved: ResolvedRequest) -> int:
+    lengths = plan.local_descs[:, 1].astype(np.int64)
+    return sum(
+        int(r.nbytes) if getattr(r, "nbytes", None) is not None else int(lengths[row_index(plan.local_descs, r.local_ids)].sum())
+        for r in resolved.reads
+    )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The mode one request runs in, and the figures it was chosen on."""
+
+    mode: str  # direct | staged
+    staged: StagedRequest | None
+    posted_direct: int | None = None
+    posted_staged: int | None = None
+
+
+def choose(
+    mode: str,
+    plan: TransferPlan,
+    staged_plan: StagedPlan | None,
+    resolved: ResolvedRequest,
+    costs: TransferCosts | None = None,
+) -> Choice:
+    """Pick how one request is posted. ``staged`` refuses (StagingError) where no staging plan
+    could be built; ``auto`` stages only where the plan can merge more that way and the measured
+    costs say the extra local copy is cheaper than the descriptors it saves."""
+    check_mode(mode)
+    if mode == "direct" or not resolved.reads:
+        return Choice("direct", None)
+    if staged_plan is None:
+        if mode == "staged":
+            raise StagingError("descriptor_mode 'staged' was asked for, but this plan has no staging buffer")
+        return Choice("direct", None)
+    if mode == "staged":
+        return Choice("staged", staged_plan.stage(resolved))
+    if not staged_plan.can_help:
+        return Choice("direct", None)
+    costs = costs or TransferCosts()
+    nbytes = request_bytes(plan, resolved)
+    if nbytes / costs.copy_bytes_per_s >= resolved.num_descriptors * costs.per_descriptor_s:
+        return Choice("direct", None)  # the copy alone costs more than every descriptor could save
+    staged = staged_plan.stage(resolved)
+    pd, ps = posted_direct(plan, resolved), staged_plan.posted(staged)
+    if costs.staged(staged, ps) < costs.direct(pd, nbytes):
+        return Choice("staged", staged, pd, ps)
+    return Choice("direct", staged, pd, ps)
