@@ -35,7 +35,7 @@ class ConnectorConfig:
     backends: tuple[str, ...] = ("UCX",)
     nixl_num_threads: int = 0
     # descriptor mode of the decode side's READs (see nixlkv/staged.py and docs/performance.md)
-    descriptor_mode: str = "auto"
+    descriptor_mode: str = "direct"  # measured best here (docs/performance.md, "Descriptor modes")
     staging_bytes: int = 64 << 20
     # side channel
     side_channel_host: str = "localhost"
