@@ -346,18 +346,9 @@ class Reader:
         self.rounds_posted += 1
 
     def _handles_done(self, handles: list[object]) -> bool:
-        done = True
-        for h in handles:
-            try:
-                state = self.nixl.agent.check_xfer_state(h)
-            except Exception as exc:  # nixl raises for a transfer whose peer went away
-                self._release_handles(handles)
-                raise TransferError(f"checking a staged READ failed: {type(exc).__name__}: {exc}") from exc
-            if state == "ERR":
-                self._release_handles(handles)
-                raise TransferError("a staged NIXL READ ended in error; nothing of its round was scattered")
-            done = done and state == "DONE"
-        return done
+        release = lambda: self._release_handles(handles)  # noqa: E731
+        states = [self.nixl.state(h, release, "a staged NIXL READ", "; nothing of its round was scattered") for h in handles]
+        return all(s == "DONE" for s in states)
 
     def _release_handles(self, handles: list[object]) -> None:
         for h in handles:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .core.errors import NixlkvError
@@ -137,15 +137,7 @@ class NixlRank:
         deadline = time.perf_counter() + timeout
         pending = list(flight.handles)
         while pending:
-            still = []
-            for handle in pending:
-                state = self.agent.check_xfer_state(handle)
-                if state == "ERR":
-                    self.release(flight)
-                    raise TransferError("a NIXL READ ended in error")
-                if state != "DONE":
-                    still.append(handle)
-            pending = still
+            pending = [h for h in pending if self.state(h, lambda: self.release(flight), "a NIXL READ") != "DONE"]
             if pending and time.perf_counter() > deadline:
                 self.release(flight)
                 raise TransferError(f"READs not done after {timeout} s")
@@ -158,22 +150,24 @@ class NixlRank:
     def poll(self, flight: InFlight) -> bool:
         """Non-blocking: True once every READ of ``flight`` is done (handles released then).
         Raises TransferError (handles released) when one ended in error."""
-        pending = []
-        for handle in flight.handles:
-            try:
-                state = self.agent.check_xfer_state(handle)
-            except Exception as exc:  # nixl raises for a transfer whose peer went away
-                self.release(flight)
-                raise TransferError(f"checking a NIXL READ failed: {type(exc).__name__}: {exc}") from exc
-            if state == "ERR":
-                self.release(flight)
-                raise TransferError("a NIXL READ ended in error")
-            if state != "DONE":
-                pending.append(handle)
+        pending = [h for h in flight.handles if self.state(h, lambda: self.release(flight), "a NIXL READ") != "DONE"]
         if pending:
             return False
         self.release(flight)
         return True
+
+    def state(self, handle: object, release: Callable[[], None], what: str, after: str = "") -> str:
+        """NIXL's state of one transfer; for an error, or a peer that went away, ``release`` runs
+        and TransferError names ``what`` (and ``after``, what it means for the request)."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as exc:  # nixl raises for a transfer whose peer went away
+            release()
+            raise TransferError(f"checking {what} failed: {type(exc).__name__}: {exc}{after}") from exc
+        if state == "ERR":
+            release()
+            raise TransferError(f"{what} ended in error{after}")
+        return state
 
     def release(self, flight: InFlight) -> None:
         for handle in flight.handles:

@@ -26,6 +26,22 @@ import numpy as np
 from .shapes import Shape
 
 
+def _decode_topology(planner: object, is_mla: bool, is_mamba: bool) -> object:
+    """vLLM's TransferTopology of the measured decode rank (what its worker builds at start-up)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+
+    return TransferTopology(
+        tp_rank=planner.d_rank,
+        tp_size=planner.d_tp,
+        block_size=planner.shape.block_size,
+        engine_id="decode",
+        is_mla=is_mla,
+        is_mamba=is_mamba,
+        total_num_kv_heads=planner.shape.total_kv_heads(),
+        attn_backends=[],
+    )
+
+
 def _worker_class() -> type:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
@@ -71,22 +87,11 @@ class VllmPlanner:
         self.remote_rows: dict[int, np.ndarray] = {}
 
     def _stand_in(self) -> types.SimpleNamespace:
-        from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
-
         W = _worker_class()
         local_page = self.shape.page(self.d_tp).nbytes
         spec_type = type(self.shape.spec(self.d_tp))
         ns = types.SimpleNamespace(
-            transfer_topo=TransferTopology(
-                tp_rank=self.d_rank,
-                tp_size=self.d_tp,
-                block_size=self.shape.block_size,
-                engine_id="decode",
-                is_mla=self.shape.is_mla,
-                is_mamba=False,
-                total_num_kv_heads=self.shape.total_kv_heads(),
-                attn_backends=[],
-            ),
+            transfer_topo=_decode_topology(self, is_mla=self.shape.is_mla, is_mamba=False),
             # attention only, one KV group, no layer-name routing, no mamba, no padding
             _has_mamba=False,
             _conv_decomp=None,
@@ -249,7 +254,6 @@ class HybridVllmPlanner(VllmPlanner):
         super().__init__(shape, p_tp, d_tp, d_rank, num_blocks, local, remote, num_layers=len(self.local_regions))
 
     def _stand_in(self) -> types.SimpleNamespace:
-        from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
         from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
 
         from ..testing.kinds import _conv_layout
@@ -262,16 +266,7 @@ class HybridVllmPlanner(VllmPlanner):
             self.remote_ssm_sizes = derive_mamba_conv_split(self.remote_layout.mamba_spec, self.p_tp).ssm_sizes
         group_ids = [r.group for r in regions]
         ns = types.SimpleNamespace(
-            transfer_topo=TransferTopology(
-                tp_rank=self.d_rank,
-                tp_size=self.d_tp,
-                block_size=self.shape.block_size,
-                engine_id="decode",
-                is_mla=False,
-                is_mamba=True,
-                total_num_kv_heads=self.shape.total_kv_heads(),
-                attn_backends=[],
-            ),
+            transfer_topo=_decode_topology(self, is_mla=False, is_mamba=True),
             tp_rank=self.d_rank,
             _has_mamba=True,
             _conv_decomp=conv,
