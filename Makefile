@@ -33,7 +33,7 @@ rehearse: venv
 # nixlkv against vLLM 0.33's own NixlConnector over every scenario (slow: ~15 s per scenario on
 # 2 cores). Regenerates the table in docs/comparison.md (see there); CI runs a smoke subset only.
 compare: venv
-	$(BIN)/nixlkv compare --scenarios tests/scenarios --markdown docs/comparison-table.md --json > docs/comparison.json
+	$(BIN)/nixlkv compare --scenarios tests/scenarios --markdown docs/comparison-table.md --json-out docs/comparison.json
 
 # nixlkv against vLLM 0.33's own planner (docs/performance.md). Timings: ratios within one run.
 bench-quick: venv

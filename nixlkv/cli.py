@@ -187,10 +187,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     rows = compare(scenario_files(args.scenarios), timeout=args.timeout, progress=progress)
     table = markdown(rows)
+    result = json.dumps({"summary": summary(rows), "rows": rows}, indent=2)
     if args.markdown:
         Path(args.markdown).write_text(table)
+    if args.json_out:
+        Path(args.json_out).write_text(result + "\n")
     if args.json:
-        print(json.dumps({"summary": summary(rows), "rows": rows}, indent=2))
+        print(result)
     else:
         print(table)
         print(json.dumps(summary(rows)))
@@ -248,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenarios", required=True, help="directory of scenario files (YAML or JSON)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the Markdown table")
     p.add_argument("--markdown", metavar="PATH", help="also write the Markdown table to PATH")
+    p.add_argument("--json-out", metavar="PATH", help="also write the JSON (summary and rows) to PATH; nothing else "
+                   "writes there, unlike stdout")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per vLLM scenario before it counts as a hang")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("bench", help="nixlkv against vLLM 0.33's own planner: planning time, descriptors, NIXL GB/s")

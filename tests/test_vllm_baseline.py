@@ -107,3 +107,40 @@ def test_cli_rehearse_baseline_vllm(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["rehearse", "--baseline", "vllm", "--scenario", str(path), "--json", "--timeout", "90"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["outcome"] == "byte-exact" and result["descriptors"] > 0 and result["notes"] == []
+
+
+def test_engine_processes_keep_stdout_clean_for_json() -> None:
+    """UCX in vLLM's engine processes logs errors to file descriptor 1: it must reach stderr,
+    never the parent's stdout, or `nixlkv compare --json` stops being JSON."""
+    import subprocess
+    import sys
+
+    code = ("import os; from nixlkv.testing.vllm_baseline import _stdout_to_stderr; _stdout_to_stderr(); "
+            "os.write(1, b'UCX ERROR from C\\n'); print('print from Python')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout == ""
+    assert "UCX ERROR from C" in out.stderr and "print from Python" in out.stderr
+
+
+def test_unshardable_model_is_not_run_not_a_harness_error() -> None:
+    """6 KV heads over TP 4: no such cache exists (vLLM's QKVParallelLinear refuses it too)."""
+    result = run_baseline(load(SCENARIOS / "fa-reject-heads-unshardable.yaml"))
+    assert result.outcome == "not-run", result.message
+    assert "num_kv_heads=6 cannot be sharded over tp=4" in result.message
+
+
+def test_cli_compare_json_out_is_only_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from nixlkv.cli import main
+
+    row = {"scenario": "a", "pairing": "P1->D1", "expect": "ok", "agree": True,
+           "nixlkv": {"outcome": "byte-exact", "message": "", "transfer_s": 0.01, "descriptors": 4},
+           "vllm": {"outcome": "byte-exact", "message": "", "first_request_s": 0.1, "steady_state_s": 0.02,
+                    "descriptors": 8, "notes": []}}
+    monkeypatch.setattr(comparison, "compare", lambda files, timeout, progress=None: [row])
+    out, table = tmp_path / "c.json", tmp_path / "c.md"
+    assert main(["compare", "--scenarios", str(SCENARIOS), "--json-out", str(out), "--markdown", str(table)]) == 0
+    written = json.loads(out.read_text())
+    assert written == {"summary": {"vllm byte-exact": 1, "disagreements": 0}, "rows": [row]}
+    printed = capsys.readouterr().out
+    assert "| a | P1->D1 | ok | byte-exact | byte-exact | yes |" in printed and table.read_text() in printed

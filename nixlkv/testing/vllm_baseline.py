@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from ..core.errors import NixlkvError
+from ..core.errors import IncompatibleTopology, NixlkvError
 from . import oracle
 from .scenario import Scenario, Side
 
@@ -275,6 +276,13 @@ def _context():
     return _CTX
 
 
+def _stdout_to_stderr() -> None:
+    """An engine process's stdout (file descriptor 1, where UCX logs its errors) goes to stderr:
+    stdout belongs to the parent, whose ``--json`` output must stay parseable."""
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+
 def _environment() -> None:
     for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "NIXL_LOG_LEVEL": "WARN",
                        "VLLM_LOGGING_LEVEL": "WARNING"}.items():
@@ -320,10 +328,14 @@ def _capture_logs() -> _LogCapture:
 
 def _vllm_failure(exc: BaseException, logs: _LogCapture) -> dict[str, Any]:
     """An exception while vLLM set up or ran: 'rejected' when vLLM's own code raised it, 'not-run'
-    when it was vLLM's CPU platform (a GPU deployment would get past it), else a harness error."""
+    when it was vLLM's CPU platform (a GPU deployment would get past it) or when the scenario's
+    model cannot be sharded at its TP (no cache exists to move), else a harness error."""
     frames = traceback.extract_tb(exc.__traceback__)
     last = frames[-1].filename if frames else ""
     text = _describe(exc)
+    if isinstance(exc, IncompatibleTopology):
+        return {"outcome": "not-run", "error": f"no such cache to move: the model cannot be sharded at this TP, "
+                f"so vLLM cannot build it either: {text}"}
     if last.endswith(os.path.join("vllm", "platforms", "cpu.py")):
         return {"outcome": "not-run", "error": f"vLLM's CPU platform refuses this set-up: {text}"}
     in_vllm = f"{os.sep}vllm{os.sep}" in last and "nixlkv" not in last
@@ -486,6 +498,7 @@ def _free_port() -> int:
 
 
 def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
+    _stdout_to_stderr()
     _environment()
     logs = _capture_logs()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())  # read when the scheduler is built
@@ -557,6 +570,7 @@ def _flip_one_request_byte(engine: _Engine) -> None:
 
 
 def _decode_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
+    _stdout_to_stderr()
     _environment()
     logs = _capture_logs()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
