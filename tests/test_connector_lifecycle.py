@@ -79,3 +79,30 @@ def test_lease_expiry_frees_unread_blocks() -> None:
         assert total == 1
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("broken", [
+    {"remote_port": "not-a-port"},
+    {"remote_block_ids": None},
+    {"remote_num_tokens": -3},
+    {"remote_generation": 7},
+])
+def test_invalid_kv_transfer_params_prefill_locally_instead_of_waiting_forever(broken: dict, caplog) -> None:
+    """Params no worker could read from must not be claimed as an asynchronous load (nothing would
+    ever report it): the decode engine computes the prompt itself, says why, and leaks nothing."""
+    d = PDEngine(PDCase(), "decode", "D", SIDE)
+    try:
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+                  "remote_engine_id": "P", "remote_request_id": "bad", "remote_host": "127.0.0.1",
+                  "remote_port": 5999, "tp_size": 1, **broken}
+        with caplog.at_level("WARNING", logger="nixlkv.connector"):
+            d.add("bad", prompt(4, 40), 2, params)
+            deadline = time.monotonic() + 30
+            while "bad" not in d.outputs and time.monotonic() < deadline:
+                d.step()
+        assert "bad" in d.outputs, "the request waited for a load nobody would report"
+        assert not d.finished_recving and not d.failed_recving
+        assert any("prefills bad locally" in r.getMessage() for r in caplog.records)
+        clean(d)
+    finally:
+        d.close()

@@ -75,6 +75,13 @@ class NixlkvScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
+            try:  # claim remote tokens only for a request a worker can read (or fail) later
+                recv_from_params(params, (), report=False)
+            except (ValueError, TypeError) as exc:
+                logger.warning("nixlkv prefills %s locally: invalid kv_transfer_params: %s", request.request_id, exc)
+                params["do_remote_prefill"] = False
+                self._awaiting.pop(request.request_id, None)
+                return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
