@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .core.errors import NixlkvError
-from .core.plan import ResolvedRequest, TransferPlan, expand_ids
+from .core.plan import ResolvedRequest, TransferPlan
 
 NOTIF_PREFIX = "nixlkv"
 
@@ -117,10 +117,7 @@ class NixlRank:
                 if state == "ERR":
                     raise TransferError(f"NIXL refused the READ from remote rank {read.remote_rank}")
                 flight.descriptors += read.num_descriptors
-                flight.nbytes += (
-                    read.nbytes if read.nbytes is not None
-                    else int(expand_ids(prepared.plan.local_descs, read.local_ids)[1].sum())
-                )
+                flight.nbytes += prepared.plan.read_bytes(read)
         except TransferError:
             self.release(flight)
             raise

@@ -297,6 +297,12 @@ class TransferPlan:
             phase = None
         return lp.astype(self._id_dtype, copy=False), rp.astype(self._id_dtype, copy=False), phase
 
+    def read_bytes(self, read: ReadOp) -> int:
+        """Bytes one READ moves: what the planner recorded, else summed over its local descriptors."""
+        if read.nbytes is not None:
+            return int(read.nbytes)
+        return int(self.local_descs[row_index(self.local_descs, read.local_ids), 1].astype(np.int64).sum())
+
     def byte_moves(self, resolved: ResolvedRequest) -> list[tuple[int, int, int, int]]:
         """``(local_address, remote_rank, remote_address, nbytes)`` for every descriptor of a
         resolved request: what ``explain`` prints and what tests check against the physics."""
@@ -362,9 +368,23 @@ def _check_bounds(ids: np.ndarray, limit: int, what: str) -> None:
         raise RequestError(f"{what}: block id {int(bad)} outside [0, {limit})")
 
 
+def row_starts(rows: np.ndarray) -> np.ndarray:
+    """First descriptor ID of each strided row ``(addr, len, dev, stride, count)``, plus the total."""
+    return np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
+
+
+def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which strided row each descriptor ID falls in (ValueError for an ID outside the list)."""
+    starts = row_starts(rows)
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
+        raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
+    return np.searchsorted(starts, ids, side="right") - 1
+
+
 def expand_ids(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(addresses, lengths) of descriptor IDs in a list of strided rows ``(addr, len, dev, stride, count)``."""
-    starts = np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
+    starts = row_starts(rows)
     row = np.searchsorted(starts, ids, side="right") - 1
     block = ids - starts[row]
     addr = rows[row, 0].astype(np.int64) + block * rows[row, 3].astype(np.int64)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import NixlkvError, RequestError
-from .plan import ReadOp, ResolvedRequest, TransferPlan
+from .plan import ReadOp, ResolvedRequest, TransferPlan, row_index, row_starts
 
 DESCRIPTOR_MODES = ("auto", "direct", "staged")
 
@@ -65,19 +65,6 @@ def descriptors_after_merge(
         & rdense[1:]
     )
     return int(lids.size - joins.sum())
-
-
-def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Which strided row ``(addr, len, dev, stride, count)`` each descriptor id falls in."""
-    starts = row_starts(rows)
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
-        raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
-    return np.searchsorted(starts, ids, side="right") - 1
-
-
-def row_starts(rows: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
 
 
 @dataclass(frozen=True)
@@ -378,11 +365,7 @@ def posted_direct(plan: TransferPlan, resolved: ResolvedRequest) -> int:
 
 
 def request_bytes(plan: TransferPlan, resolved: ResolvedRequest) -> int:
-    lengths = plan.local_descs[:, 1].astype(np.int64)
-    return sum(
-        int(r.nbytes) if getattr(r, "nbytes", None) is not None else int(lengths[row_index(plan.local_descs, r.local_ids)].sum())
-        for r in resolved.reads
-    )
+    return sum(plan.read_bytes(r) for r in resolved.reads)
 
 
 @dataclass(frozen=True)
