@@ -14,7 +14,7 @@ import torch
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
 from ..core.plan import expand_ids
-from ..core.staging import StagedPlan, StagingError, TransferCosts, choose
+from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import run_transfer
 from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
@@ -93,9 +93,7 @@ def plan_case(
     t_ours, t_vllm = interleaved(
         [lambda: plan.resolve(d_groups, p_groups, case.num_tokens, scratch=scratch), lambda: vllm.desc_ids(d_groups, p_groups)], reps
     )
-    merged_direct = sum(
-        posted_after_merge(plan.local_descs, r.local_ids, plan.remote_descs[r.remote_rank], r.remote_ids) for r in resolved.reads
-    )
+    merged_direct = posted_direct(plan, resolved)
     # What the connector's default (descriptor_mode auto, default staging buffer) posts.
     try:
         staged_plan = StagedPlan(plan, DEFAULT_STAGING_BYTES // 2)
@@ -217,6 +215,48 @@ def _find(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None
     return None
 
 
+# Headline key -> the planning row's key it is taken from, per headline case (Llama-8B-like, 8k).
+HETERO_KEYS = {  # P4->D2, contiguous
+    "plan_time_ratio_vs_vllm": "plan_time_ratio",
+    "plan_us_ours_p50": "plan_us_ours_p50",
+    "plan_us_ours_p99": "plan_us_ours_p99",
+    "plan_us_vllm_p50": "plan_us_vllm_p50",
+    "plan_us_vllm_p99": "plan_us_vllm_p99",
+    "descs_ratio_vs_vllm_hetero": "descs_ratio",
+    "descriptor_mode_hetero": "descriptor_mode_ours",
+    "descs_posted_direct_hetero": "descs_posted_ours_direct",
+    "choose_us_hetero_p50": "choose_us_ours_p50",
+    "descs_posted_ours_hetero": "descs_posted_ours",
+    "descs_posted_vllm_hetero": "descs_posted_vllm",
+    "registered_ours_hetero": "registered_ours",
+    "registered_vllm_hetero": "registered_vllm",
+    "handshake_ratio_vs_vllm_hetero": "handshake_ratio",
+    "handshake_ms_ours_hetero": "handshake_ms_ours",
+    "handshake_ms_vllm_hetero": "handshake_ms_vllm",
+}
+FRAGMENTED_KEYS = {  # P4->D2, fragmented
+    "descs_ratio_vs_vllm_fragmented": "descs_ratio",
+    "descriptor_mode_fragmented": "descriptor_mode_ours",
+    "descs_posted_ours_fragmented": "descs_posted_ours",
+    "descs_posted_vllm_fragmented": "descs_posted_vllm",
+    "plan_time_ratio_vs_vllm_fragmented": "plan_time_ratio",
+}
+TRANSFER_KEYS = {  # per real transfer (P1->D1, and P4->D2 with the suffix _hetero)
+    "nixl_vs_memcpy": "ours_vs_memcpy",
+    "transfer_mode": "descriptor_mode",
+    "nixl_direct_vs_memcpy": "ours_direct_vs_memcpy",
+    "nixl_staged_vs_memcpy": "ours_staged_vs_memcpy",
+    "nixl_gbps": "ours_gbps",
+    "memcpy_gbps": "memcpy_gbps",
+    "vllm_style_nixl_vs_memcpy": "vllm_vs_memcpy",
+    "transfer_bytes": "bytes",
+}
+EQUAL_TP_KEYS = {  # P1->D1, contiguous
+    "plan_time_ratio_vs_vllm_equal_tp": "plan_time_ratio",
+    "descs_ratio_vs_vllm_equal_tp": "descs_ratio",
+}
+
+
 def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The headline keys the issue asks for, with the absolute figures they came from."""
     out: dict[str, Any] = {}
@@ -224,44 +264,15 @@ def summary(rows: Sequence[dict[str, Any]], transfers: Sequence[dict[str, Any]])
     hetero = _find(rows, **base, p_tp=4, d_tp=2, pattern="contiguous")
     frag = _find(rows, **base, p_tp=4, d_tp=2, pattern="fragmented")
     equal = _find(rows, **base, p_tp=1, d_tp=1, pattern="contiguous")
+    for row, keys in ((hetero, HETERO_KEYS), (frag, FRAGMENTED_KEYS), (equal, EQUAL_TP_KEYS)):
+        if row:
+            out.update({headline: row[key] for headline, key in keys.items()})
     if hetero:
-        out["plan_time_ratio_vs_vllm"] = hetero["plan_time_ratio"]
-        out["plan_us_ours_p50"] = hetero["plan_us_ours_p50"]
-        out["plan_us_ours_p99"] = hetero["plan_us_ours_p99"]
-        out["plan_us_vllm_p50"] = hetero["plan_us_vllm_p50"]
-        out["plan_us_vllm_p99"] = hetero["plan_us_vllm_p99"]
-        out["descs_ratio_vs_vllm_hetero"] = hetero["descs_ratio"]
-        out["descriptor_mode_hetero"] = hetero["descriptor_mode_ours"]
         out["descs_ratio_vs_vllm_hetero_staged"] = hetero["descs_posted_ours_staged"] / hetero["descs_posted_vllm"]
-        out["descs_posted_direct_hetero"] = hetero["descs_posted_ours_direct"]
-        out["choose_us_hetero_p50"] = hetero["choose_us_ours_p50"]
-        out["descs_posted_ours_hetero"] = hetero["descs_posted_ours"]
-        out["descs_posted_vllm_hetero"] = hetero["descs_posted_vllm"]
-        out["registered_ours_hetero"] = hetero["registered_ours"]
-        out["registered_vllm_hetero"] = hetero["registered_vllm"]
-        out["handshake_ratio_vs_vllm_hetero"] = hetero["handshake_ratio"]
-        out["handshake_ms_ours_hetero"] = hetero["handshake_ms_ours"]
-        out["handshake_ms_vllm_hetero"] = hetero["handshake_ms_vllm"]
-    if frag:
-        out["descs_ratio_vs_vllm_fragmented"] = frag["descs_ratio"]
-        out["descriptor_mode_fragmented"] = frag["descriptor_mode_ours"]
-        out["descs_posted_ours_fragmented"] = frag["descs_posted_ours"]
-        out["descs_posted_vllm_fragmented"] = frag["descs_posted_vllm"]
-        out["plan_time_ratio_vs_vllm_fragmented"] = frag["plan_time_ratio"]
-    if equal:
-        out["plan_time_ratio_vs_vllm_equal_tp"] = equal["plan_time_ratio"]
-        out["descs_ratio_vs_vllm_equal_tp"] = equal["descs_ratio"]
     for key, label in (("", "P1->D1"), ("_hetero", "P4->D2")):
         t = next((x for x in transfers if label in x["label"]), None)
         if t:
-            out[f"nixl_vs_memcpy{key}"] = t["ours_vs_memcpy"]
-            out[f"transfer_mode{key}"] = t["descriptor_mode"]
-            out[f"nixl_direct_vs_memcpy{key}"] = t["ours_direct_vs_memcpy"]
-            out[f"nixl_staged_vs_memcpy{key}"] = t["ours_staged_vs_memcpy"]
-            out[f"nixl_gbps{key}"] = t["ours_gbps"]
-            out[f"memcpy_gbps{key}"] = t["memcpy_gbps"]
-            out[f"vllm_style_nixl_vs_memcpy{key}"] = t["vllm_vs_memcpy"]
-            out[f"transfer_bytes{key}"] = t["bytes"]
+            out.update({f"{headline}{key}": t[field] for headline, field in TRANSFER_KEYS.items()})
             out[f"transfer_layers{key}"] = f"{t['layers']} of {t['model_layers']}"
             out[f"merge_count_checked{key}"] = (
                 t["descs_posted_ours_nixl"] == t["descs_posted_ours_computed"]
