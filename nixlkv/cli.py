@@ -208,7 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     out = run(quick=args.quick, with_transfers=not args.no_transfer, transfer_reps=args.transfer_reps, progress=progress,
-              shape=args.shape)
+              shape=args.shape, progress_delay_us=args.progress_delay_us)
     if args.markdown:
         Path(args.markdown).write_text(markdown(out))
     if args.plot:
@@ -260,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object (headline keys first)")
     p.add_argument("--no-transfer", action="store_true", help="planning only: no NIXL transfers, no memcpy")
     p.add_argument("--transfer-reps", type=int, help="repetitions per real transfer (default 5 quick, 9 full)")
+    p.add_argument("--progress-delay-us", type=int, default=1000,
+                   help="pause of every NIXL agent's progress thread between polls, in the real transfers "
+                        "(default 1000; 0: NIXL's busy poll, a core per agent)")
     p.add_argument("--shape", help="planning cases of this shape only (e.g. nemotron-h-8b-like); headline keys may be absent")
     p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .agent import make_agent
 from .core.errors import NixlkvError
 from .core.plan import ResolvedRequest, TransferPlan
 
@@ -73,14 +74,12 @@ class NixlRank:
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
         capture_telemetry: bool = False,
+        progress_delay_us: int = 0,
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
         self.mem_type = mem_type
         self.capture_telemetry = capture_telemetry
-        config = nixl_agent_config(backends=list(backends), num_threads=num_threads, capture_telemetry=capture_telemetry)
-        self.agent = nixl_agent(self.name, config)
+        self.agent = make_agent(self.name, backends, num_threads, capture_telemetry, progress_delay_us)
         regs = [(int(a), int(n), device_id, "") for a, n in memory]
         self._reg = self.agent.register_memory(regs, mem_type)
         self._prepped: list[object] = []

@@ -22,6 +22,7 @@ def test_all_keys_parse() -> None:
         "allowed_plugins": ["nixlkv_example_plugin"],
         "backends": ["UCX"],
         "nixl_num_threads": 4,
+        "nixl_progress_delay_us": 1000,
         "side_channel_host": "0.0.0.0",
         "side_channel_port": 6000,
         "handshake_timeout_s": 2,
@@ -34,6 +35,7 @@ def test_all_keys_parse() -> None:
         "staging_bytes": 8 << 20,
     }, env={})
     assert c.descriptor_mode == "staged" and c.staging_bytes == 8 << 20
+    assert c.nixl_progress_delay_us == 1000 and ConnectorConfig.parse({}, env={}).nixl_progress_delay_us == 0
     assert c.pin_strategies == {"FullAttentionSpec": "full_attention"}
     assert c.disable_strategies == ("sliding_window",) and c.allowed_plugins == ("nixlkv_example_plugin",)
     assert c.handshake_timeout_s == 2.0 and c.lease_s == 60.0 and not c.enforce_compat_hash
@@ -63,6 +65,8 @@ def test_unknown_key_lists_known_keys() -> None:
     ("heartbeat_interval_s", None),
     ("transfer_timeout_s", "5"),
     ("nixl_num_threads", -1),
+    ("nixl_progress_delay_us", -5),
+    ("nixl_progress_delay_us", 0.5),
     ("max_handshake_bytes", 10),
     ("enforce_compat_hash", "yes"),
     ("side_channel_host", ""),

@@ -115,6 +115,7 @@ def run_transfer(
     descriptor_mode: str = "auto",
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     costs: TransferCosts | None = None,
+    progress_delay_us: int = 0,
 ) -> TransferResult:
     """Move one request of ``case`` into decode rank ``case.d_rank``, ``reps`` times each way:
     nixlkv in ``descriptor_mode`` (READs plus, when staged, the local scatter), nixlkv direct,
@@ -149,8 +150,8 @@ def run_transfer(
     if v_bytes != nbytes:
         raise TransferError(f"{case.label}: nixlkv moves {nbytes} bytes but vLLM's descriptors move {v_bytes}")
 
-    d_nixl = NixlRank("bench-D", [(d_buf.ctypes.data, d_buf.nbytes)], capture_telemetry=True)
-    p_nixl = {r: NixlRank(f"bench-P{r}", [(b.ctypes.data, b.nbytes)]) for r, b in p_bufs.items()}
+    d_nixl = NixlRank("bench-D", [(d_buf.ctypes.data, d_buf.nbytes)], capture_telemetry=True, progress_delay_us=progress_delay_us)
+    p_nixl = {r: NixlRank(f"bench-P{r}", [(b.ctypes.data, b.nbytes)], progress_delay_us=progress_delay_us) for r, b in p_bufs.items()}
     src, dst = _buffer(nbytes, fill=7), _buffer(nbytes, None)
     reader = None
     readers: list[Reader] = []

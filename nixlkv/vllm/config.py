@@ -34,6 +34,9 @@ class ConnectorConfig:
     # NIXL
     backends: tuple[str, ...] = ("UCX",)
     nixl_num_threads: int = 0
+    # pause of each NIXL agent's progress thread between polls; 0: NIXL's busy poll (a core per
+    # agent). On CPU-only P/D with few cores a pause doubles transfer speed (docs/performance.md)
+    nixl_progress_delay_us: int = 0
     # descriptor mode of the decode side's READs (see nixlkv/staged.py and docs/performance.md)
     descriptor_mode: str = "direct"  # measured best here (docs/performance.md, "Descriptor modes")
     staging_bytes: int = 64 << 20
@@ -111,7 +114,7 @@ class ConnectorConfig:
                     f"measured costs), got {value!r}"
                 )
             out["descriptor_mode"] = value
-        for key, lo in (("nixl_num_threads", 0), ("max_handshake_bytes", 1024), ("staging_bytes", MIN_STAGING_BYTES)):
+        for key, lo in (("nixl_num_threads", 0), ("nixl_progress_delay_us", 0), ("max_handshake_bytes", 1024), ("staging_bytes", MIN_STAGING_BYTES)):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:

@@ -121,6 +121,7 @@ class NixlkvWorker:
             memory,
             backends=self.config.backends,
             num_threads=self.config.nixl_num_threads,
+            progress_delay_us=self.config.nixl_progress_delay_us,
         )
         self.reader = Reader(
             self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
