@@ -79,18 +79,20 @@ class IdScratch:
 
     def take(self, n: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
         """Two arrays of ``n`` IDs (local, remote) that stay valid until :meth:`reset`."""
-        return self._take(n, np.dtype(dtype))
+        both = self.take_one(2 * n, dtype)
+        return both[:n], both[n:]
 
-    def _take(self, n: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-        need = 2 * n
+    def take_one(self, n: int, dtype: Any) -> np.ndarray:
+        """One array of ``n`` IDs that stays valid until :meth:`reset`."""
+        dtype = np.dtype(dtype)
         buf = self._buf.setdefault(dtype, np.empty(0, dtype))
         at = self._at.get(dtype, 0)
-        if at + need > buf.size:
+        if at + n > buf.size:
             # earlier views keep the old buffer alive; this request continues in a new one
-            self._buf[dtype] = buf = np.empty(max(need, 2 * buf.size), dtype)
+            self._buf[dtype] = buf = np.empty(max(n, 2 * buf.size), dtype)
             at = 0
-        self._at[dtype] = at + need
-        return buf[at : at + n], buf[at + n : at + need]
+        self._at[dtype] = at + n
+        return buf[at : at + n]
 
 
 class TransferPlan:
@@ -220,6 +222,14 @@ class TransferPlan:
                         entries.append((key, phase, self._local_start[idx].astype(self._id_dtype),
                                         self._remote_start[idx].astype(self._id_dtype), int(seg_bytes[idx].sum())))
             self._rank_keys[p] = entries
+        # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
+        # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
+        self._remote_twin: dict[int, int] = {}
+        for i, p in enumerate(self.read_ranks):
+            for q in self.read_ranks[:i]:
+                if q not in self._remote_twin and _same_remote_rows(self._rank_keys[p], self._rank_keys[q]):
+                    self._remote_twin[p] = q
+                    break
 
     # ---------------------------------------------------------------- per request
     def resolve(
@@ -240,14 +250,17 @@ class TransferPlan:
             scratch.reset()
         pairs = [self._pair(pairing, local_block_ids, remote_block_ids, num_tokens) for pairing in self.pairings]
         reads = []
+        remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
+        dtype = self._id_dtype
         for p in self.read_ranks:
             jobs = []
             total = nbytes = 0
             for key, ph, lstarts, rstarts, block_bytes in self._rank_keys[p]:
                 lp, rp, phase = pairs[key]
-                if phase is None and ph != 0:
-                    continue  # every pair is in phase 0
-                if phase is not None:
+                if phase is None:
+                    if ph != 0:
+                        continue  # every pair is in phase 0
+                else:
                     in_phase = phase == ph
                     lp, rp = lp[in_phase], rp[in_phase]
                 if lp.size:
@@ -256,18 +269,17 @@ class TransferPlan:
                     nbytes += block_bytes * lp.size
             if not total:
                 continue
-            if scratch is None:
-                local_ids = np.empty(total, dtype=self._id_dtype)
-                remote_ids = np.empty(total, dtype=self._id_dtype)
-            else:
-                local_ids, remote_ids = scratch.take(total, self._id_dtype)
+            twin = remote_of.get(self._remote_twin.get(p, -1))
+            local_ids = np.empty(total, dtype) if scratch is None else scratch.take_one(total, dtype)
+            remote_ids = twin if twin is not None else (np.empty(total, dtype) if scratch is None else scratch.take_one(total, dtype))
             at = 0
             for lstarts, rstarts, lp, rp in jobs:
-                shape = (lstarts.size, lp.size)
                 end = at + lstarts.size * lp.size
-                np.add(lstarts[:, None], lp[None, :], out=local_ids[at:end].reshape(shape))
-                np.add(rstarts[:, None], rp[None, :], out=remote_ids[at:end].reshape(shape))
+                np.add(lstarts[:, None], lp, out=local_ids[at:end].reshape(lstarts.size, lp.size))
+                if twin is None:
+                    np.add(rstarts[:, None], rp, out=remote_ids[at:end].reshape(rstarts.size, rp.size))
                 at = end
+            remote_of[p] = remote_ids
             reads.append(ReadOp(p, local_ids, remote_ids, nbytes))
         read = {r.remote_rank for r in reads}
         return ResolvedRequest(
@@ -339,6 +351,13 @@ class TransferPlan:
                 **{f"remote_rank_{p}": int(d[:, 4].sum()) for p, d in self.remote_descs.items()},
             },
         }
+
+
+def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
+    """Two ranks' resolve entries name the same (pairing, phase, remote row starts) in order."""
+    return len(a) == len(b) and all(
+        x[0] == y[0] and x[1] == y[1] and np.array_equal(x[3], y[3]) for x, y in zip(a, b)
+    )
 
 
 def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np.ndarray:

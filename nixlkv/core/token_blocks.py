@@ -47,14 +47,7 @@ def pair_by_tokens(
     tokens the remote list does not hold are left alone.
     """
     if local_tokens == remote_tokens:
-        if len(local_ids) > len(remote_ids):
-            if strict:
-                raise RequestError(
-                    f"block count mismatch: {len(local_ids)} local blocks to fill but the remote engine "
-                    f"sent only {len(remote_ids)} block ids; the remote must send at least as many"
-                )
-            local_ids = local_ids[len(local_ids) - len(remote_ids) :]
-        remote = remote_ids[len(remote_ids) - len(local_ids) :]
+        local_ids, remote = pair_tails(local_ids, remote_ids, strict)
         return local_ids, remote, np.zeros(len(local_ids), dtype=np.int64)
     if num_tokens is None:
         raise RequestError(
@@ -80,6 +73,18 @@ def pair_by_tokens(
     remote_pos = local_pos // m
     keep = remote_pos >= remote_first
     return local_ids[keep], remote_ids[remote_pos[keep] - remote_first], local_pos[keep] % m
+
+
+def pair_tails(local_ids: np.ndarray, remote_ids: np.ndarray, strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of equal size paired from the tail; ``strict``: every local block must be filled."""
+    if len(local_ids) > len(remote_ids):
+        if strict:
+            raise RequestError(
+                f"block count mismatch: {len(local_ids)} local blocks to fill but the remote engine "
+                f"sent only {len(remote_ids)} block ids; the remote must send at least as many"
+            )
+        local_ids = local_ids[len(local_ids) - len(remote_ids) :]
+    return local_ids, remote_ids[len(remote_ids) - len(local_ids) :]
 
 
 def _first_position(n: int, tokens: int, num_tokens: int, side: str) -> int:
