@@ -24,6 +24,7 @@ import torch
 
 from .core.plan import ResolvedRequest, TransferPlan
 from .core.staging import (
+    DEFAULT_STAGING_BYTES,
     Choice,
     Scatter,
     StagedPlan,
@@ -35,7 +36,6 @@ from .core.staging import (
 )
 from .transfer import InFlight, NixlRank, PreparedPlan, TransferError, notification
 
-DEFAULT_STAGING_BYTES = 64 << 20
 PROBE_EVERY = 16  # auto: every so many declined requests, one is staged to re-measure the copy
 
 

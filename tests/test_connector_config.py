@@ -10,7 +10,7 @@ from nixlkv.vllm.config import ConfigError, ConnectorConfig
 def test_defaults_and_env_side_channel() -> None:
     c = ConnectorConfig.parse({}, env={})
     assert c.backends == ("UCX",) and c.side_channel_port == 5600 and c.side_channel_host == "localhost"
-    assert c.descriptor_mode == "direct" and c.staging_bytes == 64 << 20
+    assert c.descriptor_mode == "direct" and c.staging_bytes == 16 << 20
     c = ConnectorConfig.parse(None, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"})
     assert c.side_channel_port == 7000 and c.side_channel_host == "10.0.0.2"
 

@@ -27,6 +27,11 @@ from .plan import ReadOp, ResolvedRequest, TransferPlan, row_index, row_starts
 DESCRIPTOR_MODES = ("auto", "direct", "staged")
 
 
+# Staging buffer of a decode worker (two halves); measured best with paused NIXL progress threads
+# (docs/performance.md, "Descriptor modes").
+DEFAULT_STAGING_BYTES = 16 << 20
+
+
 class StagingError(NixlkvError):
     """The staged mode cannot serve this plan or request (the message says why and what works)."""
 

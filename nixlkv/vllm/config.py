@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.errors import NixlkvError
-from ..core.staging import DESCRIPTOR_MODES
+from ..core.staging import DEFAULT_STAGING_BYTES, DESCRIPTOR_MODES
 
 MIN_STAGING_BYTES = 1 << 20  # two halves of at least one typical page each
 
@@ -39,7 +39,7 @@ class ConnectorConfig:
     nixl_progress_delay_us: int = 0
     # descriptor mode of the decode side's READs (see nixlkv/staged.py and docs/performance.md)
     descriptor_mode: str = "direct"  # measured best here (docs/performance.md, "Descriptor modes")
-    staging_bytes: int = 64 << 20
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     # side channel
     side_channel_host: str = "localhost"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
