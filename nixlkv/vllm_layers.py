@@ -96,3 +96,20 @@ def registered_memory(kv_caches: Mapping[str, torch.Tensor]) -> list[tuple[int, 
         storage = view.untyped_storage()
         seen[int(storage.data_ptr())] = int(storage.nbytes())
     return sorted(seen.items())
+
+
+def memory_device(kv_caches: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """(NIXL memory type, device id) of the KV caches: ``("DRAM", 0)`` on the CPU, ``("VRAM", i)`` on
+    CUDA device ``i``. NIXL registers and moves each kind differently, so all layers must share one."""
+    devices = {view.device for view in kv_caches.values()}
+    if len(devices) != 1:
+        raise ValueError(
+            f"the KV caches span {len(devices)} devices ({sorted(str(d) for d in devices)}); "
+            "nixlkv registers one device per worker"
+        )
+    (device,) = devices
+    if device.type == "cpu":
+        return "DRAM", 0
+    if device.type == "cuda":
+        return "VRAM", int(device.index or 0)
+    raise ValueError(f"KV caches on {device} cannot be registered with NIXL by nixlkv: only cpu and cuda are supported")

@@ -27,7 +27,7 @@ from typing import Any
 from ..core import Dispatcher, IdScratch, NixlkvError, Topology, TransferPlan
 from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
 from ..transfer import InFlight, NixlRank, TransferError, parse_notification
-from ..vllm_layers import layer_caches, registered_memory
+from ..vllm_layers import layer_caches, memory_device, registered_memory
 from . import handshake
 from .config import ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
@@ -114,11 +114,16 @@ class NixlkvWorker:
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         memory = registered_memory(kv_caches)
+        mem_type, device_id = memory_device(kv_caches)
         layers = layer_caches(self.kv_cache_config, kv_caches, self.total_kv_heads, self.model_hints)
-        self.geometry = self.dispatcher.local_geometry(self.engine_id, self.topology, layers, memory)
+        self.geometry = self.dispatcher.local_geometry(
+            self.engine_id, self.topology, layers, memory, device_id=device_id, mem_type=mem_type
+        )
         self.nixl = NixlRank(
             f"{self.engine_id}-tp{self.topology.tp_rank}",
             memory,
+            mem_type=mem_type,
+            device_id=device_id,
             backends=self.config.backends,
             num_threads=self.config.nixl_num_threads,
             progress_delay_us=self.config.nixl_progress_delay_us,
