@@ -36,6 +36,7 @@ def test_scenario(path: Path) -> None:
         assert len(result.notifications) == scenario.prefill.tp, mode
         # NIXL's own count of what it posted: staging never posts more than the plan's READs
         assert 0 < result.posted_descriptors <= result.descriptors, mode
+        assert result.posted_descriptors == result.computed_posted, mode  # the merge computation is NIXL's
     assert set(results["staged"].modes) == {"staged"}
     assert set(results["direct"].modes) == {"direct"}
     assert results["staged"].posted_descriptors <= results["direct"].posted_descriptors

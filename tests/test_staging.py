@@ -82,6 +82,7 @@ def test_staged_program_moves_exactly_the_plans_bytes(dispatcher, p_tp, d_tp, pa
     want = set(plan.byte_moves(resolved))
     assert _staged_moves(sp, staged) == want
     assert staged.scatter_bytes == sum(m[3] for m in want)
+    assert staged.posted == sp.posted(staged)  # counted while staging = recomputed from the IDs
     if staging_bytes == 1 << 20:
         assert len(staged.rounds) > 1
     for rank, last in staged.last_round.items():  # the notification rides on the rank's last READ
@@ -196,6 +197,7 @@ def test_rounds_notify_each_prefill_rank_once_after_its_last_read(monkeypatch) -
         heard = rig.notifications(0.5)
         assert all(v == [("req-7", rig.plan.consumers)] for r, v in heard.items() if r in rig.plan.read_ranks), heard
         assert flight.posted_descriptors == rig.prepared.staged.posted(flight.request)  # NIXL's own count
+        assert flight.posted_descriptors == flight.request.posted
     finally:
         rig.close()
 

@@ -122,6 +122,7 @@ class StagedRequest:
     notify_only: tuple[int, ...]
     consumers: int
     last_round: Mapping[int, int]  # remote rank -> the round whose READ carries its notification
+    posted: int = 0  # descriptors NIXL posts for it after merging (StagedPlan.posted recomputes it)
 
     @property
     def num_descriptors(self) -> int:
@@ -211,6 +212,7 @@ class StagedPlan:
         self.spans = tuple(spans)
         self.remote_descs = {p: np.array(r, dtype=np.uint64).reshape(-1, 5) for p, r in remote_rows.items()}
         self._span_len = np.array([s.nbytes for s in spans], dtype=np.int64)
+        self._span_dense = np.array([s.dense for s in spans], dtype=bool)
         self.slot_lengths = tuple(sorted({s.nbytes for s in spans}))
         self._len_row_start = {}
         at = 0
@@ -291,6 +293,17 @@ class StagedPlan:
         else:
             entry_slot = page_slot
         num_rounds = int(page_round[-1]) + 1
+        # What NIXL will post: neighbouring pages of one READ join when both sides continue, i.e.
+        # the next slot of the same length row and the next page of the same dense span.
+        joins = (
+            (page_round[1:] == page_round[:-1])
+            & (page_rank[1:] == page_rank[:-1])
+            & (page_span[1:] == page_span[:-1])
+            & (np.diff(staging_ids) == 1)
+            & (np.diff(remote_ids) == 1)
+            & self._span_dense[page_span[1:]]
+        )
+        posted = int(page_span.size - np.count_nonzero(joins))
         # Pages run rank-major and rounds ascend, so each (round, rank) READ is one slice.
         read_cuts = _runs(page_round, page_rank)
         scatter_cuts = _runs(entry_round, seg)
@@ -318,7 +331,7 @@ class StagedPlan:
                 )
             )
         rounds = [Round(tuple(reads[r]), tuple(scatters[r]), staged_bytes[r]) for r in range(num_rounds)]
-        return StagedRequest(tuple(rounds), resolved.notify_only, resolved.consumers, last_round)
+        return StagedRequest(tuple(rounds), resolved.notify_only, resolved.consumers, last_round, posted)
 
     def _place(self, page_span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round, slot) per page, pages in order: each run of equal-length pages continues in the
@@ -343,7 +356,9 @@ class StagedPlan:
         return rnd, slot
 
     def posted(self, staged: StagedRequest) -> int:
-        """Descriptors NIXL posts for a staged request (after its merge)."""
+        """Descriptors NIXL posts for a staged request (after its merge), recomputed from its IDs
+        the way :func:`descriptors_after_merge` does for any READ (``staged.posted`` is the same
+        count, taken while staging)."""
         rows = self.staging_rows(0, 0)
         return sum(
             descriptors_after_merge(rows, r.local_ids, self.remote_descs[r.remote_rank], r.remote_ids)
@@ -409,7 +424,7 @@ def choose(
     if nbytes / costs.copy_bytes_per_s >= resolved.num_descriptors * costs.per_descriptor_s:
         return Choice("direct", None)  # the copy alone costs more than every descriptor could save
     staged = staged_plan.stage(resolved)
-    pd, ps = posted_direct(plan, resolved), staged_plan.posted(staged)
+    pd, ps = posted_direct(plan, resolved), staged.posted
     if costs.staged(staged, ps) < costs.direct(pd, nbytes):
         return Choice("staged", staged, pd, ps)
     return Choice("direct", staged, pd, ps)

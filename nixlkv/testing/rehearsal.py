@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..core import Dispatcher, NixlkvError, ResolvedRequest, Topology, TransferPlan
+from ..core.staging import posted_direct
 from ..staged import Reader, memory_tensors
 from ..transfer import NixlRank, TransferError, parse_notification
 from ..vllm_layers import layer_caches, registered_memory
@@ -49,6 +50,7 @@ class RehearsalResult:
     descriptor_mode: str = "direct"  # what was asked for: auto | direct | staged
     modes: list[str] = field(default_factory=list)  # per decode rank: the mode its request ran in
     posted_descriptors: int = 0  # what NIXL posted after its merge (telemetry), every rank and round
+    computed_posted: int = 0  # the same count as nixlkv computes it (core.staging), to check against NIXL's
     notifications: dict[str, int] = field(default_factory=dict)  # per P rank: messages for REQUEST_ID
     # per P rank, every nixlkv notification received, as (request id, consumers it announces)
     notification_log: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
@@ -266,6 +268,7 @@ def _transfer_and_check(
                 resolved = fault(d.tp_rank, resolved)
             flight = reader.post(prepared, resolved, REQUEST_ID)
             result.modes.append(flight.mode)
+            result.computed_posted += flight.request.posted if flight.mode == "staged" else posted_direct(plan, resolved)
             result.reads += len(resolved.reads)
             flights.append((reader, flight))
         t_start = min(f.posted_at for _, f in flights)
