@@ -111,6 +111,16 @@ def test_computed_merge_equals_nixl_telemetry(dispatcher, p_tp, d_tp, pattern) -
         assert result.descs_posted_ours_nixl == 2  # one per layer: whole pages, consecutive ids
     d = result.to_dict()
     assert d["ours_gbps"] > 0 and d["memcpy_gbps"] > 0 and "scaled down to 2 of 3 layers" in d["notes"][0]
+    assert d["ceiling_gbps"] > 0 and d["ceiling_vs_memcpy"] > 0  # one descriptor per prefill rank, same bytes
+
+
+@pytest.mark.nixl
+def test_transfer_with_paused_progress_threads(dispatcher) -> None:
+    """The bench's default: agents whose progress threads pause between polls still move every byte."""
+    result = run_transfer(Case(TINY, 4, 2, 500, "contiguous"), num_layers=2, reps=1, dispatcher=dispatcher,
+                          progress_delay_us=1000)
+    assert result.spot_checked_bytes > 0
+    assert result.descs_posted_ours_nixl == result.descs_posted_ours_computed > 0
 
 
 def test_interleaved_times_every_function_alike() -> None:

@@ -41,6 +41,7 @@ class TransferResult:
     ours_staged: Timing  # staged forced: whole pages through the staging buffer, then the scatter
     vllm: Timing
     memcpy: Timing
+    ceiling: Timing  # the same byte count as one large descriptor per covered prefill rank: UCX's best here
     mode: str  # the descriptor mode auto picked in most repetitions
     modes: list[str]  # what auto picked, repetition by repetition
     descs_posted_staged_nixl: int
@@ -84,6 +85,8 @@ class TransferResult:
             "descs_posted_staged_computed": self.descs_posted_staged_computed,
             "auto_copy_gbps": self.costs.copy_bytes_per_s / 1e9 if self.costs else None,
             "vllm_vs_memcpy": self.memcpy.p50 / self.vllm.p50,
+            "ceiling_gbps": self.gbps(self.ceiling),
+            "ceiling_vs_memcpy": self.memcpy.p50 / self.ceiling.p50,
             "reps": self.ours.reps,
             "descs_posted_ours_nixl": self.descs_posted_ours_nixl,
             "descs_posted_ours_computed": self.descs_posted_ours_computed,
@@ -204,7 +207,33 @@ def run_transfer(
             for h in handles:
                 agent.release_xfer_handle(h)
 
-        fns = [lambda: memcpy_seconds(dst, src), ours, theirs, ours_direct, ours_staged]
+        # The transport's ceiling: the request's byte count as one descriptor per covered prefill
+        # rank (contiguous on both sides), so no planner can post fewer or larger ones.
+        share = nbytes // len(covered)
+        ceiling_lists = [
+            (
+                agent.get_xfer_descs(np.array([[d_buf.ctypes.data + i * share, share, 0]], dtype=np.uint64), "DRAM"),
+                agent.get_xfer_descs(np.array([[p_bufs[r].ctypes.data, share, 0]], dtype=np.uint64), "DRAM"),
+                agents[r],
+            )
+            for i, r in enumerate(covered)
+        ]
+
+        def ceiling() -> None:
+            handles = []
+            for local_list, remote_list, name in ceiling_lists:
+                h = agent.initialize_xfer("READ", local_list, remote_list, name)
+                if agent.transfer(h) == "ERR":
+                    raise TransferError("NIXL refused the one-descriptor READ")
+                handles.append(h)
+            deadline = time.perf_counter() + WAIT_TIMEOUT
+            while any(agent.check_xfer_state(h) == "PROC" for h in handles):
+                if time.perf_counter() > deadline:
+                    raise TransferError("one-descriptor READs not done in time")
+            for h in handles:
+                agent.release_xfer_handle(h)
+
+        fns = [lambda: memcpy_seconds(dst, src), ours, theirs, ours_direct, ours_staged, ceiling]
         samples: list[list[float]] = [[] for _ in fns]
         modes: list[str] = []
         for fn in fns:  # warm-up: connections, page tables, first-touch
@@ -247,6 +276,7 @@ def run_transfer(
         ours_direct=Timing.of(samples[3]),
         ours_staged=Timing.of(samples[4]),
         vllm=Timing.of(samples[2]),
+        ceiling=Timing.of(samples[5]),
         mode=max(set(modes), key=modes.count),
         modes=modes,
         descs_posted_staged_nixl=posted["staged"],

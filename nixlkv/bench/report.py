@@ -11,13 +11,14 @@ def markdown(out: dict[str, Any]) -> str:
     lines = [
         f"Run: `{out.get('mode')}` mode, {out.get('runtime_s', 0):.0f} s, {out.get('machine', '')}.",
         "",
-        "| case | plan µs p50 ours / vLLM (ratio) | plan µs p99 ours / vLLM | READs ours / vLLM | desc ids ours / vLLM "
-        "| posted after merge ours / vLLM (ratio) | registered ours / vLLM | handshake ms ours / vLLM |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | plan µs p50 ours / vLLM (ratio) | ID floor / vLLM | plan µs p99 ours / vLLM | READs ours / vLLM "
+        "| desc ids ours / vLLM | posted after merge ours / vLLM (ratio) | registered ours / vLLM | handshake ms ours / vLLM |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out.get("cases", []):
         lines.append(
             f"| {r['label']} | {r['plan_us_ours_p50']:.0f} / {r['plan_us_vllm_p50']:.0f} ({r['plan_time_ratio']:.2f}) "
+            f"| {'—' if r.get('plan_floor_ratio') is None else format(r['plan_floor_ratio'], '.2f')} "
             f"| {r['plan_us_ours_p99']:.0f} / {r['plan_us_vllm_p99']:.0f} | {r['reads_ours']} / {r['reads_vllm']} "
             f"| {r['descs_ids_ours']} / {r['descs_ids_vllm']} "
             f"| {r['descs_posted_ours']} / {r['descs_posted_vllm']} ({r['descs_ratio']:.3f}) "
@@ -28,13 +29,14 @@ def markdown(out: dict[str, Any]) -> str:
         lines += [
             "",
             "| transfer (decode rank 0) | layers | MB | memcpy GB/s | nixlkv GB/s (vs memcpy) | vLLM-style GB/s (vs memcpy) "
-            "| posted ours: NIXL / computed | posted vLLM: NIXL / computed | reps |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| one descriptor per rank GB/s (vs memcpy) | posted ours: NIXL / computed | posted vLLM: NIXL / computed | reps |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for t in out["transfers"]:
             lines.append(
                 f"| {t['label']} | {t['layers']} of {t['model_layers']} | {t['bytes'] / 1e6:.0f} | {t['memcpy_gbps']:.2f} "
                 f"| {t['ours_gbps']:.2f} ({t['ours_vs_memcpy']:.2f}) | {t['vllm_gbps']:.2f} ({t['vllm_vs_memcpy']:.2f}) "
+                f"| {t['ceiling_gbps']:.2f} ({t['ceiling_vs_memcpy']:.2f}) "
                 f"| {t['descs_posted_ours_nixl']} / {t['descs_posted_ours_computed']} "
                 f"| {t['descs_posted_vllm_nixl']} / {t['descs_posted_vllm_computed']} | {t['reps']} |"
             )
