@@ -303,9 +303,9 @@ class TransferPlan:
                 f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
             )
         if lp.size:
-            _check_bounds(lp, pairing.local_num_blocks, f"local group {pairing.local_group}")
-            _check_bounds(rp, pairing.remote_num_blocks, f"remote group {pairing.remote_group}")
-        if phase is not None and not phase.any():
+            _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
+            _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
+        if phase is not None and not np.count_nonzero(phase):
             phase = None
         return lp.astype(self._id_dtype, copy=False), rp.astype(self._id_dtype, copy=False), phase
 
@@ -380,11 +380,11 @@ def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np
     return arr
 
 
-def _check_bounds(ids: np.ndarray, limit: int, what: str) -> None:
+def _check_bounds(ids: np.ndarray, limit: int, side: str, group: int) -> None:
     # one unsigned comparison catches negative ids too (they wrap to huge values)
-    if (ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64) >= limit).any():
+    if np.maximum.reduce(ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64)) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)][0]
-        raise RequestError(f"{what}: block id {int(bad)} outside [0, {limit})")
+        raise RequestError(f"{side} group {group}: block id {int(bad)} outside [0, {limit})")
 
 
 def row_starts(rows: np.ndarray) -> np.ndarray:

@@ -145,7 +145,7 @@ def pair_owned_blocks(
     Shared by every strategy whose request keeps all its blocks, so regions of different kinds in
     one KV group (GQA + MLA draft) pair the group's block IDs the same way.
     """
-    if (local_ids.size and not local_ids.all()) or (remote_ids.size and not remote_ids.all()):
+    if np.count_nonzero(local_ids) != local_ids.size or np.count_nonzero(remote_ids) != remote_ids.size:
         raise RequestError(
             f"block id 0 (vLLM's null block) in a {kind} group: such a request owns every one of "
             "its blocks; a windowed cache needs its own strategy"
