@@ -146,6 +146,11 @@ class Reader:
         rp.staged, rp.staging_lists, rp.remote_lists = staged, tuple(halves), remote
         return rp
 
+    def forget(self, rp: ReaderPlan) -> None:
+        """Give back a prepared plan's NIXL lists (direct and staged); no request of it may be in flight."""
+        self.nixl.release_lists([*rp.staging_lists, *rp.remote_lists.values()])
+        self.nixl.release_prepared(rp.prepared)
+
     def choose(self, rp: ReaderPlan, resolved: ResolvedRequest) -> Choice:
         if self.mode == "auto" and rp.staged is not None and self.costs is None:
             self.costs = measured_costs(self._ensure_buffer().device)

@@ -173,6 +173,27 @@ class NixlRank:
                 pass
         flight.handles.clear()
 
+    def release_lists(self, handles: Iterable[object]) -> None:
+        """Give back prepped descriptor lists no READ will use again (a remote that went away)."""
+        for handle in handles:
+            if any(handle is h for h in self._prepped):
+                self._prepped = [h for h in self._prepped if h is not handle]
+                try:
+                    self.agent.release_dlist_handle(handle)
+                except Exception:  # already gone with its remote: nothing left to free
+                    pass
+
+    def release_prepared(self, prepared: PreparedPlan) -> None:
+        """Give back a plan's lists once no READ of it is in flight."""
+        self.release_lists([prepared.local, *prepared.remote.values()])
+
+    def remove_remote(self, agent: str) -> None:
+        """Forget a remote agent's metadata (its connection and memory keys)."""
+        try:
+            self.agent.remove_remote_agent(agent)
+        except Exception:  # unknown already: nothing to forget
+            pass
+
     def notify(self, agent: str, msg: bytes) -> None:
         """A notification alone (no transfer) to a remote agent added with ``add_remote``."""
         self.agent.send_notif(agent, msg)

@@ -28,6 +28,7 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
             run_decode(d, old_params, {"a": 40})
             assert d.finished_recving == {"a"} and not d.failed_recving
+            old_agent_names = [a for r in d.workers[0]._worker._remotes.values() for a in r.agents.values()]
             old.kill()
             old.join(10)
             new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10)
@@ -53,6 +54,15 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         assert report["finished_sending"] == ["c"] and report["requests"] == 0, report
         leaks = d.leaks()
         assert leaks["requests"] == 0 and leaks["nonzero_refs"] == 0 and leaks["free_blocks"] == leaks["expected_free"]
+        # The dead P's handshake left nothing behind in D's NIXL agent: its lists were given back
+        # and its agent forgotten; only the new P's remain.
+        worker = d.workers[0]._worker
+        assert not worker._retiring
+        (live,) = worker._remotes.values()
+        assert len(worker.nixl._prepped) == 1 + len(live.prepared.prepared.remote)
+        old_agents = set(old_agent_names) - set(live.agents.values())
+        assert old_agents and not any(worker.nixl.agent.check_remote_metadata(a) for a in old_agents)
+        assert all(worker.nixl.agent.check_remote_metadata(a) for a in live.agents.values())
     finally:
         if d is not None:
             d.close()

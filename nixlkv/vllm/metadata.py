@@ -140,11 +140,12 @@ class NixlkvStats(KVConnectorStats):
         if not self.data:
             self.reset()
 
-    # Counted events. D: failed_transfers, failed_handshakes, heartbeats_sent (request ids named);
+    # Counted events. D: failed_transfers, failed_handshakes, heartbeats_sent (request ids named),
+    # remotes_released (dropped handshakes whose NIXL lists and agents were given back);
     # P: expired_leases, ignored_notifications (not nixlkv's or malformed), lease_extensions (a
     # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held).
     COUNTERS = ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications",
-                "heartbeats_sent", "lease_extensions", "stale_heartbeats")
+                "heartbeats_sent", "lease_extensions", "stale_heartbeats", "remotes_released")
 
     def reset(self) -> None:
         self.data = {"bytes": [], "descriptors": [], "transfer_s": [], "post_s": [], **dict.fromkeys(self.COUNTERS, 0)}

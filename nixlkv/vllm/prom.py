@@ -37,6 +37,7 @@ COUNTERS = {
     "heartbeats_sent": "Request ids named in heartbeats sent to prefill engines (decode side).",
     "lease_extensions": "Holds extended by a heartbeat (prefill side).",
     "stale_heartbeats": "Heartbeat entries for requests the prefill worker no longer held.",
+    "remotes_released": "Dropped handshakes (restarted or failed prefill engines) whose NIXL state was freed.",
 }
 
 

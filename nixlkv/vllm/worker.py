@@ -60,6 +60,7 @@ class _Flight:
     request: RecvRequest
     remote: tuple[str, str, int]
     flight: InFlight | StagedFlight
+    owner: _Remote | None = None  # the handshake whose lists the READs use
 
 
 @dataclass
@@ -102,6 +103,7 @@ class NixlkvWorker:
         self._held_until: dict[tuple[RemoteKey, str], float] = {}  # P request -> held at least until
         self._waiting: dict[str, RecvRequest] = {}  # bound to a remote whose handshake is pending
         self._flights: dict[str, _Flight] = {}
+        self._retiring: list[_Remote] = []  # dropped handshakes whose NIXL state is freed when idle
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._invalid_blocks: set[int] = set()
@@ -163,6 +165,7 @@ class NixlkvWorker:
     def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str]]:
         self._progress()
         self._poll_flights()
+        self._reap()
         self._read_notifications()
         self._expire_holds()
         sending, self._done_send = self._done_send, set()
@@ -326,7 +329,7 @@ class NixlkvWorker:
                 self._invalidate(remote.key)
             self._fail(rid, req, f"{type(exc).__name__}: {exc}")
             return
-        self._flights[rid] = _Flight(req, remote.key, flight)
+        self._flights[rid] = _Flight(req, remote.key, flight, remote)
 
     def _poll_flights(self) -> None:
         now = time.perf_counter()
@@ -359,6 +362,25 @@ class NixlkvWorker:
         remote = self._remotes.get(key)
         if remote is not None and remote.prepared is not None:
             del self._remotes[key]
+            self._retiring.append(remote)
+
+    def _reap(self) -> None:
+        """Give back the NIXL lists and remote agents of dropped handshakes once no READ uses them
+        (a prefill that restarted would otherwise leave its agent and lists behind, per restart)."""
+        if not self._retiring or self.nixl is None:
+            return
+        busy = {id(f.owner) for f in self._flights.values()}
+        live = {name for r in self._remotes.values() for name in r.agents.values()}
+        keep = []
+        for remote in self._retiring:
+            if id(remote) in busy:
+                keep.append(remote)
+                continue
+            self.reader.forget(remote.prepared)
+            for name in set(remote.agents.values()) - live:  # a re-handshake of the same P reuses its name
+                self.nixl.remove_remote(name)
+            self.stats.count("remotes_released")
+        self._retiring = keep
 
     def _fail(self, rid: str, req: RecvRequest, why: str) -> None:
         self.stats.count("failed_transfers")
