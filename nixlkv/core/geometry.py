@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import product
 from typing import Any
 
@@ -35,19 +36,24 @@ class PageLayout:
         if any(int(s) < 1 for _, s in self.axes):
             raise IncompatibleGeometry(f"page axis sizes must be >= 1, got {self.axes}")
 
-    @property
+    # Pages are immutable and asked about per layer and per peer at handshake: computed once.
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         total = 1
         for _, size in self.axes:
             total *= size
         return total
 
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        return dict(self.axes)
+
     def size(self, axis: str) -> int:
-        return dict(self.axes)[axis]
+        return self._sizes[axis]
 
     def strides(self) -> dict[str, int]:
         """Byte stride of each axis."""
@@ -262,10 +268,11 @@ class RankGeometry:
             raise IncompatibleGeometry(f"engine {self.engine_id!r}: duplicate region names {dup}")
 
     def region(self, name: str) -> Region | None:
-        for r in self.regions:
-            if r.name == name:
-                return r
-        return None
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Region]:
+        return {r.name: r for r in self.regions}
 
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
