@@ -291,3 +291,19 @@ def test_cli_bench_shape_filter_names_the_shapes(capsys) -> None:
     assert cli.main(["bench", "--no-transfer", "--shape", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert "--shape 'no-such-model'" in err and "nemotron-h-8b-like" in err and "llama-8b-like" in err
+
+
+def test_id_floor_writes_one_id_per_descriptor_and_declines_what_it_cannot_bound() -> None:
+    """The floor the planning ratios are judged against does the work it claims: both lists
+    converted, one distinct int32 ID per (row, block) on each side of every READ; it declines
+    requests whose READs are not whole rows of the request's blocks (it would measure less)."""
+    local, remote = [5, 6, 9], [1, 2, 3]
+    floor = bench_run.id_floor(local, remote, [6, 3])
+    assert floor is not None
+    floor()
+    (lo, ro), (lo2, ro2) = floor.out
+    assert lo.dtype == ro.dtype == np.int32 and lo.size == ro.size == 6 and lo2.size == ro2.size == 3
+    assert len(set(lo.tolist())) == 6 and lo[:3].tolist() == local and ro2.tolist() == remote
+    assert bench_run.id_floor(local, remote, [4]) is None  # not whole rows
+    assert bench_run.id_floor(local, remote[:2], [6]) is None  # lists of different lengths
+    assert bench_run.id_floor([], [], [0]) is None

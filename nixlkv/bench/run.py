@@ -58,7 +58,8 @@ def id_floor(local: list[int], remote: list[int], ids_per_read: Sequence[int]) -
     n = len(local)
     if n == 0 or len(remote) != n or any(k % n for k in ids_per_read):
         return None
-    rows = [np.arange(k // n, dtype=np.int32)[:, None] * np.int32(n + 1) for k in ids_per_read]
+    stride = max(max(local), max(remote)) + 1  # rows as long as the block pool: IDs stay distinct
+    rows = [np.arange(k // n, dtype=np.int32)[:, None] * np.int32(stride) for k in ids_per_read]
     out = [(np.empty(k, dtype=np.int32), np.empty(k, dtype=np.int32)) for k in ids_per_read]
 
     def floor() -> None:
@@ -68,6 +69,7 @@ def id_floor(local: list[int], remote: list[int], ids_per_read: Sequence[int]) -
             np.add(offsets, lids, out=lo.reshape(offsets.shape[0], n))
             np.add(offsets, rids, out=ro.reshape(offsets.shape[0], n))
 
+    floor.out = out  # type: ignore[attr-defined]  # what it wrote, per READ: (local IDs, remote IDs)
     return floor
 
 
