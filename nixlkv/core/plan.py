@@ -398,6 +398,9 @@ def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
         raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
+    counts = rows[:, 4]
+    if counts.size and counts[0] and (counts == counts[0]).all():  # rows of one length: a division
+        return ids // int(counts[0])
     return np.searchsorted(starts, ids, side="right") - 1
 
 

@@ -310,10 +310,11 @@ class StagedPlan:
         reads: list[list[ReadOp]] = [[] for _ in range(num_rounds)]
         staged_bytes = [0] * num_rounds
         last_round: dict[int, int] = {}
-        for a, b in zip(read_cuts[:-1].tolist(), read_cuts[1:].tolist()):
+        read_bytes = np.concatenate([[0], np.cumsum(page_len)])[read_cuts].tolist()
+        for (a, b), (ba, bb) in zip(zip(read_cuts[:-1].tolist(), read_cuts[1:].tolist()), zip(read_bytes, read_bytes[1:])):
             r, rank = int(page_round[a]), int(page_rank[a])
             reads[r].append(ReadOp(rank, staging_ids[a:b], remote_ids[a:b]))
-            staged_bytes[r] += int(page_len[a:b].sum())
+            staged_bytes[r] += bb - ba
             last_round[rank] = r
         scatters: list[list[Scatter]] = [[] for _ in range(num_rounds)]
         for a, b in zip(scatter_cuts[:-1].tolist(), scatter_cuts[1:].tolist()):
@@ -348,9 +349,11 @@ class StagedPlan:
             first = -(-cursor // L)
             if first >= per_round:
                 cur_round, first = cur_round + 1, 0
-            pos = first + np.arange(b - a, dtype=np.int64)
-            rnd[a:b] = cur_round + pos // per_round
-            slot[a:b] = pos % per_round
+            # positions first, first + 1, ... wrap every per_round slots: tiled, not divided
+            m = b - a
+            laps = -(-(first + m) // per_round)
+            slot[a:b] = np.tile(np.arange(per_round, dtype=np.int64), laps)[first : first + m]
+            rnd[a:b] = np.repeat(np.arange(cur_round, cur_round + laps, dtype=np.int64), per_round)[first : first + m]
             cur_round = int(rnd[b - 1])
             cursor = int(slot[b - 1] + 1) * L
         return rnd, slot
