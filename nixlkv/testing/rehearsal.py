@@ -31,6 +31,11 @@ REHEARSAL_STAGING_BYTES = 4 << 20
 def rehearsal_staging_bytes(engines: Engines) -> int:
     largest = max((r.page.nbytes for p in engines.plans for g in p.remote.values() for r in g.regions), default=0)
     return max(REHEARSAL_STAGING_BYTES, 4 * largest)
+
+
+# Every rank's NIXL agent lives in this one process on DRAM: NIXL's busy-polling progress threads
+# (one core each) would take the cores the copies need (see nixlkv.agent), so they pause 1 ms.
+PROGRESS_DELAY_US = 1000
 REQUEST_ID = "rehearsal-req-0"  # the request's id on the prefill (remote) engine
 NOTIFICATION_TIMEOUT = 10.0  # seconds every prefill rank may take to hear from all its readers
 Fault = Callable[[int, ResolvedRequest], ResolvedRequest]
@@ -249,9 +254,14 @@ def _transfer_and_check(
     for d in engines.decode:
         oracle.fill_decode(d)
 
-    p_nixl = {p.tp_rank: NixlRank(f"P{p.tp_rank}", registered_memory(p.kv_caches)) for p in engines.prefill}
+    p_nixl = {
+        p.tp_rank: NixlRank(f"P{p.tp_rank}", registered_memory(p.kv_caches), progress_delay_us=PROGRESS_DELAY_US)
+        for p in engines.prefill
+    }
     d_nixl = {
-        d.tp_rank: NixlRank(f"D{d.tp_rank}", registered_memory(d.kv_caches), capture_telemetry=True)
+        d.tp_rank: NixlRank(
+            f"D{d.tp_rank}", registered_memory(d.kv_caches), capture_telemetry=True, progress_delay_us=PROGRESS_DELAY_US
+        )
         for d in engines.decode
     }
     readers: list[Reader] = []
