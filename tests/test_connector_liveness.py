@@ -76,12 +76,14 @@ def test_heartbeats_extend_the_hold_and_garbage_is_ignored(caplog) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("heartbeat_interval_s", [0.2, 0.0], ids=["heartbeats", "no-heartbeats"])
+@pytest.mark.parametrize("heartbeat_interval_s", [0.2, 5.0, 0.0], ids=["heartbeats", "interval-over-lease", "no-heartbeats"])
 def test_decode_queueing_longer_than_the_lease(heartbeat_interval_s: float) -> None:
     """vLLM's real Schedulers: P holds for lease_s=1 s; D has no free blocks for the request for
     ~2.5 s (a local request occupies them). With heartbeats P keeps the blocks and D loads them
-    byte-exact; without, P frees them at lease expiry and D fails the request cleanly (invalid
-    blocks, nothing written) instead of reading blocks P may have reused."""
+    byte-exact, also when D's configured interval (5 s, the default) is longer than P's lease: D
+    then beats three times per the lease P published; without, P frees them at lease expiry and D
+    fails the request cleanly (invalid blocks, nothing written) instead of reading blocks P may
+    have reused."""
     from vllm.v1.request import RequestStatus
 
     p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})

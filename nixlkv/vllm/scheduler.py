@@ -113,8 +113,15 @@ class NixlkvScheduler:
 
     def _due_heartbeats(self) -> dict[RemoteKey, dict[str, LeaseView | None]]:
         interval = self.config.heartbeat_interval_s
+        if not interval or not self._awaiting:
+            return {}
+        # A P whose lease is shorter than the interval would free the blocks between heartbeats:
+        # beat at least three times per the shortest lease D waits under.
+        leases = [view.lease_s for _, _, view, _ in self._awaiting.values() if view is not None]
+        if leases:
+            interval = min(interval, min(leases) / 3)
         now = time.monotonic()
-        if not interval or not self._awaiting or now - self._last_heartbeat < interval:
+        if now - self._last_heartbeat < interval:
             return {}
         self._last_heartbeat = now
         out: dict[RemoteKey, dict[str, LeaseView | None]] = {}
