@@ -77,12 +77,7 @@ class IdScratch:
         """Start a new request: earlier views will be overwritten."""
         self._at.clear()
 
-    def take(self, n: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Two arrays of ``n`` IDs (local, remote) that stay valid until :meth:`reset`."""
-        both = self.take_one(2 * n, dtype)
-        return both[:n], both[n:]
-
-    def take_one(self, n: int, dtype: Any) -> np.ndarray:
+    def take(self, n: int, dtype: Any) -> np.ndarray:
         """One array of ``n`` IDs that stays valid until :meth:`reset`."""
         dtype = np.dtype(dtype)
         buf = self._buf.setdefault(dtype, np.empty(0, dtype))
@@ -270,8 +265,8 @@ class TransferPlan:
             if not total:
                 continue
             twin = remote_of.get(self._remote_twin.get(p, -1))
-            local_ids = np.empty(total, dtype) if scratch is None else scratch.take_one(total, dtype)
-            remote_ids = twin if twin is not None else (np.empty(total, dtype) if scratch is None else scratch.take_one(total, dtype))
+            local_ids = np.empty(total, dtype) if scratch is None else scratch.take(total, dtype)
+            remote_ids = twin if twin is not None else (np.empty(total, dtype) if scratch is None else scratch.take(total, dtype))
             at = 0
             for lstarts, rstarts, lp, rp in jobs:
                 end = at + lstarts.size * lp.size

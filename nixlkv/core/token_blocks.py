@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import IncompatibleGeometry, RequestError
+from .strategy import tail_aligned
 
 Phase = tuple[int, int, int]  # (local first token, remote first token, tokens) within the pages
 
@@ -47,7 +48,9 @@ def pair_by_tokens(
     tokens the remote list does not hold are left alone.
     """
     if local_tokens == remote_tokens:
-        local_ids, remote = pair_tails(local_ids, remote_ids, strict)
+        if not strict and len(local_ids) > len(remote_ids):  # a window: the remote holds only its tail
+            local_ids = local_ids[len(local_ids) - len(remote_ids) :]
+        local_ids, remote = tail_aligned(local_ids, remote_ids)
         return local_ids, remote, np.zeros(len(local_ids), dtype=np.int64)
     if num_tokens is None:
         raise RequestError(
@@ -73,18 +76,6 @@ def pair_by_tokens(
     remote_pos = local_pos // m
     keep = remote_pos >= remote_first
     return local_ids[keep], remote_ids[remote_pos[keep] - remote_first], local_pos[keep] % m
-
-
-def pair_tails(local_ids: np.ndarray, remote_ids: np.ndarray, strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks of equal size paired from the tail; ``strict``: every local block must be filled."""
-    if len(local_ids) > len(remote_ids):
-        if strict:
-            raise RequestError(
-                f"block count mismatch: {len(local_ids)} local blocks to fill but the remote engine "
-                f"sent only {len(remote_ids)} block ids; the remote must send at least as many"
-            )
-        local_ids = local_ids[len(local_ids) - len(remote_ids) :]
-    return local_ids, remote_ids[len(remote_ids) - len(local_ids) :]
 
 
 def _first_position(n: int, tokens: int, num_tokens: int, side: str) -> int:

@@ -58,9 +58,8 @@ class _Remote:
 @dataclass
 class _Flight:
     request: RecvRequest
-    remote: tuple[str, str, int]
+    owner: _Remote  # the handshake whose lists the READs use
     flight: InFlight | StagedFlight
-    owner: _Remote | None = None  # the handshake whose lists the READs use
 
 
 @dataclass
@@ -329,7 +328,7 @@ class NixlkvWorker:
                 self._invalidate(remote.key)
             self._fail(rid, req, f"{type(exc).__name__}: {exc}")
             return
-        self._flights[rid] = _Flight(req, remote.key, flight, remote)
+        self._flights[rid] = _Flight(req, remote, flight)
 
     def _poll_flights(self) -> None:
         now = time.perf_counter()
@@ -338,7 +337,7 @@ class NixlkvWorker:
                 done = self.reader.poll(f.flight)
             except TransferError as exc:
                 del self._flights[rid]
-                self._invalidate(f.remote)
+                self._invalidate(f.owner.key)
                 self._fail(rid, f.request, str(exc))
                 continue
             if done:
@@ -349,12 +348,12 @@ class NixlkvWorker:
                     self._done_recv.add(rid)
                 logger.debug(
                     "nixlkv recv done req=%s engine=%s mode=%s bytes=%d descriptors=%d transfer_ms=%.2f",
-                    rid, f.remote[0], f.flight.mode, f.flight.nbytes, f.flight.descriptors, 1e3 * elapsed,
+                    rid, f.owner.key[0], f.flight.mode, f.flight.nbytes, f.flight.descriptors, 1e3 * elapsed,
                 )
             elif now - f.flight.posted_at > self.config.transfer_timeout_s:
                 del self._flights[rid]
                 self.reader.release(f.flight)
-                self._invalidate(f.remote)
+                self._invalidate(f.owner.key)
                 self._fail(rid, f.request, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
 
     def _invalidate(self, key: RemoteKey) -> None:
