@@ -188,21 +188,14 @@ def run_transfer(
             d_nixl.wait(flight, WAIT_TIMEOUT)
 
         def theirs() -> None:
-            handles = []
-            for read in v_reads:
-                h = agent.make_prepped_xfer(
+            handles = [
+                agent.make_prepped_xfer(
                     "READ", v_local[id(read.local_rows)], read.local_ids, v_remote[read.remote_rank], read.remote_ids,
                     notif_msg=b"bench-req:1",
                 )
-                if agent.transfer(h) == "ERR":
-                    raise TransferError(f"NIXL refused vLLM's READ from rank {read.remote_rank}")
-                handles.append(h)
-            deadline = time.perf_counter() + WAIT_TIMEOUT
-            while any(agent.check_xfer_state(h) == "PROC" for h in handles):
-                if time.perf_counter() > deadline:
-                    raise TransferError("vLLM-style READs not done in time")
-            if any(agent.check_xfer_state(h) == "ERR" for h in handles):
-                raise TransferError("a vLLM-style READ ended in error")
+                for read in v_reads
+            ]
+            _run_reads(agent, handles, "vLLM-style READ")
             posted["vllm"] = sum(int(agent.get_xfer_telemetry(h).descCount) for h in handles)
             for h in handles:
                 agent.release_xfer_handle(h)
@@ -220,16 +213,8 @@ def run_transfer(
         ]
 
         def ceiling() -> None:
-            handles = []
-            for local_list, remote_list, name in ceiling_lists:
-                h = agent.initialize_xfer("READ", local_list, remote_list, name)
-                if agent.transfer(h) == "ERR":
-                    raise TransferError("NIXL refused the one-descriptor READ")
-                handles.append(h)
-            deadline = time.perf_counter() + WAIT_TIMEOUT
-            while any(agent.check_xfer_state(h) == "PROC" for h in handles):
-                if time.perf_counter() > deadline:
-                    raise TransferError("one-descriptor READs not done in time")
+            handles = [agent.initialize_xfer("READ", loc, rem, name) for loc, rem, name in ceiling_lists]
+            _run_reads(agent, handles, "one-descriptor READ")
             for h in handles:
                 agent.release_xfer_handle(h)
 
@@ -290,6 +275,20 @@ def run_transfer(
         spot_checked_bytes=checked,
         notes=notes,
     )
+
+
+def _run_reads(agent: Any, handles: list[object], what: str) -> None:
+    """Post READs made outside NixlRank (vLLM's descriptors, the one-descriptor ceiling) and wait
+    until all are done; an error or a READ past WAIT_TIMEOUT fails the run."""
+    for h in handles:
+        if agent.transfer(h) == "ERR":
+            raise TransferError(f"NIXL refused a {what}")
+    deadline = time.perf_counter() + WAIT_TIMEOUT
+    while any(agent.check_xfer_state(h) == "PROC" for h in handles):
+        if time.perf_counter() > deadline:
+            raise TransferError(f"{what}s not done in time")
+    if any(agent.check_xfer_state(h) == "ERR" for h in handles):
+        raise TransferError(f"a {what} ended in error")
 
 
 def _spot_check(plan, resolved, d_buf: np.ndarray, p_bufs: dict[int, np.ndarray], samples: int = 512) -> int:

@@ -125,8 +125,9 @@ def plan_case(
         staged_plan = None
     usable = staged_plan if staged_plan is not None and staged_plan.can_help else None
     choice = choose("auto", plan, usable, resolved, costs)
-    merged_ours = staged_plan.posted(choice.staged) if choice.mode == "staged" else merged_direct
-    merged_staged = staged_plan.posted(staged_plan.stage(resolved)) if staged_plan is not None else None
+    staged = (choice.staged or staged_plan.stage(resolved)) if staged_plan is not None else None
+    merged_ours = staged.posted if choice.mode == "staged" else merged_direct
+    merged_staged = staged.posted if staged is not None else None
     (t_choose,) = interleaved([lambda: choose("auto", plan, usable, resolved, costs)], max(5, reps // 4), warmup=1)
     merged_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
     reg_ours = int(plan.local_descs[:, 4].sum()) + sum(int(d[:, 4].sum()) for d in plan.remote_descs.values())
