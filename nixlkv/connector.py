@@ -1,11 +1,12 @@
-"""``NixlkvConnector``: the vLLM 0.33 KV connector (pull-mode P/D) running nixlkv's TransferPlan over NIXL.
+"""``NixlkvConnector``: the vLLM KV connector (pull-mode P/D) running nixlkv's TransferPlan over NIXL.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "NixlkvConnector",
         "kv_connector_module_path": "nixlkv.connector", "kv_role": "kv_producer" | "kv_consumer",
         "kv_connector_extra_config": {...}}'
 
 This module is the facade vLLM loads; the logic lives in ``nixlkv.vllm``: ``config`` (extra-config
-keys), ``handshake`` (wire format, side channel), ``worker`` (one per TP rank), ``scheduler``.
+keys), ``handshake`` (wire format, side channel), ``worker`` (one per TP rank), ``scheduler``;
+``compat`` handles what differs between the vLLM versions it runs on (0.32 and 0.33).
 See docs/vllm.md.
 """
 
@@ -15,6 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+# First: on a vLLM whose connector API lacks what nixlkv needs, this names what is missing.
+from .vllm import compat  # isort: skip
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -34,6 +37,21 @@ from .vllm.scheduler import NixlkvScheduler
 from .vllm.worker import HandshakeInfo, NixlkvWorker, serve_reply
 
 logger = logging.getLogger("nixlkv.connector")
+
+
+def _log_like_vllm() -> None:
+    """nixlkv's log lines go where vLLM's go, in vLLM's format and at its level: an operator reads
+    one log. (Without this, Python shows only nixlkv's warnings, bare, and none of its INFO lines.)"""
+    ours, theirs = logging.getLogger("nixlkv"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+_log_like_vllm()
 
 __all__ = ["ConfigError", "NixlkvConnector", "NixlkvHandshakeMetadata", "tp_rank_and_size", "vllm_compat_hash"]
 
@@ -77,6 +95,7 @@ def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
 class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_engine_config(vllm_config)
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)
@@ -144,6 +163,11 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         from .vllm.prom import NixlkvPromMetrics
 
         return NixlkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Asked by vLLM 0.33 before it enables sleep mode (see ``compat``): never."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -393,7 +393,7 @@ class NixlkvWorker:
             return
         self._done_recv.add(rid)
         self._failed_recv.add(rid)
-        # vLLM 0.33's scheduler maps invalid block ids to requests only with one KV group; with
+        # vLLM's scheduler (0.32 and 0.33 alike) maps invalid block ids to requests only with one KV group; with
         # several (HMA) block ids are per group, so the failure travels as failed_recving only.
         if self.num_groups == 1:
             self._invalid_blocks.update(blocks)

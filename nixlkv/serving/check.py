@@ -1,0 +1,365 @@
+"""``nixlkv serve-check``: real P and D vLLM servers, a real proxy, a real client; D's answers
+through P's KV judged against D computing the same prompts itself.
+
+One case = one model, one connector (``nixlkv`` or vLLM's ``vllm`` NixlConnector), one TP pair,
+one block-size pair. The check:
+
+1. builds the tiny model (``models.make``), starts P (``kv_producer``) and D (``kv_consumer``,
+   prefix caching off) and the proxy (``nixlkv.serving.proxy``);
+2. sends each prompt of the case to D alone (the reference) and through the proxy (P prefills,
+   D loads the KV and decodes), one at a time, reading D's metrics around each request: the
+   tokens D loaded from the remote, the tokens it computed itself, the connector's bytes and
+   transfers; then a batch of prompts concurrently;
+3. runs the negative control: two prompts of equal length prefilled on P, each decoded on D with
+   the other's ``kv_transfer_params``; the judge must reject both, or the check is blind;
+4. judges every answer (``compare.judge``) and prints a table, or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import models
+from .client import Completion, CompletionError, complete, delta, scrape
+from .compare import judge
+from .launch import EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
+from .proxy import PREFILL_PARAMS
+
+FIRST_ID = len(models.SPECIAL_TOKENS)  # prompts avoid the special tokens
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str = "tiny-llama"
+    connector: str = "nixlkv"
+    p_tp: int = 1
+    d_tp: int = 1
+    p_block: int | None = None  # None: the model recipe's block size
+    d_block: int | None = None
+    max_tokens: int = 12
+    concurrency: int = 4
+    rule: str | None = None  # exact | drift; None: exact at equal TP unless the recipe says otherwise
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        rec = models.recipe(self.model)
+        pb, db = self.p_block or rec.block_size, self.d_block or rec.block_size
+        blocks = f" b{pb}/b{db}" if pb != db else f" b{pb}"
+        return f"{self.model} P{self.p_tp}->D{self.d_tp}{blocks} {self.connector}"
+
+
+@dataclass
+class Options:
+    python: str = field(default_factory=default_python)
+    models_dir: Path = Path(".serve-models")
+    work_dir: Path = Path(".serve-runs")
+    port: int = 8100  # P; D = port+1; proxy = port+2; side channels port+10.., port+20..
+    start_timeout_s: float = 900.0
+    negative_control: bool = True
+    quick: bool = False  # fewer prompts (CI's smoke case)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def prompt_lengths(block: int, max_model_len: int, max_tokens: int, quick: bool) -> dict[str, int]:
+    """The prompt lengths every case covers: one token, either side of a block boundary, many
+    blocks, and as long as the engine accepts with room for the answer."""
+    room = max_model_len - max_tokens
+    lengths = {"1 token": 1, "block-1": block - 1, "block+1": block + 1,
+               "many blocks": min(8 * block + 5, room), "near max_model_len": room}
+    if not quick:
+        lengths.update({"block": block, "2 blocks+3": 2 * block + 3})
+    return {k: v for k, v in lengths.items() if 1 <= v <= room}
+
+
+def make_prompts(case: Case, block: int, max_model_len: int, quick: bool) -> dict[str, list[int]]:
+    rng = np.random.default_rng(case.seed)
+    out = {}
+    for name, n in prompt_lengths(block, max_model_len, case.max_tokens, quick).items():
+        out[name] = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
+    return out
+
+
+def _transfer_facts(d: dict[str, float]) -> dict[str, float]:
+    """What D's metrics say one request (or a batch) did: tokens loaded vs computed, and the
+    connector's own counters (vLLM's ``vllm:nixl_*`` and nixlkv's ``vllm:nixlkv_*`` alike)."""
+    facts = {
+        "loaded_tokens": d.get("vllm:prompt_tokens_by_source_total{source=external_kv_transfer}", 0.0),
+        "computed_tokens": d.get("vllm:prompt_tokens_by_source_total{source=local_compute}", 0.0),
+    }
+    for prefix in ("vllm:nixlkv_", "vllm:nixl_"):
+        if any(k.startswith(prefix) for k in d):
+            facts["transfers"] = d.get(f"{prefix}xfer_time_seconds_count", 0.0)
+            facts["transfer_s"] = d.get(f"{prefix}xfer_time_seconds_sum", 0.0)
+            facts["bytes"] = d.get(f"{prefix}bytes_transferred_sum", 0.0)
+            facts["descriptors"] = d.get(f"{prefix}num_descriptors_sum", 0.0)
+            failed = [v for k, v in d.items() if k.startswith(prefix) and "failed_transfers" in k]
+            facts["failed_transfers"] = sum(failed)
+            break
+    return facts
+
+
+@dataclass
+class Row:
+    name: str
+    prompt_len: int
+    verdict: dict[str, Any]
+    facts: dict[str, float]
+    moved: bool  # D loaded the prompt from P rather than computing it
+    ttft_s: float | None
+    error: str | None = None
+    answer: list[int] | None = None  # D's token ids through the proxy (connectors are compared on them)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.verdict.get("ok", False) and self.moved
+
+
+@dataclass
+class Result:
+    case: dict[str, Any]
+    label: str
+    rule: str
+    rows: list[Row]
+    concurrent: dict[str, Any]
+    negative_control: dict[str, Any] | None
+    startup_s: dict[str, float]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        if self.error is not None or not self.rows:
+            return False
+        control_ok = self.negative_control is None or self.negative_control.get("bites", False)
+        return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        for row, src in zip(out["rows"], self.rows):
+            row["ok"] = src.ok
+        return out
+
+
+class Servers:
+    """P, D and the proxy of one case; a context manager that always stops all three."""
+
+    def __init__(self, case: Case, opts: Options) -> None:
+        rec = models.recipe(case.model)
+        self.case, self.opts, self.recipe = case, opts, rec
+        self.model_dir = build_model(case.model, opts.models_dir, opts.python)
+        self.log_dir = (opts.work_dir / f"{case.model}-p{case.p_tp}d{case.d_tp}-{case.connector}-{int(time.time())}").resolve()
+        env = {**rec.env, **opts.extra_env}
+        base = opts.port
+        self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
+                                 case.p_block or rec.block_size, rec.max_model_len, env=env)
+        self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
+                                 case.d_block or rec.block_size, rec.max_model_len, env=env)
+        self.p: Process | None = None
+        self.d: Process | None = None
+        self.proxy: Process | None = None
+
+    @property
+    def p_url(self) -> str:
+        return f"http://127.0.0.1:{self.p_spec.port}"
+
+    @property
+    def d_url(self) -> str:
+        return f"http://127.0.0.1:{self.d_spec.port}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.opts.port + 2}"
+
+    def start(self) -> dict[str, float]:
+        py = self.opts.python
+        self.p = engine_process("prefill", self.p_spec, py, self.log_dir).start()
+        self.d = engine_process("decode", self.d_spec, py, self.log_dir).start()
+        ready = {"prefill": self.p.wait_ready(self.opts.start_timeout_s),
+                 "decode": self.d.wait_ready(self.opts.start_timeout_s)}
+        self.proxy = proxy_process([self.p_url], [self.d_url], self.opts.port + 2, py, self.log_dir).start()
+        ready["proxy"] = self.proxy.wait_ready(60)
+        return ready
+
+    def restart_prefill(self) -> float:
+        if self.p is not None:
+            self.p.stop()
+        self.p = engine_process("prefill", self.p_spec, self.opts.python, self.log_dir).start()
+        return self.p.wait_ready(self.opts.start_timeout_s)
+
+    def stop(self) -> None:
+        for proc in (self.proxy, self.d, self.p):
+            if proc is not None:
+                proc.stop()
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def build_model(name: str, root: Path, python: str) -> Path:
+    """Build (or reuse) a tiny model with the serving environment's own torch and transformers,
+    so the weights are the ones that environment would make."""
+    code = "import sys; from nixlkv.serving.models import make; print(make(sys.argv[1], sys.argv[2]))"
+    out = subprocess.run([python, "-c", code, name, str(root)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise ServeError(f"building tiny model {name} with {python} failed:\n{out.stderr[-3000:]}")
+    return Path(out.stdout.strip().splitlines()[-1]).resolve()
+
+
+def default_rule(case: Case) -> str:
+    if case.rule:
+        return case.rule
+    if case.p_tp != case.d_tp or not models.recipe(case.model).exact_reference:
+        return "drift"
+    return "exact"
+
+
+def prefill_on(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
+    """Prefill on P alone (what the proxy's first leg does) and return P's kv_transfer_params."""
+    c = complete(url, model, prompt, 1, kv_transfer_params=dict(PREFILL_PARAMS))
+    if not isinstance(c.kv_transfer_params, dict):
+        raise ServeError(f"prefill engine {url} returned no kv_transfer_params")
+    return c.kv_transfer_params
+
+
+def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int]]) -> list[Row]:
+    model = str(srv.model_dir)
+    rows = []
+    for name, prompt in prompts.items():
+        try:
+            ref = complete(srv.d_url, model, prompt, case.max_tokens)
+            before = scrape(srv.d_url)
+            got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
+            facts = _transfer_facts(delta(scrape(srv.d_url), before))
+        except (CompletionError, OSError) as exc:
+            rows.append(Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        verdict = judge(ref, got, rule)
+        # D loaded the prompt (all but at most the tokens it must recompute) rather than computing it
+        moved = facts["loaded_tokens"] >= len(prompt) - 1 and facts["computed_tokens"] <= 1 \
+            and facts.get("transfers", 0) >= 1
+        rows.append(Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids))
+    return rows
+
+
+def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_len: int) -> dict[str, Any]:
+    """``concurrency`` prompts of different lengths at once through the proxy; each judged
+    against D's own answer."""
+    model = str(srv.model_dir)
+    rng = np.random.default_rng(case.seed + 1)
+    room = max_model_len - case.max_tokens
+    lens = [int(x) for x in rng.integers(1, min(room, 6 * block), size=case.concurrency)]
+    prompts = [rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for n in lens]
+    refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
+    before = scrape(srv.d_url)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=case.concurrency) as pool:
+        futs = [pool.submit(complete, srv.proxy_url, model, p, case.max_tokens) for p in prompts]
+        errors, gots = [], []
+        for f in futs:
+            try:
+                gots.append(f.result())
+            except (CompletionError, OSError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                gots.append(None)
+    wall = time.perf_counter() - t0
+    facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    verdicts = [judge(r, g, rule).to_dict() if g is not None else {"ok": False} for r, g in zip(refs, gots)]
+    moved = facts["loaded_tokens"] >= sum(lens) - len(lens) and facts.get("transfers", 0) >= len(lens)
+    return {"ok": not errors and moved and all(v["ok"] for v in verdicts), "lengths": lens, "verdicts": verdicts,
+            "facts": facts, "moved": moved, "errors": errors, "wall_s": wall}
+
+
+def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dict[str, Any]:
+    """Each of two equal-length prompts decoded on D from the *other's* KV: the judge must reject
+    both answers, or it could not have seen a wrong KV either."""
+    model = str(srv.model_dir)
+    rng = np.random.default_rng(case.seed + 2)
+    n = 3 * block + 7
+    a, b = (rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for _ in range(2))
+    ref_a, ref_b = (complete(srv.d_url, model, p, case.max_tokens) for p in (a, b))
+    params_a, params_b = prefill_on(srv.p_url, model, a), prefill_on(srv.p_url, model, b)
+    before = scrape(srv.d_url)
+    got_a = complete(srv.d_url, model, a, case.max_tokens, kv_transfer_params=params_b)
+    got_b = complete(srv.d_url, model, b, case.max_tokens, kv_transfer_params=params_a)
+    facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    va, vb = judge(ref_a, got_a, rule), judge(ref_b, got_b, rule)
+    moved = facts.get("transfers", 0) >= 2
+    return {"bites": moved and not va.ok and not vb.ok, "moved": moved, "prompt_len": n,
+            "verdicts": [va.to_dict(), vb.to_dict()], "facts": facts}
+
+
+def run_case(case: Case, opts: Options) -> Result:
+    rec = models.recipe(case.model)
+    rule = default_rule(case)
+    block = max(case.p_block or rec.block_size, case.d_block or rec.block_size)
+    result = Result(asdict(case), case.label, rule, [], {}, None, {})
+    srv = Servers(case, opts)
+    try:
+        with srv:
+            result.startup_s = srv.start()
+            prompts = make_prompts(case, block, rec.max_model_len, opts.quick)
+            result.rows = run_prompts(srv, case, rule, prompts)
+            result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
+            if opts.negative_control:
+                result.negative_control = run_negative_control(srv, case, rule, block)
+    except (ServeError, CompletionError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.case["log_dir"] = str(srv.log_dir)
+    return result
+
+
+def format_table(results: list[Result]) -> str:
+    lines = []
+    for res in results:
+        lines.append(f"== {res.label}  rule={res.rule}  {'PASS' if res.ok else 'FAIL'}"
+                     + (f"  startup P {res.startup_s.get('prefill', 0):.0f}s D {res.startup_s.get('decode', 0):.0f}s"
+                        if res.startup_s else ""))
+        if res.error:
+            lines.append(f"   error: {res.error}")
+        if res.rows:
+            lines.append(f"   {'prompt':<20}{'len':>5}  {'verdict':<8}{'1st diff':>9}{'max|dlp|':>10}"
+                         f"{'loaded':>8}{'computed':>9}{'bytes':>10}{'xfers':>6}{'ttft ms':>9}")
+        for r in res.rows:
+            f = r.facts
+            div = r.verdict.get("first_divergence")
+            lines.append(
+                f"   {r.name:<20}{r.prompt_len:>5}  {'ok' if r.ok else 'FAIL':<8}{'-' if div is None else div:>9}"
+                f"{r.verdict.get('max_dlogprob', float('nan')):>10.4f}{f.get('loaded_tokens', 0):>8.0f}"
+                f"{f.get('computed_tokens', 0):>9.0f}{f.get('bytes', 0):>10.0f}{f.get('transfers', 0):>6.0f}"
+                f"{(r.ttft_s or 0) * 1000:>9.1f}" + (f"  {r.error}" if r.error else "")
+                + ("" if r.verdict.get("ok", False) or r.error else f"  {r.verdict.get('reason')}")
+                + ("" if r.moved or r.error else "  (KV not loaded from P)"))
+        if res.concurrent:
+            c = res.concurrent
+            lines.append(f"   concurrent x{len(c.get('lengths', []))}: {'ok' if c.get('ok') else 'FAIL'} "
+                         f"(lengths {c.get('lengths')}, loaded {c.get('facts', {}).get('loaded_tokens', 0):.0f} tokens, "
+                         f"{c.get('facts', {}).get('transfers', 0):.0f} transfers, {c.get('wall_s', 0):.2f} s)"
+                         + (f" errors: {c['errors']}" if c.get("errors") else ""))
+        if res.negative_control is not None:
+            nc = res.negative_control
+            reasons = "; ".join(v.get("reason", "") for v in nc.get("verdicts", []))
+            lines.append(f"   negative control (KV swapped between two {nc.get('prompt_len')}-token prompts): "
+                         f"{'rejected as it must' if nc.get('bites') else 'NOT REJECTED: the check is blind'}"
+                         f" ({reasons})")
+        lines.append(f"   logs: {res.case.get('log_dir')}")
+    return "\n".join(lines)
+
+
+def to_json(results: list[Result]) -> str:
+    return json.dumps([r.to_dict() for r in results], indent=1, default=float)
+
+
+def with_connector(case: Case, connector: str) -> Case:
+    return replace(case, connector=connector)

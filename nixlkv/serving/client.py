@@ -1,0 +1,150 @@
+"""A small OpenAI-completions client (stdlib only) and a Prometheus text reader.
+
+Prompts are token ids, so their lengths are exact (1 token, a block minus one...), and answers
+come back as token ids with their logprobs and top alternatives: the serving check compares
+those, never decoded text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+TOP_LOGPROBS = 2  # the chosen token and its runner-up: enough to tell a near-tie from a wrong KV
+
+
+class CompletionError(RuntimeError):
+    """The server answered with an error status; ``status`` and ``body`` say what it said."""
+
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"{url} answered {status}: {body[:400]}")
+        self.status, self.body = status, body
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token
+    top: list[dict[int, float]]  # per position: token id -> logprob of the top alternatives
+    total_s: float
+    ttft_s: float | None = None  # streamed answers only: request sent -> first token received
+    kv_transfer_params: dict[str, Any] | None = None
+    prompt_tokens: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _token_id(key: str) -> int:
+    # return_tokens_as_token_ids renders tokens as "token_id:123"
+    return int(key.rsplit(":", 1)[1]) if key.startswith("token_id:") else -1
+
+
+def request_body(model: str, prompt: list[int], max_tokens: int, *, stream: bool = False,
+                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "return_token_ids": True,
+        "ignore_eos": True, "stream": stream,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        raise CompletionError(url, exc.code, exc.read().decode(errors="replace")) from None
+
+
+def _absorb(choice: dict[str, Any], ids: list[int], lps: list[float], top: list[dict[int, float]]) -> None:
+    lp = choice.get("logprobs") or {}
+    tokens = lp.get("tokens") or []
+    chosen = [_token_id(t) for t in tokens]
+    if choice.get("token_ids") is not None:
+        chosen = [int(t) for t in choice["token_ids"]]
+    ids.extend(chosen)
+    lps.extend(float(x) for x in (lp.get("token_logprobs") or []))
+    for alts in lp.get("top_logprobs") or []:
+        top.append({_token_id(k): float(v) for k, v in (alts or {}).items()})
+
+
+def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, stream: bool = False,
+             kv_transfer_params: dict[str, Any] | None = None, timeout_s: float = 300.0) -> Completion:
+    """One completion of ``prompt`` (token ids), greedy, with logprobs; streamed if asked (for TTFT)."""
+    url = f"{base_url}/v1/completions"
+    body = request_body(model, prompt, max_tokens, stream=stream, kv_transfer_params=kv_transfer_params)
+    ids: list[int] = []
+    lps: list[float] = []
+    top: list[dict[int, float]] = []
+    t0 = time.perf_counter()
+    ttft = None
+    raw: dict[str, Any] = {}
+    with _post(url, body, timeout_s) as resp:
+        if not stream:
+            raw = json.loads(resp.read())
+            _absorb(raw["choices"][0], ids, lps, top)
+        else:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise CompletionError(url, 500, json.dumps(chunk["error"]))
+                for choice in chunk.get("choices") or []:
+                    before = len(ids)
+                    _absorb(choice, ids, lps, top)
+                    if ttft is None and len(ids) > before:
+                        ttft = time.perf_counter() - t0
+                raw = chunk
+    usage = raw.get("usage") or {}
+    return Completion(ids, lps, top, time.perf_counter() - t0, ttft, raw.get("kv_transfer_params"),
+                      usage.get("prompt_tokens"), raw)
+
+
+def get_json(url: str, timeout_s: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+IGNORED_LABELS = ("engine", "model_name")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{label=value,...}": value}, summed over the engine/model labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        kept = sorted((k, v) for k, v in _LABEL.findall(labels) if k not in IGNORED_LABELS)
+        key = name + ("{" + ",".join(f"{k}={v}" for k, v in kept) + "}" if kept else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as resp:
+        return parse_metrics(resp.read().decode(errors="replace"))
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

