@@ -234,13 +234,41 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
                    port=args.port, start_timeout_s=args.start_timeout, negative_control=not args.no_negative_control,
                    quick=args.quick)
     results = []
-    for connector in args.connector:
+    for connector in args.connector or ["nixlkv"]:
         case = Case(model=args.model, connector=connector, p_tp=args.p_tp, d_tp=args.d_tp, p_block=args.p_block,
                     d_block=args.d_block, max_tokens=args.max_tokens, concurrency=args.concurrency, rule=args.rule)
         print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
         results.append(run_case(case, opts))
     print(to_json(results) if args.json else format_table(results))
     return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_serve_drill(args: argparse.Namespace) -> int:
+    from .serving.check import Case, Options
+    from .serving.drills import format_drills, run
+
+    opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   port=args.port, start_timeout_s=args.start_timeout)
+    outs = [run(Case(model=args.model, connector=c), opts, tuple(args.policy or ("recompute", "fail")))
+            for c in (args.connector or ["nixlkv"])]
+    print(json.dumps(outs, indent=1, default=float) if args.json else "\n".join(format_drills(o) for o in outs))
+    return 0 if all(o["ok"] for o in outs) else 1
+
+
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    from .serving.bench import markdown, run
+    from .serving.check import Case, Options
+
+    opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   port=args.port, start_timeout_s=args.start_timeout)
+    rows = [run(Case(model=m, p_tp=args.p_tp, d_tp=args.d_tp), opts, prompt_len=args.prompt_len,
+                requests=args.requests, load_requests=args.load_requests, concurrency=args.concurrency)
+            for m in (args.model or ["tiny-llama"])]
+    table = markdown(rows)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    print(json.dumps(rows, indent=1, default=float) if args.json else table)
+    return 0
 
 
 def cmd_serve_matrix(args: argparse.Namespace) -> int:
@@ -325,6 +353,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become ready")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)
+    p = sub.add_parser("serve-drill", help="failures in real serving: P killed while D waits, P restarted on the "
+                       "same port, a decode that never came (docs/serving.md)")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
+    p.add_argument("--policy", action="append", choices=("recompute", "fail"),
+                   help="D's kv_load_failure_policy (repeatable; default both)")
+    p.add_argument("--python", default=default_python())
+    p.add_argument("--models-dir", default=".serve-models")
+    p.add_argument("--work-dir", default=".serve-runs")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_serve_drill)
+    p = sub.add_parser("serve-bench", help="serving performance, nixlkv vs vLLM's NixlConnector in one run: TTFT "
+                       "through the proxy, D's transfer time, throughput under a concurrent load (ratios)")
+    p.add_argument("--model", action="append", help="tiny model(s) (default tiny-llama)")
+    p.add_argument("--p-tp", type=int, default=1)
+    p.add_argument("--d-tp", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--requests", type=int, default=10, help="sequential streamed requests for TTFT")
+    p.add_argument("--load-requests", type=int, default=24, help="requests of the concurrent load")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--python", default=default_python())
+    p.add_argument("--models-dir", default=".serve-models")
+    p.add_argument("--work-dir", default=".serve-runs")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_serve_bench)
     p = sub.add_parser("serve-matrix", help="serve-check over every tiny model, TP pair and block-size pair, both "
                        "connectors side by side (docs/serving.md)")
     p.add_argument("--model", action="append", help="only these models (repeatable)")
@@ -340,8 +398,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_matrix)
     args = parser.parse_args(argv)
-    if getattr(args, "connector", "x") is None:
-        args.connector = ["nixlkv"]
     if getattr(args, "plans", False) and not args.json:
         parser.error("--plans needs --json")
     if getattr(args, "baseline", None) and args.plans:

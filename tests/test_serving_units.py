@@ -222,3 +222,30 @@ def test_proxy_needs_both_kinds_of_engine() -> None:
     with pytest.raises(ValueError, match="--prefill"):
         Proxy([], ["http://d"])
     assert math.isfinite(EXACT_TOL)
+
+
+# ---------------------------------------------------------------- the matrix's table
+def _result(answers: dict[str, list[int]], ok: bool = True):
+    from nixlkv.serving.check import Result, Row
+
+    rows = [Row(n, 10, {"ok": ok, "max_dlogprob": 0.0, "reason": "r"}, {"bytes": 64.0}, True, 0.01, answer=a)
+            for n, a in answers.items()]
+    return Result({}, "x", "exact", rows, {"ok": True}, {"bites": True}, {})
+
+
+def test_matrix_compares_the_two_connectors_prompt_by_prompt() -> None:
+    from nixlkv.serving.matrix import agreement
+
+    a = _result({"p1": [1, 2], "p2": [3, 4], "p3": [5]})
+    b = _result({"p1": [1, 2], "p2": [3, 9]})
+    assert agreement(a, b) == {"prompts": 2, "identical": 1, "differ": ["p2"]}
+
+
+def test_matrix_rows_say_pass_or_why_not() -> None:
+    from nixlkv.serving.matrix import markdown, summarize
+
+    good, bad = summarize(_result({"p": [1]})), summarize(_result({"p": [1]}, ok=False))
+    assert good["ok"] and not bad["ok"] and "p: r" in bad["why"]
+    table = markdown([{"model": "m", "kind": "k", "shape": "P1->D1", "nixlkv": good, "vllm": bad,
+                       "agreement": {"prompts": 1, "identical": 1, "differ": []}}])
+    assert "| PASS 1/1" in table and "FAIL 0/1: p: r" in table and "| 1/1 |" in table

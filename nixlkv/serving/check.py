@@ -152,17 +152,21 @@ class Result:
 class Servers:
     """P, D and the proxy of one case; a context manager that always stops all three."""
 
-    def __init__(self, case: Case, opts: Options) -> None:
+    def __init__(self, case: Case, opts: Options, *, p_extra: dict[str, Any] | None = None,
+                 p_env: dict[str, str] | None = None, d_policy: str | None = None, tag: str = "") -> None:
         rec = models.recipe(case.model)
         self.case, self.opts, self.recipe = case, opts, rec
         self.model_dir = build_model(case.model, opts.models_dir, opts.python)
-        self.log_dir = (opts.work_dir / f"{case.model}-p{case.p_tp}d{case.d_tp}-{case.connector}-{int(time.time())}").resolve()
+        self.log_dir = (opts.work_dir / f"{case.model}-p{case.p_tp}d{case.d_tp}-{case.connector}{tag}-"
+                                        f"{int(time.time())}").resolve()
         env = {**rec.env, **opts.extra_env}
         base = opts.port
         self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
-                                 case.p_block or rec.block_size, rec.max_model_len, env=env)
+                                 case.p_block or rec.block_size, rec.max_model_len, extra_config=dict(p_extra or {}),
+                                 env={**env, **(p_env or {})})
         self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
-                                 case.d_block or rec.block_size, rec.max_model_len, env=env)
+                                 case.d_block or rec.block_size, rec.max_model_len, env=env,
+                                 load_failure_policy=d_policy)
         self.p: Process | None = None
         self.d: Process | None = None
         self.proxy: Process | None = None
@@ -189,8 +193,14 @@ class Servers:
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
 
-    def restart_prefill(self) -> float:
+    def kill_prefill(self) -> None:
+        """P dies abruptly (SIGKILL to its whole process group), as a crashed engine does."""
         if self.p is not None:
+            self.p.kill()
+
+    def restart_prefill(self) -> float:
+        """A new P process on the same host, port and side channel (new NIXL agents and memory)."""
+        if self.p is not None and self.p.alive():
             self.p.stop()
         self.p = engine_process("prefill", self.p_spec, self.opts.python, self.log_dir).start()
         return self.p.wait_ready(self.opts.start_timeout_s)

@@ -1,0 +1,157 @@
+"""``nixlkv serve-drill``: failures in real serving, each judged by what the client sees and by what
+the engines' own metrics say about their KV blocks.
+
+1. **P killed while D waits for its KV**: a request prefilled on P, P killed (SIGKILL to its whole
+   process group), then the request sent to D. Under ``kv_load_failure_policy=recompute`` D must
+   answer it exactly as it would alone; under ``fail`` it must fail that request only. Either
+   way D then serves the next request from a live P exactly, and holds no blocks afterwards.
+2. **P restarted on the same port**: a request prefilled by the P that died must not be read from
+   the new P (its block ids now hold other data): D fails or recomputes it, never decodes from
+   it; requests prefilled by the new P decode exactly.
+3. **Prefill done, decode never came**: P must free the request's blocks when its lease ends
+   (``lease_s``; vLLM's connector: ``kv_lease_duration``), seen in P's ``kv_cache_usage_perc``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import models
+from .check import FIRST_ID, Case, Options, Servers, default_rule, prefill_on
+from .client import CompletionError, complete, scrape
+from .compare import judge
+from .launch import ServeError
+
+LEASE_S = 4  # the drills' P lease: short, so that drill 3 ends in seconds
+
+
+@dataclass
+class Drill:
+    name: str
+    ok: bool
+    facts: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+
+
+def _usage(url: str) -> float:
+    return scrape(url).get("vllm:kv_cache_usage_perc", float("nan"))
+
+
+def _settle(url: str, timeout_s: float = 20.0) -> float:
+    """KV usage of an engine once its finished requests are freed (polls: frees are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    usage = _usage(url)
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        usage = _usage(url)
+    return usage
+
+
+def _prompt(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
+
+
+def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Drill]:
+    rule = default_rule(case)
+    rec = models.recipe(case.model)
+    lease_key = "lease_s" if case.connector == "nixlkv" else "kv_lease_duration"
+    srv = Servers(case, opts, p_extra={lease_key: LEASE_S}, d_policy=policy, tag=f"-drill-{policy}")
+    model = str(srv.model_dir)
+    rng = np.random.default_rng(case.seed + 7)
+    n = 3 * rec.block_size + 5
+    drills: list[Drill] = []
+    with srv:
+        srv.start()
+        # 1. P killed while D waits for the KV
+        dead = _prompt(rng, n)
+        ref_dead = complete(srv.d_url, model, dead, case.max_tokens)
+        params_dead = prefill_on(srv.p_url, model, dead)
+        srv.kill_prefill()
+        facts: dict[str, Any] = {"policy": policy}
+        try:
+            got = complete(srv.d_url, model, dead, case.max_tokens, kv_transfer_params=params_dead, timeout_s=120)
+            verdict = judge(ref_dead, got, rule)
+            facts["answered"] = True
+            facts["verdict"] = verdict.to_dict()
+            ok = policy == "recompute" and verdict.ok
+            why = "" if ok else f"policy {policy}: D answered ({verdict.reason})"
+        except CompletionError as exc:
+            facts["answered"], facts["status"] = False, exc.status
+            ok = policy == "fail"
+            why = "" if ok else f"policy {policy} but D failed the request: {exc}"
+        facts["d_kv_usage_after"] = _settle(srv.d_url)
+        if facts["d_kv_usage_after"] > 0:
+            ok, why = False, (why + "; " if why else "") + f"D still holds KV ({facts['d_kv_usage_after']:.4f})"
+        drills.append(Drill("P killed while D waits for its KV", ok, facts, why))
+
+        # 2. P restarted on the same port; the dead P's request and a new one
+        facts = {"restart_s": round(srv.restart_prefill(), 1)}
+        live = _prompt(rng, n)
+        ref_live = complete(srv.d_url, model, live, case.max_tokens)
+        stale = _prompt(rng, n)  # prefilled by the old P before it died: its params must not be read
+        params_stale = params_dead
+        try:
+            got_live = complete(srv.d_url, model, live, case.max_tokens, kv_transfer_params=prefill_on(srv.p_url, model, live))
+            v_live = judge(ref_live, got_live, rule)
+            facts["new_p_verdict"] = v_live.to_dict()
+            ok, why = v_live.ok, "" if v_live.ok else f"request from the restarted P: {v_live.reason}"
+        except CompletionError as exc:
+            ok, why = False, f"request from the restarted P failed: {exc}"
+        # the old P's params with another prompt of the same length: reading them would decode from
+        # whatever the new P now holds at those block ids
+        ref_stale = complete(srv.d_url, model, stale, case.max_tokens)
+        try:
+            got_stale = complete(srv.d_url, model, stale, case.max_tokens, kv_transfer_params=params_stale, timeout_s=120)
+            v_stale = judge(ref_stale, got_stale, rule)
+            facts["stale_verdict"] = v_stale.to_dict()
+            if policy == "fail" or not v_stale.ok:
+                ok, why = False, (why + "; " if why else "") + f"stale request answered under {policy}: {v_stale.reason}"
+        except CompletionError as exc:
+            facts["stale_status"] = exc.status
+            if policy == "recompute":
+                ok, why = False, (why + "; " if why else "") + f"stale request failed under recompute: {exc}"
+        facts["p_kv_usage_after"] = _settle(srv.p_url)
+        facts["d_kv_usage_after"] = _settle(srv.d_url)
+        if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
+            ok, why = False, (why + "; " if why else "") + "blocks still held after the requests ended"
+        drills.append(Drill("P restarted on the same port", ok, facts, why))
+
+        # 3. prefill done, decode never came: P frees the blocks when the lease ends
+        orphan = _prompt(rng, n)
+        prefill_on(srv.p_url, model, orphan)
+        held = _usage(srv.p_url)
+        t0 = time.monotonic()
+        freed = _settle(srv.p_url, timeout_s=LEASE_S * 6 + 30)
+        facts = {"lease_s": LEASE_S, "p_kv_usage_held": held, "p_kv_usage_after": freed,
+                 "freed_after_s": round(time.monotonic() - t0, 1)}
+        ok = held > 0 and freed == 0
+        why = "" if ok else ("P held no blocks after the prefill" if held <= 0 else "P never freed the blocks")
+        drills.append(Drill("prefill done, decode never came", ok, facts, why))
+    return drills
+
+
+def run(case: Case, opts: Options, policies: tuple[str, ...] = ("recompute", "fail")) -> dict[str, Any]:
+    out: dict[str, Any] = {"case": case.label, "policies": {}}
+    for policy in policies:
+        try:
+            drills = run_drills(case, opts, policy)
+            out["policies"][policy] = [asdict(d) for d in drills]
+        except (ServeError, CompletionError, OSError) as exc:
+            out["policies"][policy] = [asdict(Drill("set-up", False, why=f"{type(exc).__name__}: {exc}"))]
+    out["ok"] = all(d["ok"] for ds in out["policies"].values() for d in ds)
+    return out
+
+
+def format_drills(out: dict[str, Any]) -> str:
+    lines = [f"== drills: {out['case']}  {'PASS' if out['ok'] else 'FAIL'}"]
+    for policy, drills in out["policies"].items():
+        for d in drills:
+            lines.append(f"   [{policy}] {d['name']:<36} {'ok' if d['ok'] else 'FAIL'}  {d['why']}")
+            keep = {k: v for k, v in d["facts"].items() if not isinstance(v, dict)}
+            if keep:
+                lines.append(f"       {keep}")
+    return "\n".join(lines)
