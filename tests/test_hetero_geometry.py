@@ -95,3 +95,33 @@ def test_minimal_remote_with_wrong_page_geometry_is_still_rejected() -> None:
         bare[rank] = dataclasses.replace(g, regions=tuple(regions), memory=((0, 1 << 62),))
     with pytest.raises(IncompatibleGeometry, match="content_bytes"):
         Dispatcher.from_plugins().plan(plan.local, bare)
+
+
+def _hetero_with_opaque_prefill(name: str):
+    """A scenario's ranks with every prefill layer marked as vLLM's CPU backend marks its pages."""
+    from nixlkv.core.geometry import RankGeometry
+    from nixlkv.testing.engines import build_rank
+    from nixlkv.testing.rehearsal import geometry
+
+    scenario = load(SCENARIOS / f"{name}.yaml")
+    dispatcher = Dispatcher.from_plugins()
+    prefill = [build_rank(scenario, "prefill", r) for r in range(scenario.prefill.tp)]
+    for rank in prefill:
+        for layer in rank.kv_caches:
+            rank.hints[layer] = {**rank.hints.get(layer, {}), "token_major_interior": False, "interior": "K channel-major"}
+    # through the handshake's wire form, as D sees P
+    p_geo = {r.tp_rank: RankGeometry.from_dict(geometry(r, dispatcher).to_dict()) for r in prefill}
+    return dispatcher, geometry(build_rank(scenario, "decode", 0), dispatcher), p_geo
+
+
+def test_a_block_size_mismatch_is_refused_where_a_page_is_not_token_major() -> None:
+    # vLLM's CPU attention backend: keys channel-major inside a block (nixlkv.vllm.model_backend);
+    # a P b32 -> D b16 copy of half a block's tokens would scramble them
+    dispatcher, local, p_geo = _hetero_with_opaque_prefill("hetero-llama-like-p2b32-d2b16")
+    with pytest.raises(IncompatibleGeometry, match=r"not token-major inside \(K channel-major\).*same --block-size"):
+        dispatcher.plan(local, p_geo)
+
+
+def test_equal_block_sizes_still_plan_with_pages_that_are_not_token_major() -> None:
+    dispatcher, local, p_geo = _hetero_with_opaque_prefill("fa-p2-d4-h8")  # whole per-head runs only
+    assert dispatcher.plan(local, p_geo).to_dict()["segments"]

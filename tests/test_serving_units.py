@@ -249,3 +249,26 @@ def test_matrix_rows_say_pass_or_why_not() -> None:
     table = markdown([{"model": "m", "kind": "k", "shape": "P1->D1", "nixlkv": good, "vllm": bad,
                        "agreement": {"prompts": 1, "identical": 1, "differ": []}}])
     assert "| PASS 1/1" in table and "FAIL 0/1: p: r" in table and "| 1/1 |" in table
+
+
+def test_a_refusal_is_read_from_ds_log(tmp_path) -> None:
+    from nixlkv.serving.check import refusal_in
+
+    log = tmp_path / "decode.log"
+    log.write_text("x\n(Worker pid=1) ERROR nixlkv handshake failed engine=e remote=h:1 error=IncompatibleGeometry: "
+                   "layer 'l': start P and D with the same --block-size failing_requests=['r']\n")
+    assert refusal_in(log) == "layer 'l': start P and D with the same --block-size"
+    log.write_text("nixlkv handshake failed engine=e error=HandshakeError: no handshake answer\n")
+    assert refusal_in(log) is None  # a dead P is a failure, not a refusal by design
+    assert refusal_in(tmp_path / "missing.log") is None
+
+
+def test_backend_hints_mark_only_backends_whose_pages_are_not_token_major() -> None:
+    from nixlkv.vllm.model_backend import backend_hints, combine
+
+    hints = backend_hints({"a": "CPU_ATTN", "b": "FLASH_ATTN"})
+    assert hints("a")["token_major_interior"] is False and "channel-major" in hints("a")["interior"]
+    assert hints("b") == {} and hints("c") == {}
+    both = combine(hints, lambda name: {"mamba": 1} if name == "a" else {}, None)
+    assert both("a")["mamba"] == 1 and both("a")["token_major_interior"] is False
+    assert combine(None, None) is None

@@ -133,6 +133,7 @@ class Result:
     negative_control: dict[str, Any] | None
     startup_s: dict[str, float]
     error: str | None = None
+    refusal: str | None = None  # the connector's own refusal (D's log), when it refused the pairing
 
     @property
     def ok(self) -> bool:
@@ -327,7 +328,24 @@ def run_case(case: Case, opts: Options) -> Result:
     except (ServeError, CompletionError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.case["log_dir"] = str(srv.log_dir)
+    result.refusal = refusal_in(srv.log_dir / "decode.log")
     return result
+
+
+REFUSAL_MARKS = ("error=IncompatibleGeometry: ", "error=HandshakeError: ")
+
+
+def refusal_in(log: Path) -> str | None:
+    """nixlkv's handshake refusal as D logged it (the pairing refused by design, with its reason)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        for mark in REFUSAL_MARKS:
+            if mark in line and "IncompatibleGeometry" in line:
+                return line.split(mark, 1)[1].split(" failing_requests=")[0].strip()
+    return None
 
 
 def format_table(results: list[Result]) -> str:
@@ -338,6 +356,8 @@ def format_table(results: list[Result]) -> str:
                         if res.startup_s else ""))
         if res.error:
             lines.append(f"   error: {res.error}")
+        if res.refusal:
+            lines.append(f"   refused by the connector: {res.refusal}")
         if res.rows:
             lines.append(f"   {'prompt':<20}{'len':>5}  {'verdict':<8}{'1st diff':>9}{'max|dlp|':>10}"
                          f"{'loaded':>8}{'computed':>9}{'bytes':>10}{'xfers':>6}{'ttft ms':>9}")

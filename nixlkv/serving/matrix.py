@@ -91,13 +91,15 @@ def summarize(res: Result) -> dict[str, Any]:
         "bytes": sum(r.facts.get("bytes", 0.0) for r in res.rows),
         "transfer_s": sum(r.facts.get("transfer_s", 0.0) for r in res.rows),
         "ttft_ms": [round((r.ttft_s or 0) * 1000, 1) for r in res.rows],
-        "why": why, "result": res.to_dict(),
+        "why": why, "refusal": res.refusal, "result": res.to_dict(),
     }
 
 
 def _cell(s: dict[str, Any] | None) -> str:
     if s is None:
         return "not run"
+    if s.get("refusal") and not s["ok"]:
+        return f"REFUSED (by design): {s['refusal'][:300]}".replace("|", "/")
     if s["ok"]:
         dl = f", max abs dlogprob {s['max_dlogprob']:.3g}" if s.get("max_dlogprob") is not None else ""
         return f"PASS {s['exact']}/{s['prompts']} ({s['rule']}{dl}; control rejected)"

@@ -98,6 +98,10 @@ class FullAttentionStrategy(Strategy):
                 "kv_quant_mode": int(spec.kv_quant_mode),
                 "content_bytes": spec.state_content_size_bytes,
                 "tokens_per_block": spec.block_size,
+                # False where the backend's page interior is not token-major (see nixlkv.vllm.model_backend):
+                # only whole-block copies are exact there
+                "token_major_interior": bool(layer.hints.get("token_major_interior", True)),
+                **({"interior": str(layer.hints["interior"])} if "interior" in layer.hints else {}),
                 **self.extra_facts(spec),
             },
         )
@@ -120,6 +124,8 @@ class FullAttentionStrategy(Strategy):
                     f"{peer.fact('head_start')}, but {total} heads over tp={remote_tp} put it at {expected_start}"
                 )
             phases = token_phases(tokens_per_block(local), tokens_per_block(peer))
+            if len(phases) > 1 or kernel_pages(local.page)[1] != kernel_pages(peer.page)[1]:
+                refuse_token_split(local, peer)
             for phase, (local_token, remote_token, tokens) in enumerate(phases):
                 for loff, roff, nbytes in head_token_runs(local, peer, run, local_token, remote_token, tokens):
                     out.append(Segment(local.name, loff, run.remote_rank, peer.name, roff, nbytes, phase))
@@ -151,6 +157,17 @@ def pair_owned_blocks(
             "its blocks; a windowed cache needs its own strategy"
         )
     return pair_by_tokens(local_ids, remote_ids, tokens_per_block(local), tokens_per_block(remote), num_tokens)
+
+
+def refuse_token_split(local: Region, peer: Region) -> None:
+    """A copy of part of a block's tokens is exact only where both pages are token-major inside."""
+    for side, region in (("local", local), ("remote", peer)):
+        if region.facts.get("token_major_interior", True) is False:
+            raise IncompatibleGeometry(
+                f"layer {local.name!r}: P and D hold {tokens_per_block(peer)} and {tokens_per_block(local)} tokens "
+                f"per block, which copies part of a block's tokens, but the {side} page is not token-major inside "
+                f"({region.facts.get('interior', 'its backend says so')}); start P and D with the same --block-size"
+            )
 
 
 def tokens_per_block(region: Region) -> int:
