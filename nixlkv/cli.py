@@ -273,18 +273,25 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve_matrix(args: argparse.Namespace) -> int:
     from .serving.check import Options
-    from .serving.matrix import default_cases, markdown, run_matrix, select, to_json
+    from .serving.matrix import default_cases, markdown, merge, run_matrix, select, to_json
 
-    opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
-                   port=args.port, start_timeout_s=args.start_timeout)
-    cases = select(default_cases(), args.model, args.only)
-    connectors = tuple(args.connector or ("nixlkv", "vllm"))
-    rows = run_matrix(cases, opts, connectors, progress=lambda m: print(f"[serve-matrix] {m}", file=sys.stderr, flush=True))
+    def save(rows: list) -> None:
+        if args.json_out:
+            Path(args.json_out).write_text(to_json(rows) + "\n")
+
+    if args.merge:
+        rows = merge(json.loads(Path(p).read_text()) for p in args.merge)
+    else:
+        opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                       port=args.port, start_timeout_s=args.start_timeout)
+        cases = select(default_cases(), args.model, args.shape)
+        connectors = tuple(args.connector or ("nixlkv", "vllm"))
+        rows = run_matrix(cases, opts, connectors, after_row=save,
+                          progress=lambda m: print(f"[serve-matrix] {m}", file=sys.stderr, flush=True))
     table = markdown(rows)
     if args.markdown:
         Path(args.markdown).write_text(table)
-    if args.json_out:
-        Path(args.json_out).write_text(to_json(rows) + "\n")
+    save(rows)
     print(to_json(rows) if args.json else table)
     return 0
 
@@ -386,7 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("serve-matrix", help="serve-check over every tiny model, TP pair and block-size pair, both "
                        "connectors side by side (docs/serving.md)")
     p.add_argument("--model", action="append", help="only these models (repeatable)")
-    p.add_argument("--only", action="append", help="only shapes containing this text, e.g. 'P1->D1' (repeatable)")
+    p.add_argument("--shape", action="append", help="only this shape, exactly, e.g. 'P1->D1', 'P2->D1', "
+                   "'P1->D1 b32/b64' (repeatable)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="no run: merge earlier --json-out files into one table")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: both")
     p.add_argument("--python", default=default_python())
     p.add_argument("--models-dir", default=".serve-models")

@@ -272,3 +272,16 @@ def test_backend_hints_mark_only_backends_whose_pages_are_not_token_major() -> N
     both = combine(hints, lambda name: {"mamba": 1} if name == "a" else {}, None)
     assert both("a")["mamba"] == 1 and both("a")["token_major_interior"] is False
     assert combine(None, None) is None
+
+
+def test_matrix_selects_exact_shapes_and_merges_runs_in_table_order() -> None:
+    from nixlkv.serving.matrix import default_cases, merge, select
+
+    picked = select(default_cases(), ["tiny-llama"], ["P1->D1"])
+    assert [(c.p_tp, c.d_tp, c.p_block, c.d_block) for c in picked] == [(1, 1, None, None)]
+    assert len(select(default_cases(), ["tiny-llama"], ["P1->D1 b32/b64"])) == 1
+    first = [{"model": "tiny-gemma3", "shape": "P1->D1", "v": 1}, {"model": "tiny-llama", "shape": "P2->D1", "v": 1}]
+    later = [{"model": "tiny-llama", "shape": "P2->D1", "v": 2}, {"model": "tiny-llama", "shape": "P1->D1", "v": 2}]
+    rows = merge([first, later])
+    assert [(r["model"], r["shape"], r["v"]) for r in rows] == [
+        ("tiny-llama", "P1->D1", 2), ("tiny-llama", "P2->D1", 2), ("tiny-gemma3", "P1->D1", 1)]

@@ -31,10 +31,11 @@ def default_cases() -> list[Case]:
     return cases
 
 
-def select(cases: Iterable[Case], models_: list[str] | None, only: list[str] | None) -> list[Case]:
+def select(cases: Iterable[Case], models_: list[str] | None, shapes: list[str] | None) -> list[Case]:
+    """The cases of these models and exactly these shapes (e.g. ``P1->D1``, ``P1->D1 b32/b64``)."""
     out = [c for c in cases if not models_ or c.model in models_]
-    if only:
-        out = [c for c in out if any(tag in _shape(c) for tag in only)]
+    if shapes:
+        out = [c for c in out if _shape(c) in shapes]
     return out
 
 
@@ -57,8 +58,11 @@ def agreement(a: Result, b: Result) -> dict[str, Any]:
 
 
 def run_matrix(cases: list[Case], opts: Options, connectors: tuple[str, ...] = CONNECTORS,
-               progress: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
-    rows = []
+               progress: Callable[[str], None] = lambda m: None,
+               after_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """Run every case with every connector; ``after_row`` sees the rows so far after each case
+    (the CLI rewrites its JSON there, so a long run that is stopped keeps what it measured)."""
+    rows: list[dict[str, Any]] = []
     for case in cases:
         row: dict[str, Any] = {"model": case.model, "kind": models.recipe(case.model).kind, "shape": _shape(case)}
         results = {}
@@ -72,7 +76,19 @@ def run_matrix(cases: list[Case], opts: Options, connectors: tuple[str, ...] = C
         if len(results) == 2 and all(r.rows for r in results.values()):
             row["agreement"] = agreement(results["nixlkv"], results["vllm"])
         rows.append(row)
+        after_row(rows)
     return rows
+
+
+def merge(runs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of several runs as one table: a later run's row replaces an earlier one of the same
+    model and shape, in the order of :func:`default_cases`."""
+    by_key: dict[tuple[str, str], dict[str, Any]] = {}
+    for rows in runs:
+        for row in rows:
+            by_key[(row["model"], row["shape"])] = row
+    order = {(c.model, _shape(c)): i for i, c in enumerate(default_cases())}
+    return sorted(by_key.values(), key=lambda r: order.get((r["model"], r["shape"]), len(order)))
 
 
 def summarize(res: Result) -> dict[str, Any]:
