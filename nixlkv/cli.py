@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from importlib import resources
@@ -412,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "baseline", None) and args.plans:
         parser.error("--plans shows nixlkv's plans; vLLM's baseline has none to show")
     _quiet()
+    if args.command.startswith("serve-"):
+        # a stopped run stops the servers it started (their `with` blocks run on SystemExit)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from .core.errors import NixlkvError
     from .testing.scenario import ScenarioError
 
