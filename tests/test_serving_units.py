@@ -285,3 +285,19 @@ def test_matrix_selects_exact_shapes_and_merges_runs_in_table_order() -> None:
     rows = merge([first, later])
     assert [(r["model"], r["shape"], r["v"]) for r in rows] == [
         ("tiny-llama", "P1->D1", 2), ("tiny-llama", "P2->D1", 2), ("tiny-gemma3", "P1->D1", 1)]
+
+
+def test_where_d_alone_is_no_reference_the_row_passes_only_on_identical_answers_to_vllms() -> None:
+    from nixlkv.serving import models
+    from nixlkv.serving.matrix import agreement, judge_by_baseline, summarize
+
+    rec = models.recipe("tiny-deepseek-v2")
+    assert not rec.exact_reference and rec.reference_note
+    for theirs, passes in (({"p": [1], "q": [2]}, True), ({"p": [1], "q": [3]}, False)):
+        ours, base = _result({"p": [1], "q": [2]}, ok=False), _result(theirs, ok=False)
+        row = {"nixlkv": summarize(ours), "vllm": summarize(base), "agreement": agreement(ours, base)}
+        judge_by_baseline(row, rec)
+        assert row["nixlkv"]["ok"] is passes
+    row = {"nixlkv": summarize(ours), "vllm": summarize(ours), "agreement": agreement(ours, ours)}
+    judge_by_baseline(row, models.recipe("tiny-llama"))
+    assert row["nixlkv"]["ok"] is False  # an exact reference is never replaced

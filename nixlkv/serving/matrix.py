@@ -75,9 +75,27 @@ def run_matrix(cases: list[Case], opts: Options, connectors: tuple[str, ...] = C
             row[conn] = summarize(res)
         if len(results) == 2 and all(r.rows for r in results.values()):
             row["agreement"] = agreement(results["nixlkv"], results["vllm"])
+            judge_by_baseline(row, models.recipe(case.model))
         rows.append(row)
         after_row(rows)
     return rows
+
+
+def judge_by_baseline(row: dict[str, Any], rec: models.ModelRecipe) -> None:
+    """Where D alone is not an exact reference (``exact_reference=False``), a transfer is right when
+    nixlkv's answers are vLLM's connector's, token for token, on every prompt, with the KV moved
+    and the negative control rejected: the row then passes against that reference, and says so."""
+    ours, ag = row.get("nixlkv"), row.get("agreement")
+    if rec.exact_reference or not ours or not ag or ours["ok"] or ours["result"].get("error"):
+        return
+    rows = ours["result"]["rows"]
+    moved = all(r["moved"] and r.get("error") is None for r in rows)
+    control = (ours["result"].get("negative_control") or {"bites": True}).get("bites", False)
+    if ag["prompts"] == len(rows) and ag["identical"] == ag["prompts"] and moved and control:
+        ours["ok"] = True
+        ours["reference"] = "vllm"
+        ours["why"] = (f"identical to vLLM's NixlConnector on {ag['identical']}/{ag['prompts']} prompts; "
+                       f"D alone is no exact reference here: {rec.reference_note}")
 
 
 def merge(runs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -86,6 +104,8 @@ def merge(runs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     by_key: dict[tuple[str, str], dict[str, Any]] = {}
     for rows in runs:
         for row in rows:
+            if row["model"] in models.RECIPES:
+                judge_by_baseline(row, models.recipe(row["model"]))
             by_key[(row["model"], row["shape"])] = row
     order = {(c.model, _shape(c)): i for i, c in enumerate(default_cases())}
     return sorted(by_key.values(), key=lambda r: order.get((r["model"], r["shape"]), len(order)))
@@ -116,6 +136,8 @@ def _cell(s: dict[str, Any] | None) -> str:
         return "not run"
     if s.get("refusal") and not s["ok"]:
         return f"REFUSED (by design): {s['refusal'][:300]}".replace("|", "/")
+    if s["ok"] and s.get("reference") == "vllm":
+        return f"PASS vs vLLM's connector: {s['why'][:300]}".replace("|", "/")
     if s["ok"]:
         dl = f", max abs dlogprob {s['max_dlogprob']:.3g}" if s.get("max_dlogprob") is not None else ""
         return f"PASS {s['exact']}/{s['prompts']} ({s['rule']}{dl}; control rejected)"
