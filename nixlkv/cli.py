@@ -297,6 +297,18 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serving_args(p: argparse.ArgumentParser) -> None:
+    """Where the serving commands find their environment and put their servers."""
+    from .serving.launch import default_python
+
+    p.add_argument("--python", default=default_python(), help="python of the serving environment "
+                   "(default: $NIXLKV_SERVE_PYTHON, else .serve-venv/bin/python)")
+    p.add_argument("--models-dir", default=".serve-models", help="where tiny models are built (reused)")
+    p.add_argument("--work-dir", default=".serve-runs", help="server logs")
+    p.add_argument("--port", type=int, default=8100, help="P's port; D, the proxy and side channels use the next ones")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become ready")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nixlkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,8 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")
     p.set_defaults(func=cmd_bench)
-    from .serving.launch import default_python
-
     p = sub.add_parser("serve-check", help="real P and D vLLM servers, proxy and client: D's answers from P's KV "
                        "judged against D computing the prompts itself (docs/serving.md)")
     p.add_argument("--model", default="tiny-llama", help="a tiny model recipe (nixlkv.serving.models.RECIPES)")
@@ -353,12 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rule", choices=("exact", "drift"), help="how answers are judged (default: exact at equal TP)")
     p.add_argument("--quick", action="store_true", help="fewer prompts (the CI smoke case)")
     p.add_argument("--no-negative-control", action="store_true")
-    p.add_argument("--python", default=default_python(), help="python of the serving environment "
-                   "(default: $NIXLKV_SERVE_PYTHON, else .serve-venv/bin/python)")
-    p.add_argument("--models-dir", default=".serve-models", help="where tiny models are built (reused)")
-    p.add_argument("--work-dir", default=".serve-runs", help="server logs")
-    p.add_argument("--port", type=int, default=8100, help="P's port; D, the proxy and side channels use the next ones")
-    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become ready")
+    _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)
     p = sub.add_parser("serve-drill", help="failures in real serving: P killed while D waits, P restarted on the "
@@ -367,11 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
     p.add_argument("--policy", action="append", choices=("recompute", "fail"),
                    help="D's kv_load_failure_policy (repeatable; default both)")
-    p.add_argument("--python", default=default_python())
-    p.add_argument("--models-dir", default=".serve-models")
-    p.add_argument("--work-dir", default=".serve-runs")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_drill)
     p = sub.add_parser("serve-bench", help="serving performance, nixlkv vs vLLM's NixlConnector in one run: TTFT "
@@ -383,11 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=10, help="sequential streamed requests for TTFT")
     p.add_argument("--load-requests", type=int, default=24, help="requests of the concurrent load")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--python", default=default_python())
-    p.add_argument("--models-dir", default=".serve-models")
-    p.add_argument("--work-dir", default=".serve-runs")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    _serving_args(p)
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_bench)
@@ -398,11 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "'P1->D1 b32/b64' (repeatable)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="no run: merge earlier --json-out files into one table")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: both")
-    p.add_argument("--python", default=default_python())
-    p.add_argument("--models-dir", default=".serve-models")
-    p.add_argument("--work-dir", default=".serve-runs")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    _serving_args(p)
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json-out", metavar="PATH")
     p.add_argument("--json", action="store_true")
