@@ -103,11 +103,11 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         self.compat = vllm_compat_hash(vllm_config)
         self._scheduler: NixlkvScheduler | None = None
         self._worker: NixlkvWorker | None = None
+        if kv_cache_config is None:  # vLLM 0.32 and 0.33 pass it to both roles
+            raise ValueError(f"NixlkvConnector's {role.name.lower()} role needs the KVCacheConfig")
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = NixlkvScheduler(vllm_config, self.engine_id, self.config, self.compat)
+            self._scheduler = NixlkvScheduler(vllm_config, self.engine_id, self.config, self.compat, kv_cache_config)
         else:
-            if kv_cache_config is None:
-                raise ValueError("NixlkvConnector's worker role needs the KVCacheConfig")
             tp_rank, tp_size = tp_rank_and_size(vllm_config)
             heads = kv_heads_by_layer(vllm_config.model_config)
             self._worker = NixlkvWorker(

@@ -120,6 +120,12 @@ def request_seed(rid: str) -> int:
     return zlib.crc32(rid.encode()) & 0xFFFF
 
 
+def state_seed(rid: str, num_tokens: int) -> int:
+    """A running state's pattern depends on how many tokens it has taken: the oracle tells the
+    state after N - 1 prompt tokens from the state after N."""
+    return request_seed(rid) ^ ((num_tokens + 1) << 16)
+
+
 class PDEngine:
     """One engine: vLLM's Scheduler (its connector built by vLLM from the kv-transfer config) and
     one worker-role NixlkvConnector per TP rank over fabricated KV caches."""
@@ -171,6 +177,10 @@ class PDEngine:
         )
         self.aggregator = KVOutputAggregator(expected_finished_count=side.tp)
         self.recv_blocks: dict[str, tuple[list[int], ...]] = {}
+        self.recv_tokens: dict[str, int] = {}  # tokens each loaded request's blocks hold once read
+        # Prompt tokens the scheduler counted as computed when it first ran the model on a request:
+        # the state a running-state group must hold then is the state after exactly these.
+        self.computes_from: dict[str, int] = {}
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.finished_sending: set[str] = set()
@@ -195,11 +205,12 @@ class PDEngine:
         req.kv_transfer_params = params
         self.scheduler.add_request(req)
 
-    def fill(self, rid: str, block_ids: tuple[list[int], ...]) -> None:
-        """Play the prefill forward pass: the request's blocks get its oracle pattern on every rank."""
+    def fill(self, rid: str, block_ids: tuple[list[int], ...], num_tokens: int) -> None:
+        """Play the prefill forward pass of ``num_tokens`` tokens: the request's blocks get its oracle
+        pattern on every rank, a running state the pattern of the state after ``num_tokens``."""
         for rank in self.ranks:
             gb = [oracle.GroupBlocks(np.asarray(g, dtype=np.int64), 0, np.ones(len(g), dtype=bool)) for g in block_ids]
-            oracle.write_pattern(rank, rank.buffer, gb, request_seed(rid))
+            _write_split(rank, rank.buffer, gb, request_seed(rid), state_seed(rid, num_tokens))
 
     def step(self) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -209,9 +220,11 @@ class PDEngine:
         for rid, recv in getattr(meta, "reqs_to_recv", {}).items():
             if recv.report:
                 self.recv_blocks[rid] = recv.local_block_ids
-        if self.role == "prefill":
-            for new in so.scheduled_new_reqs:
-                self.fill(new.req_id, new.block_ids)
+                self.recv_tokens[rid] = recv.num_tokens
+        for new in so.scheduled_new_reqs:
+            self.computes_from.setdefault(new.req_id, new.num_computed_tokens)
+            if self.role == "prefill":
+                self.fill(new.req_id, new.block_ids, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
         req_ids = list(so.num_scheduled_tokens)
         outs = []
         for w in self.workers:  # the model runner's order (kv_connector_model_runner_mixin)
@@ -260,7 +273,8 @@ class PDEngine:
         """Sentinel everywhere but in what each request's load must write (oracle.decode_receives):
         with ``num_tokens`` the token slots the prefill engine's blocks hold (its block size may
         differ), and for a sliding-window group only the window's last cdiv(window, block_size) + 1
-        blocks, never a null block; without it, whole blocks. A state (Mamba) group: its running state."""
+        blocks, never a null block; without it, whole blocks. A state (Mamba) group: its running
+        state after the prompt tokens this engine counted as computed when it went on from there."""
         rank = self.ranks[rank_index]
         target = torch.full_like(rank.buffer, oracle.SENTINEL)
         for rid, block_ids in seeds.items():
@@ -278,7 +292,9 @@ class PDEngine:
                                                       oracle.window_of(rank, group), bs, self.peer_block_sizes[group])
                     holds = holds[:, None] & receives
                 gb.append(oracle.GroupBlocks(ids, first, holds))
-            oracle.write_pattern(rank, target, gb, request_seed(rid))
+            has_state = any(rank.is_state_group(g) for g in range(rank.num_groups))
+            after = state_seed(rid, self.computes_from[rid]) if has_state else request_seed(rid)
+            _write_split(rank, target, gb, request_seed(rid), after)
         return target
 
     @functools.cached_property
@@ -291,6 +307,15 @@ class PDEngine:
         for w in self.workers:
             w.shutdown()
         self.scheduler.connector.shutdown()
+
+
+def _write_split(rank, target: torch.Tensor, blocks: list, token_seed: int, state_seed_: int) -> None:
+    """Token groups with one seed, running-state groups with another."""
+    empty = oracle.GroupBlocks(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=bool))
+    states = [rank.is_state_group(g) for g in range(rank.num_groups)]
+    oracle.write_pattern(rank, target, [empty if s else b for b, s in zip(blocks, states)], token_seed)
+    if any(states):
+        oracle.write_pattern(rank, target, [b if s else empty for b, s in zip(blocks, states)], state_seed_)
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -322,7 +347,8 @@ def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30
             if conn.poll(0.002):
                 if conn.recv() == "stop":
                     break
-        conn.send({"finished_sending": sorted(engine.finished_sending), **engine.leaks()})
+        expired = sum(s.reduce()["expired_leases"] for s in engine.stats)
+        conn.send({"finished_sending": sorted(engine.finished_sending), "expired_leases": expired, **engine.leaks()})
         conn.recv()  # wait for the parent to say goodbye before tearing NIXL down
     finally:
         engine.close()
@@ -375,16 +401,19 @@ class PDRun:
     decode_groups: int
     state_groups: list[int]  # Mamba groups (one running state per request)
     recv_blocks: dict[str, tuple[list[int], ...]]  # D's blocks per request and group
+    loaded_tokens: dict[str, int]  # prompt tokens D loaded from P, per loaded request
+    computes_from: dict[str, int]  # prompt tokens D counted as computed when it first ran the model
     transfers: dict[str, int]  # D's stats, summed
     prefill_report: dict[str, Any]
     failed: set[str]
 
 
-def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), lease_s: float = 30.0) -> PDRun:
+def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), lease_s: float = 30.0,
+           local: set[str] = frozenset()) -> PDRun:
     """P (separate process) prefills ``prompts``, D loads them through the connector. Checked here:
     every byte of every D rank against the oracle (requests in ``fail`` must fail and write
-    nothing), the others received, every prefill request freed by notification, no request or
-    block left on either side."""
+    nothing; requests in ``local`` D computes itself, loading nothing), the others received, every
+    prefill request freed by notification, no request or block left on either side."""
     proc, parent, params = start_prefill(case, prompts, lease_s=lease_s)
     d = None
     try:
@@ -394,10 +423,11 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
             oracle.fill_decode(r)
         run_decode(d, params, prompts)
         assert set(d.outputs) == set(prompts), sorted(d.outputs)
-        assert d.finished_recving == set(prompts) and d.failed_recving == set(fail), (d.finished_recving, d.failed_recving)
+        assert d.finished_recving == set(prompts) - set(local) and d.failed_recving == set(fail), \
+            (d.finished_recving, d.failed_recving)
         loaded = {rid: b for rid, b in d.recv_blocks.items() if rid not in fail}
         for r in range(case.d_tp):
-            mismatch = oracle.compare(d.ranks[r], d.expected(r, loaded, prompts))
+            mismatch = oracle.compare(d.ranks[r], d.expected(r, loaded, d.recv_tokens))
             assert mismatch is None, str(mismatch)
         assert_no_leaks(d.leaks(), "decode")
         total: dict[str, int] = {}
@@ -407,10 +437,13 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         assert parent.poll(60), "the prefill process never reported"
         report = parent.recv()
         assert report["finished_sending"] == sorted(prompts), report
+        if not fail:  # every hold ended by D's notification (read or not), none by the lease
+            assert report["expired_leases"] == 0, report
         assert_no_leaks(report, "prefill")
         rank = d.ranks[0]
         states = [g for g in range(rank.num_groups) if rank.is_state_group(g)]
-        return PDRun(params, rank.num_groups, states, dict(d.recv_blocks), total, report, set(d.failed_recving))
+        return PDRun(params, rank.num_groups, states, dict(d.recv_blocks), dict(d.recv_tokens), dict(d.computes_from),
+                     total, report, set(d.failed_recving))
     finally:
         if d is not None:
             d.close()

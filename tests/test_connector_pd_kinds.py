@@ -27,14 +27,38 @@ def test_mla_latent_is_byte_exact(p_tp: int, d_tp: int) -> None:
     assert run.transfers["bytes"] == d_tp * once  # every D rank reads each page once, never twice
 
 
+# Mamba prompts: block-1 and block+1 tokens (P then holds exactly one block), and one token (D computes it).
+MAMBA_PROMPTS = {**PROMPTS, "k-3": 16, "k-4": 1}
+
+
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
 def test_mamba_hybrid_is_byte_exact(p_tp: int, d_tp: int) -> None:
     """Nemotron-H-like Mamba2 + attention hybrid: the connector reads each Mamba layer's geometry
-    from the model class (one B/C group, replicated on every rank) and moves the running state."""
-    run = run_pd(PDCase("nemotron-h", p_tp, d_tp), PROMPTS)
+    from the model class (one B/C group, replicated on every rank) and moves the running state.
+
+    D computes the last prompt token again for its logits, so the state it holds then must be the
+    state after N - 1 tokens, not N (that token would be applied twice): P prefills N - 1 tokens
+    and publishes that count, D loads exactly those (attention KV included) and computes the last
+    one. The oracle knows the state after every prefix length, so a state after N fails here. A
+    one-token prompt leaves nothing to load: D computes it and P frees its blocks on notification."""
+    run = run_pd(PDCase("nemotron-h", p_tp, d_tp), MAMBA_PROMPTS, local={"k-4"})
     assert len(run.state_groups) == 2 and run.decode_groups == 3 and run.transfers["failed_transfers"] == 0
     for blocks in run.recv_blocks.values():  # the oracle checked a running state in each
         assert all(blocks[g] and blocks[g][-1] != 0 for g in run.state_groups), blocks
+    loaded = {rid: n - 1 for rid, n in MAMBA_PROMPTS.items() if n > 1}
+    assert {rid: p["remote_num_tokens"] for rid, p in run.params.items()} == {**loaded, "k-4": 1}
+    assert run.loaded_tokens == loaded
+    assert run.computes_from == {**loaded, "k-4": 0}
+
+
+@pytest.mark.parametrize("model", ["llama", "llama-sw"])
+def test_attention_only_loads_the_whole_prompt(model: str) -> None:
+    """No running state: P prefills every prompt token, D loads all of them and computes the last
+    one again for its logits (unchanged from before state kinds held tokens back)."""
+    run = run_pd(PDCase(model, 1, 1), PROMPTS)
+    assert {rid: p["remote_num_tokens"] for rid, p in run.params.items()} == PROMPTS
+    assert run.loaded_tokens == PROMPTS
+    assert run.computes_from == {rid: n - 1 for rid, n in PROMPTS.items()}
 
 
 def test_gemma4_like_per_layer_heads_are_byte_exact() -> None:

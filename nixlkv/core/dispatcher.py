@@ -45,6 +45,24 @@ class Dispatcher:
     def strategy_for(self, spec: Any, layer_name: str) -> Strategy:
         return self.registry.for_type(type(self.layer_spec(spec, layer_name)))
 
+    def decode_recomputes(self, layers: Iterable[tuple[Any, str]]) -> int:
+        """Trailing prompt tokens a decode engine must compute itself for a model whose layers
+        are ``(spec, layer name)``: the most any layer's strategy declares
+        (:meth:`Strategy.decode_recomputes`). One number per model, because a prefill engine
+        stops the whole request (every KV group) that many tokens short."""
+        most = 0
+        for spec, name in layers:
+            inner = self.layer_spec(spec, name)
+            strategy = self.registry.for_type(type(inner))
+            n = strategy.decode_recomputes(inner)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise PlanError(
+                    f"strategy {strategy.name!r} declared {n!r} trailing tokens for the decode engine to compute "
+                    f"(layer {name!r}); it must be an integer >= 0"
+                )
+            most = max(most, n)
+        return most
+
     def local_geometry(
         self,
         engine_id: str,

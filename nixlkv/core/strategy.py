@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -76,6 +76,18 @@ class Strategy:
         prefix); it may not be longer.
         """
         return tail_aligned(local_ids, remote_ids)
+
+    def decode_recomputes(self, spec: Any) -> int:
+        """Trailing prompt tokens the decode engine must compute itself, from a cache that holds
+        everything before them (``spec``: the layer's own spec). Default 0.
+
+        A decode engine that loads a whole prompt computes its last token again to get the
+        logits. Token KV is simply rewritten by that, but a running state (Mamba, GDN, short
+        conv) would take the token twice: such a strategy returns 1, and the prefill engine then
+        stops that many tokens short of the prompt's end. Declaring more than is needed is
+        always correct (the decode engine computes more); declaring less is a wrong answer.
+        """
+        return 0
 
     def __repr__(self) -> str:
         return f"<strategy {self.name} for {', '.join(t.__name__ for t in self.spec_types)}>"

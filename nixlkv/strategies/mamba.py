@@ -13,6 +13,11 @@ Each layer becomes two regions over the same blocks: ``<layer>:conv`` (axes chan
 and ``<layer>:ssm`` (axes unit x byte), each one row-major page. A ``tp_replicated`` state
 (held whole on every rank) is one ``<layer>:state`` region copied whole from one remote rank.
 
+The state after a prompt's last token cannot be the decode engine's starting point: vLLM's
+decode engine computes that token again to get its logits, which would apply it twice. The
+strategy declares it (:meth:`MambaStrategy.decode_recomputes` is 1): the prefill engine stops one
+token short and the decode engine computes the last token from the state before it.
+
 Only the request's running state block moves: a state group's block list is not a list of
 token blocks (older entries are null placeholders or superseded states, trailing entries
 speculative scratch), so it is never expanded to kernel blocks, trimmed for a prefix hit or
@@ -260,6 +265,11 @@ class MambaStrategy(Strategy):
                 f"region {peer.name!r} on the remote engine has page {peer.page.describe()}, but the model's "
                 f"geometry at its TP size gives {axis}{expected}xbyte{local.page.size('byte')}"
             )
+
+    def decode_recomputes(self, spec: Any) -> int:
+        """One: a running state after N tokens has taken token N, and the decode engine computes
+        the last prompt token again for its logits, so it must start from the state after N - 1."""
+        return 1
 
     def pair_blocks(
         self,

@@ -10,7 +10,7 @@ head slicing and all geometry checks are the full-attention strategy's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -35,6 +35,12 @@ class Windowed:
 
     def extra_facts(self, spec: SlidingWindowSpec) -> dict[str, object]:
         return {**super().extra_facts(spec), "sliding_window": spec.sliding_window}  # type: ignore[misc]
+
+    def decode_recomputes(self, spec: Any) -> int:
+        """One for a window under bounded replay (vLLM's ``prefix_replay_tokens``, DeepSeek V4's
+        SWA): vLLM does not replay it after a P/D load, so the loaded window must be the one of
+        the token the decode engine computes again, not of the token after it."""
+        return 1 if getattr(spec, "prefix_replay_tokens", 0) else 0
 
     def pair_blocks(
         self,

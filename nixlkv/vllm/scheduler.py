@@ -1,11 +1,16 @@
 """Scheduler side of pull-mode P/D: which requests to read (D), which blocks to hold (P), the side channel.
 
-Decode (D): a request arriving with ``do_remote_prefill`` and the remote keys gets its whole
-prompt reported as matched remote tokens, loaded asynchronously; after allocation its unhashed
-block ids and the remote's are handed to the workers in the next step's metadata.
+Decode (D): a request arriving with ``do_remote_prefill`` and the remote keys gets the prompt
+tokens P holds reported as matched remote tokens, loaded asynchronously; after allocation its
+unhashed block ids and the remote's are handed to the workers in the next step's metadata.
 Prefill (P): a request finishing with ``do_remote_decode`` keeps its blocks (``request_finished``
 returns True) and publishes kv_transfer_params under the keys vLLM's NixlConnector uses; the
 workers report it as sent once every consumer notified, or its lease expired.
+Trailing tokens D computes itself (:func:`decode_recomputes`): a model with a running state
+(Mamba, GDN) must not have its last prompt token applied twice, so P prefills the prompt without
+its last ``k`` tokens (:func:`stop_short`), publishes how many tokens it holds
+(``remote_num_tokens``), and D claims exactly those and computes the rest (:func:`tokens_to_load`).
+With ``k = 0`` (attention only) D claims the whole prompt, as before.
 Heartbeats (D): every request waiting for remote KV, from its arrival until its load finished,
 is named in a heartbeat to its P every ``heartbeat_interval_s`` (sent by the workers), so P
 keeps its blocks however long D queues it.
@@ -26,11 +31,79 @@ from .metadata import (
 logger = logging.getLogger("nixlkv.connector")
 
 
+def decode_recomputes(vllm_config: Any, kv_cache_config: Any, dispatcher: Any) -> int:
+    """Trailing prompt tokens this model's decode engine must compute itself: what its layers'
+    strategies declare (a running state: 1), and at least a multi-module MTP drafter's lookahead
+    less one (vLLM's ``num_prefill_lookahead_tokens``: P would otherwise write the drafter's
+    unverified guesses into the MTP layers' KV, which D never rewrites)."""
+    layers = [(g.kv_cache_spec, name) for g in kv_cache_config.kv_cache_groups for name in g.layer_names]
+    lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    return max(dispatcher.decode_recomputes(layers), lookahead - 1)
+
+
+def stop_short(request: Any, k: int) -> bool:
+    """P: make ``request`` the prefill of its prompt without the last ``k`` tokens, so the KV
+    and states P publishes are the ones D needs; False (left whole) when it cannot or need not.
+
+    Left whole: nothing to hold back (``k`` 0, or a prompt of ``k`` tokens or fewer, which D
+    computes itself); a request that skips the prefix cache (prompt logprobs: P needs the whole
+    prompt, and D, asked the same, loads nothing); a resumable (streaming-input) session; a
+    multimodal input reaching into the held-back tokens (it cannot be cut). The cut is made once,
+    at arrival: preemption recomputes the shortened request, never cuts again. P samples one
+    token (``max_tokens`` 1, from the wrong position: the proxy discards it), because each further
+    token would advance its state past what it publishes.
+    """
+    keep = int(request.num_prompt_tokens) - k
+    if k <= 0 or keep <= 0:
+        return False
+    if getattr(request, "skip_reading_prefix_cache", False) or getattr(request, "resumable", False):
+        return False
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = getattr(feature, "mm_position", None)
+        if pos is None or pos.offset + pos.length > keep:
+            return False
+    if request.prompt_token_ids is not None:
+        request.prompt_token_ids = list(request.prompt_token_ids[:keep])  # a new list: the caller's stays whole
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:keep]
+    else:
+        return False
+    if getattr(request, "prompt_is_token_ids", None) is not None:
+        request.prompt_is_token_ids = request.prompt_is_token_ids[:keep]
+    del request._all_token_ids[keep:]  # in place: all_token_ids is a read-only view of this list
+    request.num_prompt_tokens = keep
+    request.max_tokens = 1
+    # The block hashes were computed for the whole prompt: make them the shortened prompt's.
+    del request.block_hashes[:]
+    request.update_block_hashes()
+    return True
+
+
+def tokens_to_load(num_prompt_tokens: int, k: int, remote_tokens: int | None) -> int | None:
+    """D: how many leading prompt tokens to take from P, or None to compute the prompt here.
+
+    ``k`` 0: the whole prompt (P holds it). Otherwise P's count (``remote_num_tokens``), and only
+    if it leaves at least ``k`` tokens for D: a state after more tokens already holds tokens D
+    computes again, and cannot be taken back. P leaves prompts of ``k`` tokens or fewer whole, so
+    D computes those (P's blocks are freed by a notification)."""
+    if k == 0:
+        return num_prompt_tokens
+    if remote_tokens is None or remote_tokens > num_prompt_tokens - k:
+        return None
+    return remote_tokens
+
+
 class NixlkvScheduler:
-    def __init__(self, vllm_config: Any, engine_id: str, config: ConnectorConfig, compat: str) -> None:
+    def __init__(self, vllm_config: Any, engine_id: str, config: ConnectorConfig, compat: str,
+                 kv_cache_config: Any) -> None:
         self.engine_id = engine_id
         self.config = config
         self.compat = compat
+        # Trailing prompt tokens D computes itself (P stops that many short); 0: attention only.
+        self.recompute = decode_recomputes(vllm_config, kv_cache_config, config.dispatcher())
+        if self.recompute:
+            logger.info("nixlkv engine=%s: the decode engine computes the last %d prompt token(s) itself; "
+                        "the prefill engine stops short of them", engine_id, self.recompute)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.side_channel_host = config.side_channel_host
@@ -43,6 +116,7 @@ class NixlkvScheduler:
         # D: requests waiting for remote KV -> (remote, P request id, lease view, arrival time)
         self._awaiting: dict[str, tuple[RemoteKey, str, LeaseView | None, float]] = {}
         self._last_heartbeat = float("-inf")
+        self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
 
     # ------------------------------------------------------------------ side channel
     def serve_handshake(self, reply: bytes, generation: str | None = None) -> None:
@@ -54,10 +128,18 @@ class NixlkvScheduler:
             self.side_channel_port = self._server.port
             logger.info("nixlkv side channel engine=%s listening on %s", self.engine_id, self._server.endpoint)
 
-    # ------------------------------------------------------------------ decode side
+    # ------------------------------------------------------------------ arrival (both), decode side
     def on_new_request(self, request: Any) -> None:
-        """Start heartbeating for a request that will read from a remote engine."""
+        """P: stop a prefill for a remote decode short of what D computes itself. D: start
+        heartbeating for a request that will read from a remote engine."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and not params.get("do_remote_prefill"):
+            # Cut once: a request seen again (vLLM calls this at arrival only) keeps its cut prompt.
+            if request.request_id not in self._short and stop_short(request, self.recompute):
+                self._short.add(request.request_id)
+                logger.debug("nixlkv req=%s prefills %d of its prompt tokens; decode computes the last %d",
+                             request.request_id, request.num_prompt_tokens, self.recompute)
+            return
         if not params or not params.get("do_remote_prefill") or any(params.get(k) in (None, "") for k in REMOTE_KEYS):
             return
         try:
@@ -76,13 +158,22 @@ class NixlkvScheduler:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
             try:  # claim remote tokens only for a request a worker can read (or fail) later
-                recv_from_params(params, (), report=False)
+                recv = recv_from_params(params, (), report=False)
             except (ValueError, TypeError) as exc:
                 logger.warning("nixlkv prefills %s locally: invalid kv_transfer_params: %s", request.request_id, exc)
                 params["do_remote_prefill"] = False
                 self._awaiting.pop(request.request_id, None)
                 return 0, False
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            num_prompt = len(request.prompt_token_ids or ())
+            target = tokens_to_load(num_prompt, self.recompute, recv.remote_num_tokens)
+            if target is None:
+                # Nothing P holds can be used; update_state_after_alloc (0 tokens) still tells P to free.
+                log = logger.warning if num_prompt > self.recompute else logger.debug
+                log("nixlkv computes %s's prompt here: it must compute the last %d of its %d tokens itself, but "
+                    "the prefill engine holds %s tokens", request.request_id, self.recompute, num_prompt,
+                    "an unknown number of" if recv.remote_num_tokens is None else recv.remote_num_tokens)
+                return 0, False
+            count = target - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -137,6 +228,7 @@ class NixlkvScheduler:
             return False, None
         rid = request.request_id
         self._awaiting.pop(rid, None)
+        self._short.discard(rid)
         if params.get("do_remote_prefill"):
             # D: finished (aborted) before allocation; tell P to free its blocks, read nothing.
             try:

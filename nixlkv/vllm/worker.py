@@ -319,9 +319,12 @@ class NixlkvWorker:
         try:
             local = list(req.local_block_ids) + [[]] * (self.num_groups - len(req.local_block_ids))
             remote_ids = list(req.remote_block_ids) + [[]] * (len(local) - len(req.remote_block_ids))
-            if not any(local):  # nothing to read (full prefix hit, abort): only free P's blocks
+            reads = any(local)
+            if not reads:  # nothing to read (prefix hit, abort, D computes the prompt): only free P's blocks
                 remote_ids = [[] for _ in remote_ids]
-            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair(), scratch=self._ids)
+            # Token counts pair blocks; with nothing to read D's count (its own prefix) need not be P's.
+            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair() if reads else None,
+                                    scratch=self._ids)
             flight = self.reader.post(remote.prepared, resolved, req.remote_request_id)
         except (NixlkvError, ValueError) as exc:
             if isinstance(exc, TransferError):

@@ -1,0 +1,186 @@
+"""Trailing prompt tokens the decode engine computes itself: declared per KV kind by the strategies,
+made true on P by shortening the prefill (``stop_short``) and on D by claiming only what P holds
+(``tokens_to_load``). Import-level: vLLM's real Request and specs, no engine, no NIXL."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from nixlkv.core import Dispatcher, PlanError, Strategy
+from nixlkv.core.registry import Registered, StrategyRegistry
+
+pytestmark = pytest.mark.vllm
+
+
+class ToySpec:
+    pass
+
+
+class ToyState(ToySpec):
+    pass
+
+
+class Tokens(Strategy):
+    name = "tokens"
+    spec_types = (ToySpec,)
+
+
+class State(Strategy):
+    name = "state"
+    spec_types = (ToyState,)
+
+    def decode_recomputes(self, spec: Any) -> int:
+        return 1
+
+
+class Negative(Strategy):
+    name = "negative"
+    spec_types = (ToyState,)
+
+    def decode_recomputes(self, spec: Any) -> int:
+        return -1
+
+
+def _dispatcher(*strategies: Strategy) -> Dispatcher:
+    return Dispatcher(StrategyRegistry([Registered(s, "test") for s in strategies]))
+
+
+def test_the_model_holds_back_the_most_any_layer_declares() -> None:
+    disp = _dispatcher(Tokens(), State())
+    assert disp.decode_recomputes([(ToySpec(), "a0"), (ToySpec(), "a1")]) == 0
+    assert disp.decode_recomputes([(ToySpec(), "a0"), (ToyState(), "m0")]) == 1
+    assert disp.decode_recomputes([]) == 0
+
+
+def test_a_declaration_that_is_not_a_count_is_refused_naming_the_strategy() -> None:
+    with pytest.raises(PlanError, match=r"strategy 'negative' declared -1 .*layer 'm0'"):
+        _dispatcher(Tokens(), Negative()).decode_recomputes([(ToyState(), "m0")])
+
+
+def _kv_cache_config(model: str):
+    from pd_harness import PDCase
+
+    from nixlkv.testing.engines import build_rank
+
+    return build_rank(PDCase(model).scenario(), "prefill", 0).kv_cache_config
+
+
+@pytest.mark.parametrize("model,expected", [("llama", 0), ("llama-sw", 0), ("deepseek-mla", 0), ("nemotron-h", 1)])
+def test_builtin_strategies_declare_one_token_for_a_running_state(model: str, expected: int) -> None:
+    from nixlkv.vllm.config import ConnectorConfig
+    from nixlkv.vllm.scheduler import decode_recomputes
+
+    engine = SimpleNamespace(num_prefill_lookahead_tokens=0)
+    assert decode_recomputes(engine, _kv_cache_config(model), ConnectorConfig().dispatcher()) == expected
+
+
+def test_a_multi_module_mtp_lookahead_is_held_back_too() -> None:
+    """vLLM's drafter reads ``num_prefill_lookahead_tokens`` ahead; all but one of them stay off P."""
+    from nixlkv.vllm.config import ConnectorConfig
+    from nixlkv.vllm.scheduler import decode_recomputes
+
+    disp = ConnectorConfig().dispatcher()
+    assert decode_recomputes(SimpleNamespace(num_prefill_lookahead_tokens=3), _kv_cache_config("llama"), disp) == 2
+    assert decode_recomputes(SimpleNamespace(num_prefill_lookahead_tokens=1), _kv_cache_config("nemotron-h"), disp) == 1
+
+
+def test_a_window_under_bounded_replay_is_held_back() -> None:
+    from nixlkv.strategies.sliding_window_mla import SlidingWindowMLAStrategy
+
+    assert SlidingWindowMLAStrategy().decode_recomputes(SimpleNamespace(prefix_replay_tokens=128)) == 1
+    assert SlidingWindowMLAStrategy().decode_recomputes(SimpleNamespace(prefix_replay_tokens=0)) == 0
+
+
+@pytest.mark.parametrize("n,k,remote,expected", [
+    (40, 0, 40, 40),  # attention only: the whole prompt, as before
+    (40, 0, None, 40),
+    (40, 1, 39, 39),  # P stopped one short: D loads what P holds
+    (40, 1, 30, 30),  # P holds fewer: D computes more
+    (40, 1, 40, None),  # P's state already took the last token: unusable
+    (40, 1, None, None),  # P did not say: unusable
+    (1, 1, 1, None),  # one token: D computes it
+])
+def test_decode_claims_only_what_leaves_it_its_tokens(n: int, k: int, remote: int | None, expected: int | None) -> None:
+    from nixlkv.vllm.scheduler import tokens_to_load
+
+    assert tokens_to_load(n, k, remote) == expected
+
+
+HASH_BLOCK = 4
+
+
+def _request(prompt: list[int], max_tokens: int = 5, **sampling: Any):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens, **sampling)
+    return Request(request_id="r", prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
+                   block_hasher=get_request_block_hasher(HASH_BLOCK, sha256))
+
+
+@pytest.mark.parametrize("n", [2, 9, 12, 13])
+def test_prefill_stops_short_as_if_sent_the_shorter_prompt(n: int) -> None:
+    from nixlkv.vllm.scheduler import stop_short
+
+    prompt = list(range(100, 100 + n))
+    req = _request(prompt)
+    assert stop_short(req, 1)
+    short = _request(prompt[:-1], max_tokens=1)
+    assert req.prompt_token_ids == short.prompt_token_ids and list(req.all_token_ids) == prompt[:-1]
+    assert req.num_prompt_tokens == req.num_tokens == n - 1 and req.max_tokens == 1
+    assert req.block_hashes == short.block_hashes  # no hash left over for the block with the cut token
+    assert prompt == list(range(100, 100 + n))  # the caller's list is untouched
+
+
+def test_what_cannot_or_need_not_be_cut_is_left_whole() -> None:
+    from nixlkv.vllm.scheduler import stop_short
+
+    for req, k in ((_request([5]), 1), (_request([5, 6, 7]), 0), (_request([5, 6, 7]), 3),
+                   (_request([5, 6, 7], prompt_logprobs=1), 1)):
+        before = (list(req.all_token_ids), req.num_prompt_tokens, req.max_tokens, list(req.block_hashes))
+        assert not stop_short(req, k)
+        assert (list(req.all_token_ids), req.num_prompt_tokens, req.max_tokens, list(req.block_hashes)) == before
+
+
+def _scheduler(model: str):
+    from pd_harness import vllm_config
+
+    from nixlkv.vllm.config import ConnectorConfig
+    from nixlkv.vllm.scheduler import NixlkvScheduler
+
+    vc = vllm_config("kv_producer", "P", 1, 16, {}, model)
+    return NixlkvScheduler(vc, "P", ConnectorConfig(), "c", _kv_cache_config(model))
+
+
+def test_prefill_scheduler_cuts_a_state_model_once_and_attention_never() -> None:
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    mamba = _scheduler("nemotron-h")
+    req = _request(list(range(10, 30)))
+    req.kv_transfer_params = dict(params)
+    mamba.on_new_request(req)
+    mamba.on_new_request(req)  # seen again (never by vLLM today): the cut is not repeated
+    assert req.num_prompt_tokens == 19 and req.max_tokens == 1
+    attention = _scheduler("llama")
+    req = _request(list(range(10, 30)))
+    req.kv_transfer_params = dict(params)
+    attention.on_new_request(req)
+    assert req.num_prompt_tokens == 20 and req.max_tokens == 5
+
+
+def test_decode_scheduler_claims_what_the_prefill_holds() -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h",
+              "remote_port": 1, "remote_block_ids": [[1, 2]]}
+    mamba, attention = _scheduler("nemotron-h"), _scheduler("llama")
+    for sched, remote, expected in ((mamba, 19, 19), (mamba, 20, 0), (attention, 20, 20)):
+        req = _request(list(range(10, 30)))
+        req.kv_transfer_params = {**params, "remote_num_tokens": remote}
+        assert sched.get_num_new_matched_tokens(req, 0) == (expected, expected > 0)
+    req = _request(list(range(10, 30)))
+    req.kv_transfer_params = {**params, "remote_num_tokens": 19}
+    assert mamba.get_num_new_matched_tokens(req, 16) == (3, True)  # a local prefix hit of one block
