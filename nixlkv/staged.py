@@ -98,6 +98,8 @@ class Reader:
         self._declined = 0  # auto requests that could have staged but went direct
         self.staged_requests = 0  # counters, for logs and tests
         self.rounds_posted = 0
+        self.stuck_handles = 0  # staged READs NIXL would not release at first
+        self._stuck: list[object] = []  # ... and still not released: no round is posted meanwhile
         self.buffer: torch.Tensor | None = None  # allocated by the first plan that stages
         self._reg = None
         if self.mode != "direct":
@@ -210,11 +212,13 @@ class Reader:
                 time.sleep(50e-6)
         return time.perf_counter() - flight.posted_at
 
-    def release(self, flight: InFlight | StagedFlight) -> None:
-        """Give up on a request (timeout, shutdown): its handles go, nothing more is scattered."""
+    def release(self, flight: InFlight | StagedFlight) -> bool:
+        """Give up on a request (timeout, error, shutdown): its handles go, nothing more is scattered.
+        True when nothing NIXL posted can still write into the request's blocks. A staged READ
+        writes only the staging buffer, so a staged request's blocks are safe once its scatter
+        settled; a READ NIXL will not release quarantines the buffer instead (see ``_advance``)."""
         if isinstance(flight, InFlight):
-            self.nixl.release(flight)
-            return
+            return self.nixl.release(flight)
         if flight.reading is not None:
             self._release_handles(flight.reading[1])
             flight.reading = None
@@ -227,6 +231,7 @@ class Reader:
         if not flight.done and flight.error is None:
             flight.error = TransferError("the staged request was released before it finished")
         self._advance()
+        return True
 
     def close(self) -> None:
         for flight in list(self._queue):
@@ -243,8 +248,11 @@ class Reader:
 
     # ------------------------------------------------------------------ the state machine
     def _advance(self) -> None:
-        """Move the head of the queue as far as it goes without blocking."""
+        """Move the head of the queue as far as it goes without blocking. While a READ that NIXL
+        would not release may still write into the staging buffer, no round is posted into it."""
         while self._queue:
+            if self._stuck and not self._retry_stuck():
+                return
             flight = self._queue[0]
             try:
                 progressed = self._step(flight)
@@ -355,13 +363,25 @@ class Reader:
         states = [self.nixl.state(h, release, "a staged NIXL READ", "; nothing of its round was scattered") for h in handles]
         return all(s == "DONE" for s in states)
 
-    def _release_handles(self, handles: list[object]) -> None:
-        for h in handles:
-            try:
-                self.nixl.agent.release_xfer_handle(h)
-            except Exception:  # still in flight: NIXL frees it with the agent
-                pass
+    def _release_handles(self, handles: list[object]) -> bool:
+        """Release staged READs; one NIXL cannot cancel yet may still write into the staging
+        buffer, so it is kept in ``_stuck`` and retried by ``_advance``. True when every one went."""
+        kept = [h for h in handles if not self._try_release(h)]
         handles.clear()
+        self._stuck.extend(kept)
+        self.stuck_handles += len(kept)
+        return not kept
+
+    def _retry_stuck(self) -> bool:
+        self._stuck = [h for h in self._stuck if not self._try_release(h)]
+        return not self._stuck
+
+    def _try_release(self, handle: object) -> bool:
+        try:
+            self.nixl.agent.release_xfer_handle(handle)
+        except Exception:  # nixl raises for an active transfer it cannot cancel
+            return False
+        return True
 
     def _scatter(self, scatters: Iterable[Scatter], half: int) -> float:
         """Copy one round out of its half (on the scatter thread); seconds it took."""

@@ -20,7 +20,15 @@ NOTIF_PREFIX = "nixlkv"
 
 
 class TransferError(NixlkvError):
-    """A NIXL transfer failed or timed out; the request's blocks must be treated as invalid."""
+    """A NIXL transfer failed or timed out; the request's blocks must be treated as invalid.
+
+    ``flight`` is set when READs of the request were posted and NIXL would not release them all:
+    they may still write, so the request's blocks must stay held until a later release succeeds.
+    """
+
+    def __init__(self, message: str, flight: InFlight | None = None) -> None:
+        super().__init__(message)
+        self.flight = flight
 
 
 def notification(remote_request_id: str, consumers: int) -> bytes:
@@ -117,12 +125,15 @@ class NixlRank:
                     raise TransferError(f"NIXL refused the READ from remote rank {read.remote_rank}")
                 flight.descriptors += read.num_descriptors
                 flight.nbytes += prepared.plan.read_bytes(read)
-        except TransferError:
-            self.release(flight)
+        except TransferError as exc:
+            if not self.release(flight):
+                exc.flight = flight
             raise
         except Exception as exc:  # nixl raises its own types (e.g. nixlInvalidParamError)
-            self.release(flight)
-            raise TransferError(f"posting the READs failed: {type(exc).__name__}: {exc}") from exc
+            error = TransferError(f"posting the READs failed: {type(exc).__name__}: {exc}")
+            if not self.release(flight):
+                error.flight = flight
+            raise error from exc
         for rank in resolved.notify_only:
             self.agent.send_notif(prepared.agents[rank], msg)
         flight.post_seconds = time.perf_counter() - flight.posted_at
@@ -135,8 +146,8 @@ class NixlRank:
         while pending:
             pending = [h for h in pending if self.state(h, lambda: self.release(flight), "a NIXL READ") != "DONE"]
             if pending and time.perf_counter() > deadline:
-                self.release(flight)
-                raise TransferError(f"READs not done after {timeout} s")
+                released = self.release(flight)
+                raise TransferError(f"READs not done after {timeout} s", None if released else flight)
         elapsed = time.perf_counter() - flight.posted_at
         if self.capture_telemetry:  # what NIXL posted after its merge, read before the handles go
             flight.posted_descriptors = sum(int(self.agent.get_xfer_telemetry(h).descCount) for h in flight.handles)
@@ -165,13 +176,18 @@ class NixlRank:
             raise TransferError(f"{what} ended in error{after}")
         return state
 
-    def release(self, flight: InFlight) -> None:
+    def release(self, flight: InFlight) -> bool:
+        """Release the request's transfer handles; True when every one went. NIXL refuses to release
+        a READ it cannot cancel (it may still write): that handle stays in ``flight.handles`` and the
+        request's blocks must stay held until a later call returns True."""
+        kept = []
         for handle in flight.handles:
             try:
                 self.agent.release_xfer_handle(handle)
-            except Exception:  # a handle still in flight cannot be released; NIXL frees it with the agent
-                pass
-        flight.handles.clear()
+            except Exception:  # nixl raises when the transfer is active and cannot be cancelled
+                kept.append(handle)
+        flight.handles[:] = kept
+        return not kept
 
     def release_lists(self, handles: Iterable[object]) -> None:
         """Give back prepped descriptor lists no READ will use again (a remote that went away)."""

@@ -38,6 +38,8 @@ COUNTERS = {
     "lease_extensions": "Holds extended by a heartbeat (prefill side).",
     "stale_heartbeats": "Heartbeat entries for requests the prefill worker no longer held.",
     "remotes_released": "Dropped handshakes (restarted or failed prefill engines) whose NIXL state was freed.",
+    "unreleased_transfers": "Failed or timed-out loads whose READs NIXL would not release at once (blocks kept held).",
+    "release_retries": "Release retries of such READs before their request was reported failed.",
 }
 
 

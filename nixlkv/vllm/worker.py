@@ -102,6 +102,7 @@ class NixlkvWorker:
         self._held_until: dict[tuple[RemoteKey, str], float] = {}  # P request -> held at least until
         self._waiting: dict[str, RecvRequest] = {}  # bound to a remote whose handshake is pending
         self._flights: dict[str, _Flight] = {}
+        self._draining: dict[str, tuple[_Flight, str]] = {}  # given up, but NIXL may still write: (flight, why)
         self._retiring: list[_Remote] = []  # dropped handshakes whose NIXL state is freed when idle
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -164,6 +165,7 @@ class NixlkvWorker:
     def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str]]:
         self._progress()
         self._poll_flights()
+        self._drain()
         self._reap()
         self._read_notifications()
         self._expire_holds()
@@ -187,7 +189,7 @@ class NixlkvWorker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._flights)
+        return bool(self._waiting or self._flights or self._draining)
 
     # ------------------------------------------------------------------ decode side
     def _remote(self, key: RemoteKey) -> _Remote:
@@ -327,9 +329,13 @@ class NixlkvWorker:
                                     scratch=self._ids)
             flight = self.reader.post(remote.prepared, resolved, req.remote_request_id)
         except (NixlkvError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, TransferError):
                 self._invalidate(remote.key)
-            self._fail(rid, req, f"{type(exc).__name__}: {exc}")
+                if exc.flight is not None:  # READs posted that NIXL would not release
+                    self._give_up(rid, _Flight(req, remote, exc.flight), why)
+                    return
+            self._fail(rid, req, why)
             return
         self._flights[rid] = _Flight(req, remote, flight)
 
@@ -341,7 +347,7 @@ class NixlkvWorker:
             except TransferError as exc:
                 del self._flights[rid]
                 self._invalidate(f.owner.key)
-                self._fail(rid, f.request, str(exc))
+                self._give_up(rid, f, str(exc))
                 continue
             if done:
                 del self._flights[rid]
@@ -355,9 +361,31 @@ class NixlkvWorker:
                 )
             elif now - f.flight.posted_at > self.config.transfer_timeout_s:
                 del self._flights[rid]
-                self.reader.release(f.flight)
                 self._invalidate(f.owner.key)
-                self._fail(rid, f.request, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
+                self._give_up(rid, f, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
+
+    def _give_up(self, rid: str, f: _Flight, why: str) -> None:
+        """Fail a request whose READs errored or timed out, but only once NIXL released every one
+        of them: until then a READ may still write, and reporting the request (failed or done)
+        would let vLLM free its blocks and give them to another request."""
+        if self.reader.release(f.flight):
+            self._fail(rid, f.request, why)
+            return
+        self.stats.count("unreleased_transfers")
+        logger.warning(
+            "nixlkv could not release the READs of req=%s (NIXL cannot cancel them yet): its blocks stay "
+            "held and it is reported failed once they are released; %s", rid, why,
+        )
+        self._draining[rid] = (f, why)
+
+    def _drain(self) -> None:
+        """Retry releasing the READs of requests given up on; fail each once nothing can write."""
+        for rid, (f, why) in list(self._draining.items()):
+            self.stats.count("release_retries")
+            if self.reader.release(f.flight):
+                del self._draining[rid]
+                logger.warning("nixlkv released the READs of req=%s at last: reporting it failed", rid)
+                self._fail(rid, f.request, why)
 
     def _invalidate(self, key: RemoteKey) -> None:
         """After a transfer error the remote is handshaken again before it is read from again."""
@@ -371,7 +399,7 @@ class NixlkvWorker:
         (a prefill that restarted would otherwise leave its agent and lists behind, per restart)."""
         if not self._retiring or self.nixl is None:
             return
-        busy = {id(f.owner) for f in self._flights.values()}
+        busy = {id(f.owner) for f in self._flights.values()} | {id(f.owner) for f, _ in self._draining.values()}
         live = {name for r in self._remotes.values() for name in r.agents.values()}
         keep = []
         for remote in self._retiring:
