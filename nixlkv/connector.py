@@ -78,7 +78,20 @@ def vllm_compat_hash(vllm_config: Any) -> str:
         "dtype": str(getattr(model, "dtype", None)),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "transfer": "pull-read",
+        **_speculative(getattr(vllm_config, "speculative_config", None)),
     })
+
+
+def _speculative(spec: Any) -> dict[str, Any]:
+    """Speculative decoding changes which layers hold KV (a draft model's, MTP's) and how many
+    trailing tokens D computes: P and D must run the same method, draft model and token count."""
+    if spec is None:
+        return {}
+    return {"speculative": {
+        "method": str(getattr(spec, "method", None)),
+        "model": str(getattr(spec, "model", None)),
+        "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None),
+    }}
 
 
 def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:

@@ -107,3 +107,23 @@ def test_stats_aggregate_reduce_and_rebuild() -> None:
     rebuilt = NixlkvConnector.build_kv_connector_stats(a.to_dict())
     assert rebuilt.reduce() == r
     assert NixlkvConnector.build_kv_connector_stats().is_empty()
+
+
+@pytest.mark.parametrize(("theirs", "ours", "value"), [
+    ("kv_lease_duration", "lease_s", 45),
+    ("num_threads", "nixl_num_threads", 4),
+    ("enforce_handshake_compat", "enforce_compat_hash", False),
+])
+def test_vllm_connector_keys_are_aliases(theirs, ours, value):
+    c = ConnectorConfig.parse({theirs: value})
+    assert getattr(c, ours) == value
+    assert ConnectorConfig.parse({theirs: value, ours: value}) == c  # both, agreeing
+    with pytest.raises(ConfigError, match=f"{theirs}=.*disagree; give only {ours}"):
+        ConnectorConfig.parse({theirs: value, ours: 7 if value != 7 else 8})
+
+
+@pytest.mark.parametrize("key", ["engine_ttl", "kv_recompute_threshold", "bidirectional_kv_xfer",
+                                 "decoder_kv_blocks_ttl", "push_registration_timeout"])
+def test_vllm_connector_keys_without_a_meaning_here_are_refused_naming_them(key):
+    with pytest.raises(ConfigError, match=f"{key} is a vLLM NixlConnector key: .*remove it"):
+        ConnectorConfig.parse({key: 1})

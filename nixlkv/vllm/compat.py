@@ -121,6 +121,27 @@ def check_engine_config(vllm_config: Any) -> None:
             "NixlkvConnector does not support sleep mode (--enable-sleep-mode): its NIXL registrations and the "
             f"plans peers built from its handshake cannot follow the KV cache to new addresses{hook}"
         )
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for attr, flag, why in (
+        ("pipeline_parallel_size", "--pipeline-parallel-size",
+         "a KV cache split across pipeline stages (each stage its own layers) is not planned"),
+        ("decode_context_parallel_size", "--decode-context-parallel-size",
+         "tokens interleaved across ranks within a block are not planned"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size",
+         "a prompt's KV spread across prefill context ranks is not planned"),
+    ):
+        size = getattr(parallel, attr, 1) if parallel is not None else 1
+        if isinstance(size, int) and size > 1:
+            raise ValueError(f"NixlkvConnector does not support {flag} {size} ({attr}): {why}; run with {attr}=1")
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    buffer = getattr(transfer, "kv_buffer_device", None) if transfer is not None else None
+    kv_device = _kv_device(vllm_config)
+    if isinstance(buffer, str) and buffer and kv_device and buffer != kv_device:
+        raise ValueError(
+            f"NixlkvConnector reads and writes the KV cache where it lives ({kv_device}); kv_buffer_device="
+            f"{buffer!r} (a host staging buffer) is not implemented: remove kv_buffer_device from "
+            f"--kv-transfer-config or set it to {kv_device!r}"
+        )
     aux = getattr(vllm_config, "aux_output_config", None)
     if aux is not None and getattr(aux, "enable_return_routed_experts", False):
         raise ValueError(
@@ -128,3 +149,16 @@ def check_engine_config(vllm_config: Any) -> None:
             "vLLM's NIXL connectors too): D cannot return routed experts for prompt tokens P computed, and vLLM "
             "0.33 would turn every remote load into a local prefill"
         )
+
+
+def _kv_device(vllm_config: Any) -> str | None:
+    """The device type the engine keeps its KV cache on (``cuda``, ``cpu``, ...), if known."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if isinstance(device, str) and device:
+        return device
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    device = getattr(current_platform, "device_type", None)
+    return device if isinstance(device, str) and device else None

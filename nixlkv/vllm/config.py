@@ -22,6 +22,23 @@ class ConfigError(NixlkvError):
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 
+# vLLM NixlConnector's kv_connector_extra_config keys a user may carry over: the same setting under
+# nixlkv's name (``backends`` is spelled alike) ...
+VLLM_ALIASES: Mapping[str, str] = {
+    "kv_lease_duration": "lease_s",
+    "num_threads": "nixl_num_threads",
+    "enforce_handshake_compat": "enforce_compat_hash",
+}
+# ... and the ones nixlkv has no such setting for, with what to do instead.
+VLLM_UNSUPPORTED: Mapping[str, str] = {
+    "engine_ttl": "nixlkv forgets a remote engine's NIXL state when it restarts or fails, not after a TTL; remove it",
+    "kv_recompute_threshold": "nixlkv loads every remote prefill it is given (the proxy decides what is "
+                              "disaggregated); remove it",
+    "bidirectional_kv_xfer": "nixlkv only pulls P's KV into D; remove it",
+    "decoder_kv_blocks_ttl": "nixlkv only pulls P's KV into D (no D blocks are held for P); remove it",
+    "push_registration_timeout": "nixlkv pulls (D reads from P), it never pushes; remove it",
+}
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -60,7 +77,7 @@ class ConnectorConfig:
         """Parse and validate; defaults for the side channel come from vLLM's own env variables
         (``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``) so existing deployments keep their ports."""
         env = os.environ if env is None else env
-        extra = dict(extra or {})
+        extra = _translate_vllm_keys(dict(extra or {}))
         unknown = sorted(k for k in extra if k not in cls.known_keys())
         if unknown:
             raise ConfigError(
@@ -144,3 +161,21 @@ def _str_list(key: str, value: Any, allow_empty: bool) -> tuple[str, ...]:
         need = "a list of names" if allow_empty else "a non-empty list of names"
         raise ConfigError(f"{key} must be {need}, got {value!r}")
     return tuple(value)
+
+
+def _translate_vllm_keys(extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM NixlConnector's keys under nixlkv's names; the ones without a nixlkv meaning refused."""
+    refused = sorted(k for k in extra if k in VLLM_UNSUPPORTED)
+    if refused:
+        raise ConfigError("; ".join(f"{k} is a vLLM NixlConnector key: {VLLM_UNSUPPORTED[k]}" for k in refused))
+    for theirs, ours in VLLM_ALIASES.items():
+        if theirs not in extra:
+            continue
+        value = extra.pop(theirs)
+        if ours in extra and extra[ours] != value:
+            raise ConfigError(
+                f"{theirs}={value!r} (vLLM NixlConnector's name for {ours}) and {ours}={extra[ours]!r} disagree; "
+                f"give only {ours}"
+            )
+        extra[ours] = value
+    return extra
