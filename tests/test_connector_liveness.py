@@ -42,11 +42,11 @@ def test_heartbeats_extend_the_hold_and_garbage_is_ignored(caplog) -> None:
         pw, dw = p.workers[0], d.workers[0]
         pw.start_load_kv(NixlkvMetadata(reqs_to_send={"kept": 0.4, "unnamed": 0.4}))
         key = ("P", "127.0.0.1", p.server.port)
-        beat = {key: {"kept": LeaseView(0.4, time.monotonic() + 0.36), "ghost": None}}
         freed: set[str] = set()
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
             while time.monotonic() - t0 < 1.5:
+                beat = {key: {"kept": LeaseView(0.4, t0 + 0.36 - time.monotonic()), "ghost": None}}
                 dw.start_load_kv(NixlkvMetadata(heartbeats=beat))
                 freed |= pw.get_finished(set())[0]
                 time.sleep(0.05)
@@ -78,6 +78,27 @@ def test_heartbeats_extend_the_hold_and_garbage_is_ignored(caplog) -> None:
 @pytest.mark.vllm
 @pytest.mark.parametrize("heartbeat_interval_s", [0.2, 5.0, 0.0], ids=["heartbeats", "interval-over-lease", "no-heartbeats"])
 def test_decode_queueing_longer_than_the_lease(heartbeat_interval_s: float) -> None:
+    _queue_longer_than_the_lease(heartbeat_interval_s)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("heartbeat_interval_s", [0.2, 0.0], ids=["heartbeats", "no-heartbeats"])
+@pytest.mark.parametrize("skew_s", [1e5, -1e5], ids=["scheduler-clock-ahead", "scheduler-clock-behind"])
+def test_lease_is_judged_on_one_clock(monkeypatch, heartbeat_interval_s: float, skew_s: float) -> None:
+    """D's scheduler and its workers may be processes on different hosts, whose monotonic clocks
+    share no origin: the same queueing as above with the scheduler's clock a day off the workers'.
+    A time of one clock read on the other would read blocks P freed (ahead) or fail every load
+    (behind)."""
+    import types
+
+    from nixlkv.vllm import scheduler
+
+    skewed = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew_s)
+    monkeypatch.setattr(scheduler, "time", skewed)
+    _queue_longer_than_the_lease(heartbeat_interval_s)
+
+
+def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
     """vLLM's real Schedulers: P holds for lease_s=1 s; D has no free blocks for the request for
     ~2.5 s (a local request occupies them). With heartbeats P keeps the blocks and D loads them
     byte-exact, also when D's configured interval (5 s, the default) is longer than P's lease: D

@@ -26,10 +26,14 @@ LEASE_SAFETY = 0.9
 
 @dataclass(frozen=True)
 class LeaseView:
-    """D's conservative view of P's hold on one request (D's time.monotonic())."""
+    """D's conservative view of P's hold on one request, as durations: the scheduler and its
+    workers may be processes on different hosts, so no time of one clock is ever read on another.
+    The scheduler computes ``held_for_s`` when it builds the step's metadata; a worker adds it to
+    its own clock when it receives it (the step's transit makes that a little late, which
+    ``LEASE_SAFETY``'s margin covers)."""
 
     lease_s: float  # what a heartbeat extends P's hold by, counted from its arrival at P
-    held_until: float  # held at least until then without a heartbeat
+    held_for_s: float  # P holds the blocks at least this long from now without a heartbeat (may be < 0)
 
 
 @dataclass
@@ -44,9 +48,10 @@ class RecvRequest:
     remote_port: int
     report: bool = True  # the scheduler waits for this request (WAITING_FOR_REMOTE_KVS)
     remote_generation: str | None = None  # None: the remote did not publish one (not checked)
-    # Until when P surely still holds the blocks without a heartbeat (D's time.monotonic(): D's
-    # arrival + LEASE_SAFETY * P's lease_s); None when P published no lease (not checked).
-    held_until: float | None = None
+    # How long P surely still holds the blocks without a heartbeat, from when the worker receives
+    # the request (see LeaseView); None when P published no lease (not checked).
+    held_for_s: float | None = None
+    received_at: float | None = None  # the worker's own clock when it received the request (set there)
     # Tokens each side's block list holds (each list is the tail of the list for that many
     # tokens): what pairs blocks when P and D hold a different number of tokens per block.
     num_tokens: int | None = None  # this (decode) engine's
@@ -78,10 +83,11 @@ class NixlkvMetadata(KVConnectorMetadata):
 
 def recv_from_params(
     params: dict[str, Any], local_block_ids: Any, report: bool, arrived: float | None = None,
-    num_tokens: int | None = None,
+    num_tokens: int | None = None, now: float | None = None,
 ) -> RecvRequest:
     """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError);
-    ``num_tokens``: the tokens the decode engine's blocks hold once loaded."""
+    ``num_tokens``: the tokens the decode engine's blocks hold once loaded; ``arrived`` and
+    ``now``: the request's arrival and the present, both on the scheduler's clock."""
     missing = [k for k in (*REMOTE_KEYS, "remote_block_ids") if params.get(k) in (None, "")]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing}")
@@ -91,7 +97,7 @@ def recv_from_params(
     remote_tokens = params.get("remote_num_tokens")
     if remote_tokens is not None and (isinstance(remote_tokens, bool) or not isinstance(remote_tokens, int) or remote_tokens < 0):
         raise ValueError(f"kv_transfer_params remote_num_tokens must be a non-negative integer, got {remote_tokens!r}")
-    view = lease_view(params, arrived)
+    view = lease_view(params, arrived, now)
     return RecvRequest(
         local_block_ids=_groups(local_block_ids),
         remote_block_ids=_groups(params["remote_block_ids"]),
@@ -101,18 +107,19 @@ def recv_from_params(
         remote_port=int(params["remote_port"]),
         report=report,
         remote_generation=generation,
-        held_until=view.held_until if view else None,
+        held_for_s=view.held_for_s if view else None,
         num_tokens=num_tokens,
         remote_num_tokens=remote_tokens,
     )
 
 
-def lease_view(params: dict[str, Any], arrived: float | None) -> LeaseView | None:
-    """What D may assume of P's hold, from P's published lease and D's arrival time."""
+def lease_view(params: dict[str, Any], arrived: float | None, now: float | None = None) -> LeaseView | None:
+    """What D may assume of P's hold at ``now``, from P's published lease and D's arrival time
+    (both on the scheduler's clock; ``now`` defaults to the arrival)."""
     lease = lease_from_params(params)
     if lease is None or arrived is None:
         return None
-    return LeaseView(lease, arrived + LEASE_SAFETY * lease)
+    return LeaseView(lease, arrived + LEASE_SAFETY * lease - (arrived if now is None else now))
 
 
 def lease_from_params(params: dict[str, Any]) -> float | None:

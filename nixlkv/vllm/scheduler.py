@@ -25,7 +25,8 @@ from typing import Any
 from .config import ConnectorConfig
 from .handshake import SideChannelServer
 from .metadata import (
-    GENERATION_KEY, LEASE_KEY, REMOTE_KEYS, LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, lease_view, recv_from_params,
+    GENERATION_KEY, LEASE_KEY, LEASE_SAFETY, REMOTE_KEYS, LeaseView, NixlkvMetadata, RecvRequest, RemoteKey,
+    lease_from_params, recv_from_params,
 )
 
 logger = logging.getLogger("nixlkv.connector")
@@ -114,7 +115,8 @@ class NixlkvScheduler:
         self._reply: bytes = b""
         self.generation: str | None = None  # this engine's, published to consumers
         # D: requests waiting for remote KV -> (remote, P request id, lease view, arrival time)
-        self._awaiting: dict[str, tuple[RemoteKey, str, LeaseView | None, float]] = {}
+        # D: request -> (remote, P's request id, P's lease or None, arrival on this scheduler's clock)
+        self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float]] = {}
         self._last_heartbeat = float("-inf")
         self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
 
@@ -144,11 +146,10 @@ class NixlkvScheduler:
             return
         try:
             key = (str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]))
-            now = time.monotonic()
-            view = lease_view(params, now)
+            lease = lease_from_params(params)
         except (ValueError, TypeError):
             return  # update_state_after_alloc logs the invalid params
-        self._awaiting[request.request_id] = (key, str(params["remote_request_id"]), view, now)
+        self._awaiting[request.request_id] = (key, str(params["remote_request_id"]), lease, time.monotonic())
 
     def update_connector_output(self, finished_recving: Any) -> None:
         for rid in finished_recving or ():
@@ -190,7 +191,7 @@ class NixlkvScheduler:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
             self._recv[request.request_id] = recv_from_params(
                 params, local, report=num_external_tokens > 0, arrived=awaiting[3] if awaiting else None,
-                num_tokens=request.num_computed_tokens + num_external_tokens,
+                num_tokens=request.num_computed_tokens + num_external_tokens, now=time.monotonic(),
             )
         except (ValueError, TypeError) as exc:
             logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)
@@ -208,7 +209,7 @@ class NixlkvScheduler:
             return {}
         # A P whose lease is shorter than the interval would free the blocks between heartbeats:
         # beat at least three times per the shortest lease D waits under.
-        leases = [view.lease_s for _, _, view, _ in self._awaiting.values() if view is not None]
+        leases = [lease for _, _, lease, _ in self._awaiting.values() if lease is not None]
         if leases:
             interval = min(interval, min(leases) / 3)
         now = time.monotonic()
@@ -216,7 +217,8 @@ class NixlkvScheduler:
             return {}
         self._last_heartbeat = now
         out: dict[RemoteKey, dict[str, LeaseView | None]] = {}
-        for key, remote_rid, view, _ in self._awaiting.values():
+        for key, remote_rid, lease, arrived in self._awaiting.values():
+            view = None if lease is None else LeaseView(lease, arrived + LEASE_SAFETY * lease - now)
             out.setdefault(key, {})[remote_rid] = view
         return out
 

@@ -33,6 +33,9 @@ from .config import ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
 from .metadata import LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, RemoteKey
 
+# A LeaseView read on this worker's clock: (lease_s, held at least until).
+Held = tuple[float, float]
+
 logger = logging.getLogger("nixlkv.connector")
 
 
@@ -52,7 +55,7 @@ class _Remote:
     prepared: ReaderPlan | None = None
     agents: dict[int, str] = field(default_factory=dict)
     generation: str | None = None
-    pending_heartbeats: dict[str, LeaseView | None] = field(default_factory=dict)  # sent once handshaken
+    pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
 
 
 @dataclass
@@ -158,8 +161,9 @@ class NixlkvWorker:
                         continue
                 self._holds[rid] = hold
             for rid, req in meta.reqs_to_recv.items():
+                req.received_at = now  # durations in the metadata are read on this clock from here
                 self._start_recv(rid, req)
-            self._send_heartbeats(meta.heartbeats)
+            self._send_heartbeats(meta.heartbeats, now)
         self._progress()
 
     def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str]]:
@@ -275,20 +279,22 @@ class NixlkvWorker:
         self._generations[key] = generation
         return generation
 
-    def _send_heartbeats(self, heartbeats: Mapping[RemoteKey, Mapping[str, LeaseView | None]]) -> None:
-        """Name every request D still waits for to the P ranks this rank reads from."""
+    def _send_heartbeats(self, heartbeats: Mapping[RemoteKey, Mapping[str, LeaseView | None]], now: float) -> None:
+        """Name every request D still waits for to the P ranks this rank reads from (``now``: when
+        the scheduler's views were received, on this worker's clock)."""
         if not heartbeats:
             return
         named = {(key, rid) for key, views in heartbeats.items() for rid in views}
         self._held_until = {k: v for k, v in self._held_until.items() if k in named}
-        for key, views in heartbeats.items():
+        for key, leases in heartbeats.items():
+            views = {rid: None if v is None else (v.lease_s, now + v.held_for_s) for rid, v in leases.items()}
             remote = self._remote(key)
             if remote.prepared is None:  # first heartbeat of a remote: sent once handshaken
                 remote.pending_heartbeats.update(views)
             else:
                 self._beat(remote, views)
 
-    def _beat(self, remote: _Remote, views: Mapping[str, LeaseView | None]) -> None:
+    def _beat(self, remote: _Remote, views: Mapping[str, Held | None]) -> None:
         now = time.monotonic()
         try:
             for msg in heartbeat_messages(views):
@@ -301,16 +307,19 @@ class NixlkvWorker:
         self.stats.count("heartbeats_sent", len(views))
         for rid, view in views.items():
             # Still held when the heartbeat left: held a lease after it arrives.
-            if view is not None and now < self._held(remote.key, rid, view.held_until):
-                self._held_until[(remote.key, rid)] = now + view.lease_s
+            if view is not None and now < self._held(remote.key, rid, view[1]):
+                self._held_until[(remote.key, rid)] = now + view[0]
 
     def _held(self, key: RemoteKey, remote_rid: str, without_heartbeats: float) -> float:
-        """Until when P surely holds the request's blocks (D's clock)."""
+        """Until when P surely holds the request's blocks (this worker's clock)."""
         return max(without_heartbeats, self._held_until.get((key, remote_rid), without_heartbeats))
 
     def _lease_lapsed(self, req: RecvRequest) -> bool:
         """True when P may have freed the blocks (no heartbeat kept the hold alive in time)."""
-        return req.held_until is not None and time.monotonic() > self._held(req.key, req.remote_request_id, req.held_until)
+        if req.held_for_s is None:
+            return False
+        received = time.monotonic() if req.received_at is None else req.received_at
+        return time.monotonic() > self._held(req.key, req.remote_request_id, received + req.held_for_s)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
         plan = remote.prepared.plan
