@@ -13,7 +13,7 @@ from aiohttp import web
 
 from nixlkv.serving.check import Case, _transfer_facts, prompt_lengths
 from nixlkv.serving.client import Completion, parse_metrics
-from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, NEAR_TIE, judge
+from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
 from nixlkv.serving.launch import EngineSpec
 from nixlkv.serving.proxy import Proxy, decode_body, prefill_body
 
@@ -45,6 +45,23 @@ def test_exact_rejects_logprobs_beyond_tolerance() -> None:
 
 def test_drift_rejects_a_different_first_token() -> None:
     assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift").ok
+
+
+def test_drift_first_token_may_part_on_an_exact_tie_only() -> None:
+    # the answer's top two are the reference's 5 and its own 9, tied; 5 where the reference has it
+    tied = answer([9, 6, 7, 8], [-0.501, -1.0, -0.7, -0.2], [{9: -0.501, 5: -0.501}, {6: -1.0}, {7: -0.7}, {8: -0.2}])
+    v = judge(REF, tied, "drift")
+    assert v.ok and v.first_divergence == 0 and "exact tie" in v.reason
+    # not tied (a gap of a few FIRST_TIE): a wrong first token
+    gap = answer([9, 6, 7, 8], [-0.45, -1.0, -0.7, -0.2], [{9: -0.45, 5: -0.5}, {6: -1.0}, {7: -0.7}, {8: -0.2}])
+    assert -0.45 - -0.5 > FIRST_TIE and not judge(REF, gap, "drift").ok
+    # tied, but the reference's token far from its reference logprob: another distribution
+    moved = answer([9, 6, 7, 8], [-2.0, -1.0, -0.7, -0.2], [{9: -2.0, 5: -2.0}, {6: -1.0}, {7: -0.7}, {8: -0.2}])
+    assert not judge(REF, moved, "drift").ok
+    # the reference's token not among the answer's top: no tie to speak of
+    assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift").ok
+    # never under the exact rule
+    assert not judge(REF, tied, "exact").ok
 
 
 def test_drift_accepts_parting_on_a_near_tie_only() -> None:

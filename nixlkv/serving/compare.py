@@ -9,7 +9,11 @@ Two rules, chosen per case:
   may part later at a near-tie. The first token must be identical; up to the first token where
   the answers part, logprobs must stay within ``DRIFT_TOL``; the answers may part only where the
   reference itself was nearly tied between the two tokens (gap below ``NEAR_TIE``). A wrong KV
-  moves the first token or opens a wide logprob gap, which this still catches.
+  moves the first token or opens a wide logprob gap, which this still catches. The first token
+  itself may differ only on an exact tie: the answer's own top two are the reference's token
+  and its own within ``FIRST_TIE`` (bf16 resolution; greedy then picks either), and the
+  reference's token has its reference logprob within ``DRIFT_TOL`` (measured: tiny-mamba2, a
+  prompt of 182 tokens, 121 and 289 both at -2.307 in P/D, 289 at -2.301 in D alone).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .client import Completion
 EXACT_TOL = 0.02
 DRIFT_TOL = 0.35
 NEAR_TIE = 0.35
+FIRST_TIE = 0.01
 RULES = ("exact", "drift")
 
 
@@ -64,8 +69,15 @@ def judge(ref: Completion, got: Completion, rule: str = "exact") -> Verdict:
             return Verdict(False, rule, n, None, max_dl, f"logprob of token {at} off by {max_dl:.4f} > {EXACT_TOL}")
         return Verdict(True, rule, n, None, max_dl, "identical token ids, logprobs within tolerance")
     if first == 0:
-        return Verdict(False, rule, n, 0, max_dl,
-                       f"first token differs: reference {ref.token_ids[0]}, got {got.token_ids[0]}")
+        a, b = ref.token_ids[0], got.token_ids[0]
+        top = got.top[0] if got.top else {}
+        tie = _gap(top, a, b)
+        off = abs(top[a] - ref.logprobs[0]) if a in top else float("inf")
+        if tie is not None and tie <= FIRST_TIE and off <= DRIFT_TOL:
+            return Verdict(True, rule, n, 0, off,
+                           f"first token parted on an exact tie (reference {a}, got {b}, both at {top[b]:.3f} in the "
+                           f"answer; {a} off its reference logprob by {off:.3f})")
+        return Verdict(False, rule, n, 0, max_dl, f"first token differs: reference {a}, got {b}")
     if max_dl > DRIFT_TOL:
         at = dl.index(max_dl)
         return Verdict(False, rule, n, first, max_dl, f"logprob of token {at} off by {max_dl:.4f} > {DRIFT_TOL}")
