@@ -228,6 +228,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_handshake(args: argparse.Namespace) -> int:
+    from .bench.stall import markdown, run
+
+    out = run(layers=args.layers, p_tp=args.p_tp, d_tp=args.d_tp, reps=args.reps)
+    print(json.dumps(out, indent=1) if args.json else markdown(out))
+    return 0
+
+
 def cmd_serve_check(args: argparse.Namespace) -> int:
     from .serving.check import Case, Options, format_table, run_case, to_json
 
@@ -349,6 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("bench-handshake", help="the longest decode-engine step while it handshakes a new prefill "
+                       "engine, against the NIXL work the handshake does (fabricated engines, real NIXL)")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--p-tp", type=int, default=2)
+    p.add_argument("--d-tp", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3, help="handshakes measured (a fresh decode engine each)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_handshake)
     p = sub.add_parser("serve-check", help="real P and D vLLM servers, proxy and client: D's answers from P's KV "
                        "judged against D computing the prompts itself (docs/serving.md)")
     p.add_argument("--model", default="tiny-llama", help="a tiny model recipe (nixlkv.serving.models.RECIPES)")

@@ -12,7 +12,7 @@ from nixlkv.transfer import notification
 from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.metadata import NixlkvMetadata, RecvRequest
 
-from connector_helpers import Engine, blocks, fa_scenario
+from connector_helpers import Engine, blocks, fa_scenario, filled_pair
 
 pytestmark = pytest.mark.nixl
 
@@ -238,6 +238,39 @@ def test_read_that_never_completes_times_out(monkeypatch, caplog) -> None:
         assert dw.take_invalid_block_ids() == {4, 5}
         assert "transfer_timeout_s=0.3" in caplog.text
         assert not dw._remotes  # the remote is handshaken again before the next read
+    finally:
+        p.close()
+        d.close()
+
+
+def test_new_remote_costs_no_engine_step_its_nixl_work(monkeypatch) -> None:
+    """#19 point 4: adding a new prefill engine's agents and preparing its descriptor lists run on
+    the handshake thread, never in an engine step (start_load_kv / get_finished); the request then
+    lands byte-exact. (How long the steps are: ``nixlkv bench-handshake``.)"""
+    import threading
+
+    p, d = filled_pair(2, 1, [1, 2, 3])
+    try:
+        dw = d.workers[0]
+        threads: list[str] = []
+        for obj, name in ((dw.nixl, "add_remote"), (dw.reader, "prepare")):
+            real = getattr(obj, name)
+
+            def spy(*a, _real=real, **k):
+                threads.append(threading.current_thread().name)
+                return _real(*a, **k)
+
+            monkeypatch.setattr(obj, name, spy)
+        for w in p.workers:
+            w.start_load_kv(NixlkvMetadata(reqs_to_send={"r": 30.0}))
+        dw.start_load_kv(NixlkvMetadata(reqs_to_recv={"r": recv(p, "r", [4, 5, 6], [1, 2, 3])}))
+        done, failed, _ = drive(p, d, {"r"})
+        assert done[0] == {"r"} and not failed[0]
+        assert len(threads) == 3 and all(t.startswith("nixlkv-handshake") for t in threads), threads
+        for r in d.ranks:
+            assert oracle.compare(r, oracle.expected_decode(r, blocks(r, [4, 5, 6]), seed=3)) is None
+        remote = next(iter(dw._remotes.values()))
+        assert remote.nixl_seconds > 0
     finally:
         p.close()
         d.close()

@@ -341,10 +341,14 @@ class TransferPlan:
                 {**s.to_dict(), "strategy": self.pairings[int(k)].strategy.name}
                 for s, k in zip(self.segments, self._seg_key)
             ],
-            "registered_descriptors": {
-                "local": int(self.local_descs[:, 4].sum()) if len(self.local_descs) else 0,
-                **{f"remote_rank_{p}": int(d[:, 4].sum()) for p, d in self.remote_descs.items()},
-            },
+            "registered_descriptors": self.registered_descriptors(),
+        }
+
+    def registered_descriptors(self) -> dict[str, int]:
+        """Descriptors of the prepared lists, local and per remote rank (cheap: for log lines)."""
+        return {
+            "local": int(self.local_descs[:, 4].sum()) if len(self.local_descs) else 0,
+            **{f"remote_rank_{p}": int(d[:, 4].sum()) for p, d in self.remote_descs.items()},
         }
 
 

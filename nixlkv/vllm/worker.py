@@ -56,6 +56,18 @@ class _Remote:
     agents: dict[int, str] = field(default_factory=dict)
     generation: str | None = None
     pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
+    nixl_seconds: float = 0.0  # adding its agents and preparing its lists, on the handshake thread
+
+
+@dataclass
+class _Handshaken:
+    """A remote ready to read from, made on the handshake thread."""
+
+    engine: handshake.RemoteEngine
+    plan: TransferPlan
+    agents: dict[int, str]  # remote rank -> NIXL agent name
+    prepared: ReaderPlan
+    nixl_seconds: float  # adding the agents and preparing the lists (an engine step's stall before)
 
 
 @dataclass
@@ -222,26 +234,45 @@ class NixlkvWorker:
             self._remote(req.key)
             self._waiting[rid] = req
 
-    def _handshake(self, engine_id: str, host: str, port: int) -> tuple[handshake.RemoteEngine, TransferPlan]:
+    def _handshake(self, engine_id: str, host: str, port: int) -> _Handshaken:
+        """Everything a new remote costs, on the handshake thread so that no engine step waits for
+        it: fetch and check the reply, plan, add the remote agents, prepare the descriptor lists."""
         raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
         engine = handshake.decode_reply(
             raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id
         )
         plan = self.dispatcher.plan(self.geometry, engine.geometry)
-        return engine, plan
+        t0 = time.perf_counter()
+        agents: dict[int, str] = {}
+        try:
+            for r in plan.covered:
+                agents[r] = self.nixl.add_remote(engine.agent_metadata[r])
+            prepared = self.reader.prepare(plan, agents)
+        except Exception as exc:
+            exc.added_agents = set(agents.values())  # forgotten on the engine thread (see _progress)
+            raise
+        return _Handshaken(engine, plan, agents, prepared, time.perf_counter() - t0)
+
+    def _live_agents(self) -> set[str]:
+        return {name for r in self._remotes.values() for name in r.agents.values()}
 
     def _progress(self) -> None:
-        """Finish the handshakes that completed and post the requests waiting on them."""
+        """Take the handshakes that completed (on the handshake thread) and post the requests
+        waiting on them: nothing here waits for NIXL or the network."""
         for key, remote in list(self._remotes.items()):
             if remote.prepared is not None or remote.future is None or not remote.future.done():
                 continue
             try:
-                engine, plan = remote.future.result()
-                remote.agents = {r: self.nixl.add_remote(engine.agent_metadata[r]) for r in plan.covered}
-                remote.prepared = self.reader.prepare(plan, remote.agents)
+                done: _Handshaken = remote.future.result()
+                engine, plan = done.engine, done.plan
+                remote.agents, remote.prepared = done.agents, done.prepared
+                remote.nixl_seconds = done.nixl_seconds
                 remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
                 del self._remotes[key]
+                in_use = self._live_agents() | {n for r in self._retiring for n in r.agents.values()}
+                for name in set(getattr(exc, "added_agents", ())) - in_use:
+                    self.nixl.remove_remote(name)
                 bound = [rid for rid, req in self._waiting.items() if req.key == key]
                 self.stats.count("failed_handshakes")
                 logger.error(
@@ -252,9 +283,9 @@ class NixlkvWorker:
                     self._fail(rid, self._waiting.pop(rid), f"handshake failed: {exc}")
                 continue
             logger.info(
-                "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s",
+                "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s nixl_ms=%.1f",
                 key[0], next(iter(engine.geometry.values())).tp_size, list(plan.covered), list(plan.read_ranks),
-                plan.to_dict()["registered_descriptors"],
+                plan.registered_descriptors(), 1e3 * remote.nixl_seconds,
             )
             for rid in [rid for rid, req in self._waiting.items() if req.key == key]:
                 req = self._waiting.pop(rid)
@@ -408,8 +439,10 @@ class NixlkvWorker:
         (a prefill that restarted would otherwise leave its agent and lists behind, per restart)."""
         if not self._retiring or self.nixl is None:
             return
+        if any(r.prepared is None for r in self._remotes.values()):
+            return  # a handshake in progress may have re-added a retiring remote's agent name
         busy = {id(f.owner) for f in self._flights.values()} | {id(f.owner) for f, _ in self._draining.values()}
-        live = {name for r in self._remotes.values() for name in r.agents.values()}
+        live = self._live_agents()
         keep = []
         for remote in self._retiring:
             if id(remote) in busy:

@@ -1,0 +1,140 @@
+"""``nixlkv bench-handshake``: how long a decode engine's steps get while it handshakes a new
+prefill engine (#19: no engine-thread stall on a new remote).
+
+Fabricated engines (``nixlkv.testing``), real NIXL on this machine's memory: P and D workers in
+one process, D stepped the way its model runner steps the connector (``start_load_kv`` then
+``get_finished`` per step) from the step that names the new remote until the request is loaded.
+Reported in one run: the steps while the handshake runs, the step that takes it and posts the
+READs, and the NIXL work of the handshake (adding the remote agents, preparing the descriptor
+lists) that this step also paid before it moved to the handshake thread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from ..testing.engines import build_rank
+from ..testing.scenario import parse
+from ..vllm.config import ConnectorConfig
+from ..vllm.handshake import SideChannelServer
+from ..vllm.metadata import NixlkvMetadata, RecvRequest
+from ..vllm.worker import NixlkvWorker, serve_reply
+
+
+def scenario(layers: int, p_tp: int, d_tp: int, num_blocks: int) -> Any:
+    return parse({
+        "name": f"stall-{layers}l-p{p_tp}-d{d_tp}",
+        "model": {"layers": [{"kind": "full_attention", "count": layers, "num_kv_heads": 8, "head_size": 64}]},
+        "prefill": {"tp": p_tp, "block_size": 16, "layout": "LBHNC", "num_blocks": num_blocks},
+        "decode": {"tp": d_tp, "block_size": 16, "layout": "LBHNC", "num_blocks": num_blocks},
+        "request": {"num_tokens": 16 * 8, "seed": 0},
+    })
+
+
+def _workers(sc: Any, role: str, engine_id: str, config: ConnectorConfig) -> list[NixlkvWorker]:
+    out = []
+    for r in range(getattr(sc, role).tp):
+        rank = build_rank(sc, role, r)
+        w = NixlkvWorker(engine_id, rank.tp_rank, rank.side.tp, rank.kv_cache_config, config, "bench",
+                         lambda name, rank=rank: rank.total_heads[name])
+        w.register_kv_caches(rank.kv_caches)
+        w._bench_rank = rank  # keeps the fabricated memory alive with its worker
+        out.append(w)
+    return out
+
+
+def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, reps: int = 3) -> dict[str, Any]:
+    sc = scenario(layers, p_tp, d_tp, num_blocks)
+    config = ConnectorConfig(nixl_progress_delay_us=1000)
+    p = _workers(sc, "prefill", "P", config)
+    infos = {w.topology.tp_rank: w.handshake_info() for w in p}
+    reply = serve_reply("P", len(p), infos, "bench")
+    server = SideChannelServer("127.0.0.1", 0, lambda: reply)
+    runs = []
+    try:
+        for i in range(reps):
+            d = _workers(sc, "decode", f"D{i}", config)  # a fresh D each time: every handshake is new
+            try:
+                runs.append(_one(p, d, server.port, f"req-{i}"))
+            finally:
+                for w in d:
+                    w.shutdown()
+    finally:
+        server.close()
+        for w in p:
+            w.shutdown()
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    return {
+        "shape": f"{layers} full-attention layers, P TP{p_tp} -> D TP{d_tp}, {num_blocks} blocks",
+        "runs": runs,
+        "max_step_during_handshake_ms": max(r["max_step_during_handshake_ms"] for r in runs),
+        "median_step_during_handshake_ms": med("median_step_during_handshake_ms"),
+        "post_step_ms": med("post_step_ms"),
+        "handshake_nixl_ms": med("handshake_nixl_ms"),
+        # Before, the step that took the handshake also added the agents and prepared the lists.
+        "post_step_before_ms": med("post_step_ms") + med("handshake_nixl_ms"),
+    }
+
+
+def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], port: int, rid: str) -> dict[str, Any]:
+    ids = list(range(1, 9))
+    for w in p:
+        w.start_load_kv(NixlkvMetadata(reqs_to_send={rid: 30.0}))
+    req = RecvRequest(local_block_ids=(ids,), remote_block_ids=(ids,), remote_engine_id="P", remote_request_id=rid,
+                      remote_host="127.0.0.1", remote_port=port)
+    during: list[float] = []  # steps that ended with the handshake still in progress
+    post_ms = 0.0  # the step that took the finished handshake and posted the READs
+    rest: list[float] = []
+    done: set[str] = set()
+    meta: NixlkvMetadata | None = NixlkvMetadata(reqs_to_recv={rid: req})
+    deadline = time.monotonic() + 120
+    while len(done) < len(d) and time.monotonic() < deadline:
+        waiting_before = any(rid in w._waiting for w in d)
+        t0 = time.perf_counter()
+        for i, w in enumerate(d):
+            w.start_load_kv(meta)
+            _, recv = w.get_finished(set())
+            if recv:
+                done.add(i)
+        took = time.perf_counter() - t0
+        waiting_after = any(rid in w._waiting for w in d)
+        if waiting_after:
+            during.append(took)
+        elif waiting_before or meta is not None:
+            post_ms = max(post_ms, 1e3 * took)
+        else:
+            rest.append(took)
+        meta = None
+        for w in p:
+            w.get_finished(set())
+        time.sleep(0.001)  # the model's forward pass, elsewhere
+    if len(done) < len(d):
+        raise RuntimeError("the bench request was not loaded in 120 s")
+    nixl = max(remote.nixl_seconds for w in d for remote in w._remotes.values())
+    return {
+        "steps_during_handshake": len(during),
+        "max_step_during_handshake_ms": 1e3 * max(during, default=0.0),
+        "median_step_during_handshake_ms": 1e3 * float(np.median(during)) if during else 0.0,
+        "post_step_ms": post_ms,
+        "handshake_nixl_ms": 1e3 * nixl,
+    }
+
+
+def markdown(out: dict[str, Any]) -> str:
+    return "\n".join([
+        f"Handshake stall, {out['shape']} (fabricated engines, real NIXL, median of {len(out['runs'])} handshakes):",
+        "",
+        "| decode engine step | ms |",
+        "|---|---|",
+        f"| longest while the handshake runs (on its thread) | {out['max_step_during_handshake_ms']:.2f} |",
+        f"| median while the handshake runs | {out['median_step_during_handshake_ms']:.3f} |",
+        f"| the step that takes the finished handshake and posts the READs | {out['post_step_ms']:.2f} |",
+        f"| that step before (plus adding the agents and preparing the lists there) | {out['post_step_before_ms']:.2f} |",
+        f"| of which the NIXL work now on the handshake thread | {out['handshake_nixl_ms']:.2f} |",
+    ])
