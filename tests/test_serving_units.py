@@ -47,21 +47,25 @@ def test_drift_rejects_a_different_first_token() -> None:
     assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift").ok
 
 
-def test_drift_first_token_may_part_on_an_exact_tie_only() -> None:
-    # the answer's top two are the reference's 5 and its own 9, tied; 5 where the reference has it
-    tied = answer([9, 6, 7, 8], [-0.501, -1.0, -0.7, -0.2], [{9: -0.501, 5: -0.501}, {6: -1.0}, {7: -0.7}, {8: -0.2}])
-    v = judge(REF, tied, "drift")
-    assert v.ok and v.first_divergence == 0 and "exact tie" in v.reason
-    # not tied (a gap of a few FIRST_TIE): a wrong first token
-    gap = answer([9, 6, 7, 8], [-0.45, -1.0, -0.7, -0.2], [{9: -0.45, 5: -0.5}, {6: -1.0}, {7: -0.7}, {8: -0.2}])
-    assert -0.45 - -0.5 > FIRST_TIE and not judge(REF, gap, "drift").ok
+def test_drift_first_token_may_part_on_a_tie_seen_from_both_sides_only() -> None:
+    ref = answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.52}, {6: -1.0}])
+    # the answer's top two are the reference's 5 and its own 9, tied; the reference saw 9 just under 5
+    tied = answer([9, 6], [-0.501, -1.0], [{9: -0.501, 5: -0.501}, {6: -1.0}])
+    v = judge(ref, tied, "drift")
+    assert v.ok and v.first_divergence == 0 and "tie" in v.reason
+    # tied in the answer, but the reference had 9 far below 5: a wrong first token
+    far_ref = answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.5 - 3 * FIRST_TIE}, {6: -1.0}])
+    assert not judge(far_ref, tied, "drift").ok
+    # 9 not among the reference's top at all
+    assert not judge(answer([5, 6], [-0.5, -1.0]), tied, "drift").ok
+    # not tied in the answer
+    gap = answer([9, 6], [-0.4, -1.0], [{9: -0.4, 5: -0.5}, {6: -1.0}])
+    assert 0.1 > FIRST_TIE and not judge(ref, gap, "drift").ok
     # tied, but the reference's token far from its reference logprob: another distribution
-    moved = answer([9, 6, 7, 8], [-2.0, -1.0, -0.7, -0.2], [{9: -2.0, 5: -2.0}, {6: -1.0}, {7: -0.7}, {8: -0.2}])
-    assert not judge(REF, moved, "drift").ok
-    # the reference's token not among the answer's top: no tie to speak of
-    assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift").ok
+    moved = answer([9, 6], [-2.0, -1.0], [{9: -2.0, 5: -2.0}, {6: -1.0}])
+    assert not judge(answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.5}, {6: -1.0}]), moved, "drift").ok
     # never under the exact rule
-    assert not judge(REF, tied, "exact").ok
+    assert not judge(ref, tied, "exact").ok
 
 
 def test_drift_accepts_parting_on_a_near_tie_only() -> None:

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-TOP_LOGPROBS = 2  # the chosen token and its runner-up: enough to tell a near-tie from a wrong KV
+TOP_LOGPROBS = 5  # the chosen token and its runners-up: enough to tell a near-tie from a wrong KV
 
 
 class CompletionError(RuntimeError):
