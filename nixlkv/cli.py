@@ -236,6 +236,15 @@ def cmd_bench_handshake(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_settings(args: argparse.Namespace) -> int:
+    from .bench.settings import markdown, run
+
+    out = run(layers=args.layers, p_tp=args.p_tp, d_tp=args.d_tp, blocks=args.blocks, rounds=args.rounds,
+              progress_delay_us=args.progress_delay_us)
+    print(json.dumps(out, indent=1) if args.json else markdown(out))
+    return 0
+
+
 def cmd_serve_check(args: argparse.Namespace) -> int:
     from .serving.check import Case, Options, format_table, run_case, to_json
 
@@ -365,6 +374,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="handshakes measured (a fresh decode engine each)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_handshake)
+    p = sub.add_parser("bench-settings", help="NIXL progress threads and telemetry (nixlkv's defaults vs vLLM's) "
+                       "measured on the connector's READ path (fabricated engines, real NIXL)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--p-tp", type=int, default=1)
+    p.add_argument("--d-tp", type=int, default=1)
+    p.add_argument("--blocks", type=int, default=48, help="blocks per request")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--progress-delay-us", type=int, default=1000)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_settings)
     p = sub.add_parser("serve-check", help="real P and D vLLM servers, proxy and client: D's answers from P's KV "
                        "judged against D computing the prompts itself (docs/serving.md)")
     p.add_argument("--model", default="tiny-llama", help="a tiny model recipe (nixlkv.serving.models.RECIPES)")

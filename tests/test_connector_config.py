@@ -127,3 +127,10 @@ def test_vllm_connector_keys_are_aliases(theirs, ours, value):
 def test_vllm_connector_keys_without_a_meaning_here_are_refused_naming_them(key):
     with pytest.raises(ConfigError, match=f"{key} is a vLLM NixlConnector key: .*remove it"):
         ConnectorConfig.parse({key: 1})
+
+
+def test_nixl_telemetry_is_a_checked_bool_off_by_default():
+    assert ConnectorConfig.parse({}).nixl_telemetry is False
+    assert ConnectorConfig.parse({"nixl_telemetry": True}).nixl_telemetry is True
+    with pytest.raises(ConfigError, match="nixl_telemetry must be true or false"):
+        ConnectorConfig.parse({"nixl_telemetry": "on"})

@@ -51,6 +51,9 @@ class ConnectorConfig:
     # NIXL
     backends: tuple[str, ...] = ("UCX",)
     nixl_num_threads: int = 0
+    # NIXL's per-transfer telemetry (vLLM's NixlConnector turns it on); nixlkv times transfers
+    # itself, so it is off unless asked (docs/configuration.md, measured there)
+    nixl_telemetry: bool = False
     # pause of each NIXL agent's progress thread between polls; 0: NIXL's busy poll (a core per
     # agent). On CPU-only P/D with few cores a pause doubles transfer speed (docs/performance.md)
     nixl_progress_delay_us: int = 0
@@ -137,11 +140,12 @@ class ConnectorConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                     raise ConfigError(f"{key} must be an integer >= {lo}, got {value!r}")
                 out[key] = value
-        if "enforce_compat_hash" in extra:
-            value = extra["enforce_compat_hash"]
-            if not isinstance(value, bool):
-                raise ConfigError(f"enforce_compat_hash must be true or false, got {value!r}")
-            out["enforce_compat_hash"] = value
+        for key in ("enforce_compat_hash", "nixl_telemetry"):
+            if key in extra:
+                value = extra[key]
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{key} must be true or false, got {value!r}")
+                out[key] = value
         return cls(**out)
 
     def dispatcher(self):  # noqa: ANN201 - avoids importing core at module load for config-only users

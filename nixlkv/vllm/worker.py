@@ -143,6 +143,7 @@ class NixlkvWorker:
             device_id=device_id,
             backends=self.config.backends,
             num_threads=self.config.nixl_num_threads,
+            capture_telemetry=self.config.nixl_telemetry,
             progress_delay_us=self.config.nixl_progress_delay_us,
         )
         self.reader = Reader(
