@@ -86,6 +86,12 @@ def test_lease_expiry_frees_unread_blocks() -> None:
     {"remote_block_ids": None},
     {"remote_num_tokens": -3},
     {"remote_generation": 7},
+    {"remote_port": float("inf")},  # was OverflowError out of get_num_new_matched_tokens
+    {"remote_port": 70000},
+    {"remote_block_ids": "123"},  # was read as blocks 1, 2, 3
+    {"remote_block_ids": [[1, 1, 2]]},  # D would fill two blocks from one
+    {"remote_host": "127.0.0.1:5600"},
+    {"remote_lease_s": float("inf")},
 ])
 def test_invalid_kv_transfer_params_prefill_locally_instead_of_waiting_forever(broken: dict, caplog) -> None:
     """Params no worker could read from must not be claimed as an asynchronous load (nothing would
@@ -103,6 +109,29 @@ def test_invalid_kv_transfer_params_prefill_locally_instead_of_waiting_forever(b
         assert "bad" in d.outputs, "the request waited for a load nobody would report"
         assert not d.finished_recving and not d.failed_recving
         assert any("prefills bad locally" in r.getMessage() for r in caplog.records)
+        clean(d)
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("params", [
+    ["do_remote_prefill", True],  # was AttributeError out of a scheduler hook
+    "do_remote_prefill",
+    {"do_remote_prefill": "false", "remote_engine_id": "P", "remote_request_id": "x", "remote_host": "127.0.0.1",
+     "remote_port": 5999, "remote_block_ids": [[1, 2, 3]]},  # was counted as true
+])
+def test_params_that_are_not_an_object_or_have_a_non_bool_flag_serve_without_a_transfer(params, caplog) -> None:
+    d = PDEngine(PDCase(), "decode", "D", SIDE)
+    try:
+        with caplog.at_level("WARNING", logger="nixlkv.connector"):
+            d.add("odd", prompt(4, 40), 2, params)
+            deadline = time.monotonic() + 30
+            while "odd" not in d.outputs and time.monotonic() < deadline:
+                d.step()
+        assert "odd" in d.outputs
+        assert not d.finished_recving and not d.failed_recving and not d.recv_blocks
+        said = [r.getMessage() for r in caplog.records if "invalid kv_transfer_params" in r.getMessage()]
+        assert len(said) == 1 and "serves odd without a transfer" in said[0], said
         clean(d)
     finally:
         d.close()

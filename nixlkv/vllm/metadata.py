@@ -9,6 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ..core.errors import RequestError
+from .params import remote
 
 # kv_transfer_params keys shared with vLLM's NixlConnector (proxies and routers read them).
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
@@ -85,53 +86,36 @@ def recv_from_params(
     params: dict[str, Any], local_block_ids: Any, report: bool, arrived: float | None = None,
     num_tokens: int | None = None, now: float | None = None,
 ) -> RecvRequest:
-    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (raises ValueError);
-    ``num_tokens``: the tokens the decode engine's blocks hold once loaded; ``arrived`` and
-    ``now``: the request's arrival and the present, both on the scheduler's clock."""
-    missing = [k for k in (*REMOTE_KEYS, "remote_block_ids") if params.get(k) in (None, "")]
-    if missing:
-        raise ValueError(f"kv_transfer_params lack {missing}")
-    generation = params.get(GENERATION_KEY)
-    if generation is not None and (not isinstance(generation, str) or not generation):
-        raise ValueError(f"kv_transfer_params {GENERATION_KEY} must be a non-empty string, got {generation!r}")
-    remote_tokens = params.get("remote_num_tokens")
-    if remote_tokens is not None and (isinstance(remote_tokens, bool) or not isinstance(remote_tokens, int) or remote_tokens < 0):
-        raise ValueError(f"kv_transfer_params remote_num_tokens must be a non-negative integer, got {remote_tokens!r}")
-    view = lease_view(params, arrived, now)
+    """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (ParamsError, a
+    ValueError, naming the field: ``nixlkv.vllm.params``); ``num_tokens``: the tokens the decode
+    engine's blocks hold once loaded; ``arrived`` and ``now``: the request's arrival and the
+    present, both on the scheduler's clock."""
+    r = remote(params)
+    view = lease_view(r.lease_s, arrived, now)
     return RecvRequest(
-        local_block_ids=_groups(local_block_ids),
-        remote_block_ids=_groups(params["remote_block_ids"]),
-        remote_engine_id=str(params["remote_engine_id"]),
-        remote_request_id=str(params["remote_request_id"]),
-        remote_host=str(params["remote_host"]),
-        remote_port=int(params["remote_port"]),
+        local_block_ids=block_id_groups(local_block_ids),
+        remote_block_ids=r.block_ids,
+        remote_engine_id=r.engine_id,
+        remote_request_id=r.request_id,
+        remote_host=r.host,
+        remote_port=r.port,
         report=report,
-        remote_generation=generation,
+        remote_generation=r.generation,
         held_for_s=view.held_for_s if view else None,
         num_tokens=num_tokens,
-        remote_num_tokens=remote_tokens,
+        remote_num_tokens=r.num_tokens,
     )
 
 
-def lease_view(params: dict[str, Any], arrived: float | None, now: float | None = None) -> LeaseView | None:
+def lease_view(lease_s: float | None, arrived: float | None, now: float | None = None) -> LeaseView | None:
     """What D may assume of P's hold at ``now``, from P's published lease and D's arrival time
     (both on the scheduler's clock; ``now`` defaults to the arrival)."""
-    lease = lease_from_params(params)
-    if lease is None or arrived is None:
+    if lease_s is None or arrived is None:
         return None
-    return LeaseView(lease, arrived + LEASE_SAFETY * lease - (arrived if now is None else now))
+    return LeaseView(lease_s, arrived + LEASE_SAFETY * lease_s - (arrived if now is None else now))
 
 
-def lease_from_params(params: dict[str, Any]) -> float | None:
-    lease = params.get(LEASE_KEY)
-    if lease is None:
-        return None
-    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
-        raise ValueError(f"kv_transfer_params {LEASE_KEY} must be a positive number, got {lease!r}")
-    return float(lease)
-
-
-def _groups(ids: Any) -> tuple[list[int], ...]:
+def block_id_groups(ids: Any) -> tuple[list[int], ...]:
     """Block ids per KV group; a flat list (vLLM's single-group form) is one group."""
     ids = list(ids or ())
     if ids and not isinstance(ids[0], (list, tuple)):

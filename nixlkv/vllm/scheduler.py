@@ -25,9 +25,10 @@ from typing import Any
 from .config import ConnectorConfig
 from .handshake import SideChannelServer
 from .metadata import (
-    GENERATION_KEY, LEASE_KEY, LEASE_SAFETY, REMOTE_KEYS, LeaseView, NixlkvMetadata, RecvRequest, RemoteKey,
-    lease_from_params, recv_from_params,
+    GENERATION_KEY, LEASE_KEY, LEASE_SAFETY, LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups,
+    recv_from_params,
 )
+from .params import ParamsError, flags, remote
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -118,7 +119,8 @@ class NixlkvScheduler:
         # D: request -> (remote, P's request id, P's lease or None, arrival on this scheduler's clock)
         self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float]] = {}
         self._last_heartbeat = float("-inf")
-        self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
+        self._short: set[str] = set()
+        self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)  # P: requests whose prompt stop_short cut, until they finish
 
     # ------------------------------------------------------------------ side channel
     def serve_handshake(self, reply: bytes, generation: str | None = None) -> None:
@@ -134,22 +136,38 @@ class NixlkvScheduler:
     def on_new_request(self, request: Any) -> None:
         """P: stop a prefill for a remote decode short of what D computes itself. D: start
         heartbeating for a request that will read from a remote engine."""
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and not params.get("do_remote_prefill"):
+        prefill, decode = self._flags(request)
+        if request.request_id in self._invalid:
+            # Served as a plain request: vLLM's own scheduler reads these params next (``.get``).
+            request.kv_transfer_params = None
+            self._invalid.discard(request.request_id)
+            return
+        if decode and not prefill:
             # Cut once: a request seen again (vLLM calls this at arrival only) keeps its cut prompt.
             if request.request_id not in self._short and stop_short(request, self.recompute):
                 self._short.add(request.request_id)
                 logger.debug("nixlkv req=%s prefills %d of its prompt tokens; decode computes the last %d",
                              request.request_id, request.num_prompt_tokens, self.recompute)
             return
-        if not params or not params.get("do_remote_prefill") or any(params.get(k) in (None, "") for k in REMOTE_KEYS):
+        if not prefill:
             return
         try:
-            key = (str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]))
-            lease = lease_from_params(params)
-        except (ValueError, TypeError):
-            return  # update_state_after_alloc logs the invalid params
-        self._awaiting[request.request_id] = (key, str(params["remote_request_id"]), lease, time.monotonic())
+            r = remote(request.kv_transfer_params)
+        except ParamsError:
+            return  # get_num_new_matched_tokens logs it and prefills locally
+        self._awaiting[request.request_id] = ((r.engine_id, r.host, r.port), r.request_id, r.lease_s, time.monotonic())
+
+    def _flags(self, request: Any) -> tuple[bool, bool]:
+        """(do_remote_prefill, do_remote_decode) of a request; params that do not pass count as
+        neither (the request is served without a transfer), logged once per request."""
+        try:
+            return flags(request.kv_transfer_params)
+        except ParamsError as exc:
+            if request.request_id not in self._invalid:
+                self._invalid.add(request.request_id)
+                logger.warning("nixlkv serves %s without a transfer: invalid kv_transfer_params: %s",
+                               request.request_id, exc)
+            return False, False
 
     def update_connector_output(self, finished_recving: Any) -> None:
         for rid in finished_recving or ():
@@ -157,7 +175,7 @@ class NixlkvScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
+        if self._flags(request)[0]:
             try:  # claim remote tokens only for a request a worker can read (or fail) later
                 recv = recv_from_params(params, (), report=False)
             except (ValueError, TypeError) as exc:
@@ -181,7 +199,7 @@ class NixlkvScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not self._flags(request)[0]:
             return
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
         if num_external_tokens <= 0:
@@ -226,12 +244,14 @@ class NixlkvScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not params:
-            return False, None
         rid = request.request_id
+        prefill, decode = self._flags(request)
+        self._invalid.discard(rid)
         self._awaiting.pop(rid, None)
         self._short.discard(rid)
-        if params.get("do_remote_prefill"):
+        if not (prefill or decode):
+            return False, None
+        if prefill:
             # D: finished (aborted) before allocation; tell P to free its blocks, read nothing.
             try:
                 self._recv[rid] = recv_from_params(params, (), report=False)
@@ -239,11 +259,11 @@ class NixlkvScheduler:
                 pass
             params["do_remote_prefill"] = False
             return False, None
-        if not params.get("do_remote_decode"):
+        if not decode:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted prefill: blocks free now, nothing published
-        groups = _groups(block_ids)
+        groups = [list(g) for g in block_id_groups(block_ids)]
         hold = any(len(g) for g in groups)
         if hold:
             self._send[rid] = self.config.lease_s
@@ -266,10 +286,4 @@ class NixlkvScheduler:
             self._server.close()
             self._server = None
 
-
-def _groups(block_ids: Any) -> list[list[int]]:
-    ids = list(block_ids or ())
-    if ids and not isinstance(ids[0], (list, tuple)):
-        return [[int(b) for b in ids]]
-    return [[int(b) for b in g] for g in ids]
 
