@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 
 import msgspec
 import pytest
@@ -168,3 +169,40 @@ def test_side_channel_round_trip_and_timeout() -> None:
     with pytest.raises(HandshakeError, match="no handshake answer"):
         hs.fetch("127.0.0.1", server.port, 0.3, 1 << 20)
     assert time.monotonic() - t0 < 2
+
+
+def test_invalid_utf8_in_any_string_is_a_handshake_error() -> None:
+    """A msgpack str holding invalid UTF-8 (was UnicodeDecodeError out of decode_reply)."""
+    from nixlkv.core.errors import HandshakeError
+    from nixlkv.vllm.handshake import SCHEMA_VERSION, decode_reply
+
+    bad_str = b"\xa2\xff\xfe"  # fixstr of 2 bytes, not UTF-8
+    header_hash = bytes([0x93, SCHEMA_VERSION]) + bad_str + b"\xc4\x00"  # [1, <bad>, b""]
+    with pytest.raises(HandshakeError, match="header unreadable"):
+        decode_reply(header_hash, "h")
+    # the hash fine, the payload's engine id not UTF-8
+    payload = bytes([0x93]) + bad_str + bytes([0x01, 0x90])  # [<bad>, 1, []]
+    raw = bytes([0x93, SCHEMA_VERSION, 0xa1]) + b"h" + bytes([0xc4, len(payload)]) + payload
+    with pytest.raises(HandshakeError, match="payload malformed"):
+        decode_reply(raw, "h")
+
+
+def test_region_in_memory_check_matches_brute_force() -> None:
+    """The O(n log n) containment check (many regions x many memory ranges no longer costs their
+    product) accepts and refuses exactly what checking every range would, overlaps included."""
+    import random
+
+    from nixlkv.core.errors import HandshakeError
+    from nixlkv.vllm.handshake import _check_regions_in_memory
+
+    rng = random.Random(7)
+    for _ in range(300):
+        memory = [(rng.randrange(0, 1000), rng.randrange(1, 200)) for _ in range(rng.randrange(1, 6))]
+        base, size = rng.randrange(0, 1100), rng.randrange(1, 150)
+        geo = types.SimpleNamespace(memory=memory, regions=[types.SimpleNamespace(name="r", base=base, end=base + size)])
+        inside = any(a <= base and base + size <= a + n for a, n in memory)
+        if inside:
+            _check_regions_in_memory(geo, 0)
+        else:
+            with pytest.raises(HandshakeError, match="outside every memory range"):
+                _check_regions_in_memory(geo, 0)

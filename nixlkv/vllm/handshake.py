@@ -16,7 +16,9 @@ planned or transferred from a payload that did not pass.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import logging
 import threading
@@ -106,7 +108,7 @@ def decode_reply(
         raise HandshakeError(f"handshake reply of {len(raw)} B exceeds max_handshake_bytes={max_bytes}")
     try:
         header = msgspec.msgpack.decode(raw, type=Header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise HandshakeError(f"handshake header unreadable: {exc}") from None
     if header.schema_version != SCHEMA_VERSION:
         raise HandshakeError(
@@ -124,7 +126,7 @@ def decode_reply(
     try:
         reply = msgspec.msgpack.decode(raw, type=Reply)
         payload = msgspec.msgpack.decode(reply.payload, type=EnginePayload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise HandshakeError(f"handshake payload malformed: {exc}") from None
     return _validate(payload, expected_engine_id)
 
@@ -160,17 +162,29 @@ def _validate(payload: EnginePayload, expected_engine_id: str | None) -> RemoteE
         for a, n in geo.memory:
             if n == 0 or a + n > ADDRESS_LIMIT:
                 raise HandshakeError(f"rank {rp.tp_rank}: memory range ({a:#x}, {n}) is empty or past 2^64")
-        for region in geo.regions:
-            if region.end > ADDRESS_LIMIT:
-                raise HandshakeError(f"rank {rp.tp_rank}: region {region.name!r} ends past 2^64")
-            if not any(a <= region.base and region.end <= a + n for a, n in geo.memory):
-                raise HandshakeError(
-                    f"rank {rp.tp_rank}: region {region.name!r} [{region.base:#x}, {region.end:#x}) lies "
-                    "outside every memory range the rank registered"
-                )
+        _check_regions_in_memory(geo, rp.tp_rank)
         geometry[rp.tp_rank] = geo
         agents[rp.tp_rank] = bytes(rp.agent_metadata)
     return RemoteEngine(payload.engine_id, payload.tp_size, geometry, agents)
+
+
+def _check_regions_in_memory(geo: RankGeometry, rank: int) -> None:
+    """Every region inside one registered memory range, in O((regions + ranges) log ranges) so
+    that a reply with many of both cannot stall the handshake thread (was regions x ranges): a
+    range containing ``[base, end)`` exists iff, among the ranges starting at or before ``base``,
+    the furthest end reaches ``end``."""
+    ranges = sorted(geo.memory)
+    starts = [a for a, _ in ranges]
+    reach = list(itertools.accumulate((a + n for a, n in ranges), max))
+    for region in geo.regions:
+        if region.end > ADDRESS_LIMIT:
+            raise HandshakeError(f"rank {rank}: region {region.name!r} ends past 2^64")
+        i = bisect.bisect_right(starts, region.base) - 1
+        if i < 0 or reach[i] < region.end:
+            raise HandshakeError(
+                f"rank {rank}: region {region.name!r} [{region.base:#x}, {region.end:#x}) lies "
+                "outside every memory range the rank registered"
+            )
 
 
 def _check_shape(d: Mapping[str, Any], rank: int) -> None:
