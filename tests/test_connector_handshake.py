@@ -206,3 +206,12 @@ def test_region_in_memory_check_matches_brute_force() -> None:
         else:
             with pytest.raises(HandshakeError, match="outside every memory range"):
                 _check_regions_in_memory(geo, 0)
+
+
+def test_a_renamed_page_axis_is_refused_naming_the_axis() -> None:
+    """A remote page whose 'head' axis is renamed (was KeyError: 'head' out of the planner)."""
+    from nixlkv.core.errors import IncompatibleGeometry
+
+    page = PageLayout((("hd", 4), ("token", 16), ("byte", 128)))
+    with pytest.raises(IncompatibleGeometry, match="no axis 'head'"):
+        page.size("head")

@@ -53,7 +53,10 @@ class PageLayout:
         return dict(self.axes)
 
     def size(self, axis: str) -> int:
-        return self._sizes[axis]
+        try:
+            return self._sizes[axis]
+        except KeyError:
+            raise IncompatibleGeometry(f"page {self.describe()} has no axis {axis!r}") from None
 
     def strides(self) -> dict[str, int]:
         """Byte stride of each axis."""
