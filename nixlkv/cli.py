@@ -79,7 +79,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # vLLM's planner refusing the model
-        print(f"error: vLLM could not build this scenario's caches: {type(exc).__name__}: {exc}", file=sys.stderr)
+        from .testing.rehearsal import build_failure
+
+        print(f"error: {build_failure(exc)}", file=sys.stderr)
         return 2
     out = []
     for plan, resolved in zip(engines.plans, resolved_all):

@@ -28,6 +28,14 @@ from .scenario import Scenario
 REHEARSAL_STAGING_BYTES = 4 << 20
 
 
+
+def build_failure(exc: BaseException) -> str:
+    """Why building a scenario's caches failed: memory that could not be allocated is said as such."""
+    if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc):
+        return (f"could not allocate this scenario's caches ({type(exc).__name__}: {str(exc)[:200]}): "
+                "lower num_blocks, the layer count or the head sizes")
+    return f"vLLM could not build this scenario's caches: {type(exc).__name__}: {exc}"
+
 def rehearsal_staging_bytes(engines: Engines) -> int:
     largest = max((r.page.nbytes for p in engines.plans for g in p.remote.values() for r in g.regions), default=0)
     return max(REHEARSAL_STAGING_BYTES, 4 * largest)
@@ -161,7 +169,7 @@ def rehearse(
             result.message = f"planning failed: {type(exc).__name__}: {exc}"
         return result
     except Exception as exc:  # vLLM's own planner refusing the model (ValueError, AssertionError...)
-        result.message = f"vLLM could not build this scenario's caches: {type(exc).__name__}: {exc}"
+        result.message = build_failure(exc)
         return result
     result.build_seconds = time.perf_counter() - t0
     result.plans = [p.to_dict() for p in engines.plans]

@@ -96,14 +96,47 @@ class Scenario:
         return out
 
 
+MAX_FILE_BYTES = 1 << 20  # a scenario is a page of YAML: anything larger is refused unread
+MAX_INT = 1 << 40  # counts and sizes beyond this are typos or attacks, never a cache to build
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases: a few hundred bytes of nested aliases ("billion laughs")
+    expand to gigabytes, and a scenario never needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ScenarioError(f"YAML aliases are not allowed in scenario files (line {event.start_mark.line + 1})")
+        return super().compose_node(parent, index)
+
+
 def load(path: str | Path) -> Scenario:
+    """Read and check a scenario file: any malformed file is a ScenarioError naming it, in
+    bounded time and memory (size, depth, integer length and aliases limited before building)."""
     path = Path(path)
-    text = path.read_text()
+    kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ScenarioError(f"{path}: {size} B is larger than a scenario file may be ({MAX_FILE_BYTES} B)")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot be read: {exc}") from None
+    try:
+        data = json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - safe loader
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ScenarioError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
-    return parse(data, source=str(path))
+        raise ScenarioError(f"{path}: not valid {kind}: {exc}") from None
+    except RecursionError:
+        raise ScenarioError(f"{path}: not valid {kind}: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise ScenarioError(f"{path}: not valid {kind}: {exc}") from None
+    try:
+        return parse(data, source=str(path))
+    except RecursionError:
+        raise ScenarioError(f"{path}: nested too deeply to be a scenario") from None
 
 
 def parse(data: Any, source: str = "<inline>") -> Scenario:
@@ -156,8 +189,8 @@ def _model(x: Any, where: str) -> tuple[LayerKind, ...]:
 def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     d = dict(_mapping(x, where))
     kind = d.pop("kind", None)
-    if kind not in KINDS:
-        raise ScenarioError(f"{where}: kind must be one of {sorted(KINDS)}, got {kind!r}")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ScenarioError(f"{where}: kind must be one of {sorted(KINDS)}, got {_show(kind)}")
     if kind == UNIFORM:
         return _uniform(d, where, in_uniform)
     count = _pos(d.pop("count", 1), f"{where}.count")
@@ -169,10 +202,10 @@ def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     for key, value in params.items():
         if key == "dtype":
             if value not in DTYPES:
-                raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {value!r}")
+                raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {_show(value)}")
         elif isinstance(optional.get(key), bool):
             if not isinstance(value, bool):
-                raise ScenarioError(f"{where}.{key}: must be true or false, got {value!r}")
+                raise ScenarioError(f"{where}.{key}: must be true or false, got {_show(value)}")
         elif isinstance(optional.get(key), str):
             continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
         elif value is not None:
@@ -200,7 +233,7 @@ def _side(x: Any, where: str) -> Side:
     _only(d, {"tp", "block_size", "layout", "num_blocks", "kernel_block_size"}, where)
     layout = d.get("layout", "LBHNC")
     if layout not in LAYOUTS:
-        raise ScenarioError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ScenarioError(f"{where}: layout must be one of {LAYOUTS}, got {_show(layout)}")
     nb = d.get("num_blocks")
     kb = d.get("kernel_block_size")
     return Side(
@@ -231,12 +264,20 @@ def _only(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
 
 
 def _pos(x: Any, where: str) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-        raise ScenarioError(f"{where}: must be a positive integer, got {x!r}")
+    if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= MAX_INT:
+        raise ScenarioError(f"{where}: must be a positive integer up to {MAX_INT}, got {_show(x)}")
     return x
 
 
 def _nonneg(x: Any, where: str) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise ScenarioError(f"{where}: must be a non-negative integer, got {x!r}")
+    if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= MAX_INT:
+        raise ScenarioError(f"{where}: must be a non-negative integer up to {MAX_INT}, got {_show(x)}")
     return x
+
+
+def _show(x: Any) -> str:
+    """A value for a message, bounded (a huge integer is not even converted to text)."""
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_INT:
+        return f"an integer of {x.bit_length()} bits"
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
