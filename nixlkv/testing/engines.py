@@ -61,15 +61,27 @@ class FabricatedRank:
     hints: dict[str, dict[str, Any]] = field(default_factory=dict)  # layer -> model facts (mamba geometry)
     params: dict[str, Any] = field(default_factory=dict)  # layer -> its scenario kind parameters
 
+    def layer_spec(self, layer: str) -> Any:
+        """The layer's own spec, as the dispatcher sees it: a group wrapped in vLLM's
+        UniformTypeKVCacheSpecs holds one spec per layer, which may differ from the group's kind."""
+        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+        for g in self.kv_cache_config.kv_cache_groups:
+            if layer in g.layer_names:
+                spec = g.kv_cache_spec
+                return spec.kv_cache_specs[layer] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+        raise KeyError(f"layer {layer!r} is in no KV group")
+
     def is_state_group(self, group: int) -> bool:
-        """Whether the group holds per-request states (Mamba), not token blocks."""
+        """Whether the group holds per-request states (Mamba), not token blocks: its layers' own
+        specs say so (a wrapped group's outer spec is no Mamba spec)."""
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        return isinstance(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec, MambaSpec)
+        return all(isinstance(self.layer_spec(n), MambaSpec) for n in self.group_layers(group))
 
     def state_scratch_blocks(self, group: int) -> int:
         """Speculative scratch blocks a state group appends after the running state."""
-        return int(self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.num_speculative_blocks)
+        return max(int(self.layer_spec(n).num_speculative_blocks) for n in self.group_layers(group))
 
     @property
     def num_groups(self) -> int:

@@ -11,7 +11,7 @@ everywhere else.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -128,17 +128,33 @@ class GroupBlocks:
     ids: np.ndarray
     first_position: int  # block position of ids[0] in the request (skipped prefix blocks)
     holds: np.ndarray  # bool [len(ids), tokens per block]; 1-D (per block) means whole blocks
+    # Layers of a wrapped group (UniformTypeKVCacheSpecs) whose own spec moves other slots than
+    # the group's (a sliding-window layer in a group vLLM manages as full attention).
+    layer_holds: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         holds = np.asarray(self.holds, dtype=bool)
         object.__setattr__(self, "holds", holds[:, None] if holds.ndim == 1 else holds)
 
+    def holds_of(self, layer: str) -> np.ndarray:
+        return self.layer_holds.get(layer, self.holds)
+
 
 def window_of(rank: FabricatedRank, group: int) -> int | None:
-    """The group's sliding window in tokens, or None (every block is attended)."""
+    """The sliding window of the group's block manager in tokens (what vLLM's scheduler frees
+    below), or None (every block is kept)."""
+    return _window(rank.kv_cache_config.kv_cache_groups[group].kv_cache_spec)
+
+
+def layer_window(rank: FabricatedRank, layer: str) -> int | None:
+    """The layer's own sliding window, from its own spec as the dispatcher sees it (inside a
+    wrapped group it may differ from the group's)."""
+    return _window(rank.layer_spec(layer))
+
+
+def _window(spec: Any) -> int | None:
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    spec = rank.kv_cache_config.kv_cache_groups[group].kv_cache_spec
     return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
 
 
@@ -157,19 +173,23 @@ def window_tail(num_tokens: int, window: int, block_size: int) -> int:
 
 
 def decode_receives(
-    positions: np.ndarray, num_tokens: int, window: int | None, decode_block: int, prefill_block: int
+    positions: np.ndarray, num_tokens: int, window: int | None, decode_block: int, prefill_block: int,
+    nulled_window: int | None | str = "same",
 ) -> np.ndarray:
     """bool ``[len(positions), decode_block]``: which token slots of the decode blocks at these
     positions the transfer must fill. A slot is filled when the prefill block holding that token
-    exists and is exchanged: for a window, both engines exchange only their own window tail,
-    and prefill has nulled what fell below the window."""
+    exists and is exchanged: for a layer with a window, both engines exchange only their own
+    window tail, and prefill has nulled what fell below the window of its block manager
+    (``nulled_window``: the layer's own unless its group is managed otherwise)."""
     tokens = positions[:, None] * decode_block + np.arange(decode_block)[None, :]
     source = tokens // prefill_block
     filled = source < -(-num_tokens // prefill_block)
     if window is not None:
         filled &= positions[:, None] >= window_tail(num_tokens, window, decode_block)
         filled &= source >= window_tail(num_tokens, window, prefill_block)
-        filled &= source >= prefill_null_positions(num_tokens, window, prefill_block)
+    nulled = window if nulled_window == "same" else nulled_window
+    if nulled is not None:
+        filled &= source >= prefill_null_positions(num_tokens, nulled, prefill_block)
     return filled
 
 
@@ -227,7 +247,7 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
                     total_kv_heads=rank.total_heads[name], positions=positions, shape=logical,
                 )
                 fresh = element_pattern(rank.layer_index[name], custom(query), (positions.size, *logical), seed)
-            mask = np.broadcast_to(gb.holds[rows][:, None, :, None], fresh.shape)
+            mask = np.broadcast_to(gb.holds_of(name)[rows][:, None, :, None], fresh.shape)
             ids = gb.ids[rows]
             fresh, mask = as_kernel_pages(fresh, per), as_kernel_pages(mask, per)
             arr[ids] = fresh if mask.all() else np.where(mask, fresh, arr[ids])

@@ -142,9 +142,20 @@ def choose_blocks(
         else:
             if peer.group_layers(group) != rank.group_layers(group):
                 raise NixlkvError(f"prefill and decode group their layers differently (group {group})")
-            holds = oracle.decode_receives(np.arange(n), num_tokens, window, bs, peer.group_block_size(group))
+            # What the transfer fills follows each layer's own window (what the dispatcher sees,
+            # inside a wrapped group too) and what prefill's block manager nulled (its group's window).
+            peer_bs, nulled = peer.group_block_size(group), oracle.window_of(peer, group)
+            holds = oracle.decode_receives(np.arange(n), num_tokens, window, bs, peer_bs, nulled_window=nulled)
         first = min(skip, n)
-        out.append(oracle.GroupBlocks(ids=ids[first:], first_position=first, holds=holds[first:]))
+        layer_holds = {}
+        if peer is not None:
+            for name in rank.group_layers(group):
+                mine = oracle.decode_receives(np.arange(n), num_tokens, oracle.layer_window(rank, name), bs, peer_bs,
+                                              nulled_window=nulled)
+                if not np.array_equal(mine, holds):
+                    layer_holds[name] = mine[first:]
+        out.append(oracle.GroupBlocks(ids=ids[first:], first_position=first, holds=holds[first:],
+                                      layer_holds=layer_holds))
     return out
 
 
