@@ -1,8 +1,8 @@
 """``nixlkv bench-settings``: NIXL agent settings measured on the connector's own READ path.
 
 Fabricated P and D engines (``nixlkv.testing``) with real NIXL, one pair per setting, every
-setting's requests interleaved round by round so that a machine getting busier affects them
-alike. Per setting: D's transfer time per request (post to done, the worker's own stat) over
+setting's requests interleaved round by round (each round starting at another setting) so that
+a machine getting busier, or going first, affects them alike. Per setting: D's transfer time per request (post to done, the worker's own stat) over
 the same request sizes. The settings compared are NIXL's progress threads (``nixl_num_threads``:
 nixlkv's 0 against vLLM's NixlConnector's 4) and NIXL's per-transfer telemetry (nixlkv off,
 vLLM on).
@@ -22,6 +22,7 @@ from .stall import _workers, scenario
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "nixlkv default (threads 0, telemetry off)": {},
+    "nixlkv default again (control: the spread between identical pairs)": {},
     "threads 4 (vLLM's)": {"nixl_num_threads": 4},
     "telemetry on (vLLM's)": {"nixl_telemetry": True},
     "threads 4 + telemetry on (vLLM's defaults)": {"nixl_num_threads": 4, "nixl_telemetry": True},
@@ -79,9 +80,10 @@ def run(layers: int = 32, p_tp: int = 1, d_tp: int = 1, blocks: int = 48, rounds
         for pair in pairs.values():  # handshakes and first touches out of the timing
             pair.request(blocks)
         times: dict[str, list[float]] = {name: [] for name in pairs}
-        for _ in range(rounds):
-            for name, pair in pairs.items():
-                times[name].append(pair.request(blocks))
+        names = list(pairs)
+        for r in range(rounds):  # each round starts at another setting: no setting always goes first
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                times[name].append(pairs[name].request(blocks))
     finally:
         for pair in pairs.values():
             pair.close()
