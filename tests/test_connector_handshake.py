@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import time
 import types
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -215,3 +216,31 @@ def test_a_renamed_page_axis_is_refused_naming_the_axis() -> None:
     page = PageLayout((("hd", 4), ("token", 16), ("byte", 128)))
     with pytest.raises(IncompatibleGeometry, match="no axis 'head'"):
         page.size("head")
+
+
+@pytest.mark.parametrize(("fact", "value", "kind"), [
+    ("tokens_per_block", 1.5, "number"),  # was accepted until resolve
+    ("tokens_per_block", "16", "string"),
+    ("total_kv_heads", True, "bool"),
+])
+def test_a_remote_fact_of_another_kind_is_refused_naming_it(fact: str, value: object, kind: str) -> None:
+    """A remote region whose fact has another type than the one this strategy writes (a string
+    where a number belongs, 1.5 tokens per block) is refused at planning, naming the layer and the
+    fact, instead of a ValueError/TypeError from inside a strategy."""
+    import dataclasses
+
+    from nixlkv.core import Dispatcher
+    from nixlkv.core.errors import IncompatibleGeometry
+    from nixlkv.testing.rehearsal import build, geometry
+    from nixlkv.testing.scenario import load
+
+    sc = load(Path(__file__).parent / "scenarios" / "fa-p1-d1-h8.yaml")
+    dispatcher = Dispatcher.from_plugins()
+    engines = build(sc, dispatcher)
+    local, remote = geometry(engines.decode[0], dispatcher), geometry(engines.prefill[0], dispatcher)
+    assert fact in remote.regions[0].facts
+    dispatcher.plan(local, {0: remote})  # as advertised: plans
+    bad = dataclasses.replace(remote.regions[0], facts={**remote.regions[0].facts, fact: value})
+    broken = dataclasses.replace(remote, regions=(bad, *remote.regions[1:]))
+    with pytest.raises(IncompatibleGeometry, match=f"advertises {fact}=.*\\({kind}\\)"):
+        dispatcher.plan(local, {0: broken})

@@ -185,7 +185,32 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
             f"layer {region.name!r} is a {region.strategy!r} cache here but a {peer.strategy!r} cache on "
             f"remote rank {geometry.tp_rank}: both engines must run the same model with the same KV-cache kinds"
         )
+    for key, mine in region.facts.items():  # a fact the strategy reads must be of the kind it wrote
+        theirs = peer.facts.get(key)
+        if mine is not None and theirs is not None and _kind(theirs) != _kind(mine):
+            raise IncompatibleGeometry(
+                f"layer {region.name!r}: remote rank {geometry.tp_rank} advertises {key}={_short(theirs)} "
+                f"({_kind(theirs)}), where this strategy's facts hold a {_kind(mine)}"
+            )
     return peer
+
+
+def _kind(value: Any) -> str:
+    """A fact's kind for comparison across engines (bool apart from int, any number of a list alike)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "list" if isinstance(value, (list, tuple)) else "map" if isinstance(value, dict) else type(value).__name__
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_same_layers(local: RankGeometry, remote: Mapping[int, RankGeometry]) -> None:
