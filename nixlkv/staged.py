@@ -98,8 +98,7 @@ class Reader:
         self._declined = 0  # auto requests that could have staged but went direct
         self.staged_requests = 0  # counters, for logs and tests
         self.rounds_posted = 0
-        self.stuck_handles = 0  # staged READs NIXL would not release at first
-        self._stuck: list[object] = []  # ... and still not released: no round is posted meanwhile
+        self._stuck: list[object] = []  # staged READs NIXL would not release: no round is posted meanwhile
         self.buffer: torch.Tensor | None = None  # allocated by the first plan that stages
         self._reg = None
         if self.mode != "direct":
@@ -366,22 +365,14 @@ class Reader:
     def _release_handles(self, handles: list[object]) -> bool:
         """Release staged READs; one NIXL cannot cancel yet may still write into the staging
         buffer, so it is kept in ``_stuck`` and retried by ``_advance``. True when every one went."""
-        kept = [h for h in handles if not self._try_release(h)]
+        kept = [h for h in handles if not self.nixl.release_handle(h)]
         handles.clear()
         self._stuck.extend(kept)
-        self.stuck_handles += len(kept)
         return not kept
 
     def _retry_stuck(self) -> bool:
-        self._stuck = [h for h in self._stuck if not self._try_release(h)]
+        self._stuck = [h for h in self._stuck if not self.nixl.release_handle(h)]
         return not self._stuck
-
-    def _try_release(self, handle: object) -> bool:
-        try:
-            self.nixl.agent.release_xfer_handle(handle)
-        except Exception:  # nixl raises for an active transfer it cannot cancel
-            return False
-        return True
 
     def _scatter(self, scatters: Iterable[Scatter], half: int) -> float:
         """Copy one round out of its half (on the scatter thread); seconds it took."""

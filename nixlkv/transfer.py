@@ -126,14 +126,9 @@ class NixlRank:
                 flight.descriptors += read.num_descriptors
                 flight.nbytes += prepared.plan.read_bytes(read)
         except TransferError as exc:
-            if not self.release(flight):
-                exc.flight = flight
-            raise
+            raise self._given_up(flight, exc)
         except Exception as exc:  # nixl raises its own types (e.g. nixlInvalidParamError)
-            error = TransferError(f"posting the READs failed: {type(exc).__name__}: {exc}")
-            if not self.release(flight):
-                error.flight = flight
-            raise error from exc
+            raise self._given_up(flight, TransferError(f"posting the READs failed: {type(exc).__name__}: {exc}")) from exc
         for rank in resolved.notify_only:
             self.agent.send_notif(prepared.agents[rank], msg)
         flight.post_seconds = time.perf_counter() - flight.posted_at
@@ -146,8 +141,7 @@ class NixlRank:
         while pending:
             pending = [h for h in pending if self.state(h, lambda: self.release(flight), "a NIXL READ") != "DONE"]
             if pending and time.perf_counter() > deadline:
-                released = self.release(flight)
-                raise TransferError(f"READs not done after {timeout} s", None if released else flight)
+                raise self._given_up(flight, TransferError(f"READs not done after {timeout} s"))
         elapsed = time.perf_counter() - flight.posted_at
         if self.capture_telemetry:  # what NIXL posted after its merge, read before the handles go
             flight.posted_descriptors = sum(int(self.agent.get_xfer_telemetry(h).descCount) for h in flight.handles)
@@ -180,14 +174,22 @@ class NixlRank:
         """Release the request's transfer handles; True when every one went. NIXL refuses to release
         a READ it cannot cancel (it may still write): that handle stays in ``flight.handles`` and the
         request's blocks must stay held until a later call returns True."""
-        kept = []
-        for handle in flight.handles:
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:  # nixl raises when the transfer is active and cannot be cancelled
-                kept.append(handle)
-        flight.handles[:] = kept
-        return not kept
+        flight.handles[:] = [h for h in flight.handles if not self.release_handle(h)]
+        return not flight.handles
+
+    def release_handle(self, handle: object) -> bool:
+        """Release one transfer handle; False when NIXL refused (an active transfer it cannot cancel)."""
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # nixl raises when the transfer is active and cannot be cancelled
+            return False
+        return True
+
+    def _given_up(self, flight: InFlight, error: TransferError) -> TransferError:
+        """``error`` for a flight given up on, carrying the flight when NIXL kept some of its READs."""
+        if not self.release(flight):
+            error.flight = flight
+        return error
 
     def release_lists(self, handles: Iterable[object]) -> None:
         """Give back prepped descriptor lists no READ will use again (a remote that went away)."""
