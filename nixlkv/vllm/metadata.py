@@ -11,12 +11,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from ..core.errors import RequestError
 from .params import remote
 
-# kv_transfer_params keys shared with vLLM's NixlConnector (proxies and routers read them).
-REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-# nixlkv's own additions (optional; a proxy forwards kv_transfer_params whole).
-GENERATION_KEY = "remote_generation"  # liveness.engine_generation of the P that prefilled
-LEASE_KEY = "remote_lease_s"  # how long that P holds the blocks without news from D
-
 RemoteKey = tuple[str, str, int]  # (engine id, side-channel host, port)
 
 

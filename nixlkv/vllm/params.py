@@ -18,6 +18,9 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+# nixlkv's own keys beside vLLM NixlConnector's (optional; a proxy forwards kv_transfer_params whole).
+GENERATION_KEY = "remote_generation"  # liveness.engine_generation of the P that prefilled
+LEASE_KEY = "remote_lease_s"  # how long that P holds the blocks without news from D
 MAX_BLOCK_ID = 2**31 - 1
 NULL_BLOCK_ID = 0  # vLLM's null block: the placeholder of a window's dropped blocks, repeated freely
 MAX_LEASE_S = 86400.0  # a day: a lease is how long P holds blocks unread; an endless one leaks them
@@ -45,8 +48,8 @@ class _Remote(msgspec.Struct):
     remote_block_ids: list[Any]
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | None = None
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] | None = None
-    remote_lease_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)] | None = None
-    remote_generation: Id | None = None
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)] | None = msgspec.field(default=None, name=LEASE_KEY)
+    generation: Id | None = msgspec.field(default=None, name=GENERATION_KEY)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def remote(params: Any) -> RemoteParams:
     return RemoteParams(
         engine_id=r.remote_engine_id, request_id=r.remote_request_id, host=_host(r.remote_host),
         port=r.remote_port, block_ids=block_groups(r.remote_block_ids), tp_size=r.tp_size,
-        num_tokens=r.remote_num_tokens, lease_s=r.remote_lease_s, generation=r.remote_generation,
+        num_tokens=r.remote_num_tokens, lease_s=r.lease_s, generation=r.generation,
     )
 
 

@@ -25,10 +25,9 @@ from typing import Any
 from .config import ConnectorConfig
 from .handshake import SideChannelServer
 from .metadata import (
-    GENERATION_KEY, LEASE_KEY, LEASE_SAFETY, LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups,
-    recv_from_params,
+    LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups, lease_view, recv_from_params,
 )
-from .params import ParamsError, flags, remote
+from .params import GENERATION_KEY, LEASE_KEY, ParamsError, flags, remote
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -115,12 +114,11 @@ class NixlkvScheduler:
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
         self.generation: str | None = None  # this engine's, published to consumers
-        # D: requests waiting for remote KV -> (remote, P request id, lease view, arrival time)
-        # D: request -> (remote, P's request id, P's lease or None, arrival on this scheduler's clock)
+        # D: request waiting for remote KV -> (remote, P's request id, P's lease or None, arrival on this scheduler's clock)
         self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float]] = {}
         self._last_heartbeat = float("-inf")
-        self._short: set[str] = set()
-        self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)  # P: requests whose prompt stop_short cut, until they finish
+        self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
+        self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)
 
     # ------------------------------------------------------------------ side channel
     def serve_handshake(self, reply: bytes, generation: str | None = None) -> None:
@@ -236,8 +234,7 @@ class NixlkvScheduler:
         self._last_heartbeat = now
         out: dict[RemoteKey, dict[str, LeaseView | None]] = {}
         for key, remote_rid, lease, arrived in self._awaiting.values():
-            view = None if lease is None else LeaseView(lease, arrived + LEASE_SAFETY * lease - now)
-            out.setdefault(key, {})[remote_rid] = view
+            out.setdefault(key, {})[remote_rid] = lease_view(lease, arrived, now)
         return out
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
