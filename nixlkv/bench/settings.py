@@ -2,8 +2,8 @@
 
 Fabricated P and D engines (``nixlkv.testing``) with real NIXL, one pair per setting, every
 setting's requests interleaved round by round (each round starting at another setting) so that
-a machine getting busier, or going first, affects them alike. Per setting: D's transfer time per request (post to done, the worker's own stat) over
-the same request sizes. The settings compared are NIXL's progress threads (``nixl_num_threads``:
+a machine getting busier, or going first, affects them alike. Per setting: D's transfer time
+per request (post to done, the worker's own stat) over the same request sizes. The settings compared are NIXL's progress threads (``nixl_num_threads``:
 nixlkv's 0 against vLLM's NixlConnector's 4) and NIXL's per-transfer telemetry (nixlkv off,
 vLLM on).
 """
@@ -15,10 +15,8 @@ import time
 from typing import Any
 
 from ..vllm.config import ConnectorConfig
-from ..vllm.handshake import SideChannelServer
-from ..vllm.metadata import NixlkvMetadata, RecvRequest
-from ..vllm.worker import NixlkvWorker, serve_reply
-from .stall import _workers, scenario
+from ..vllm.metadata import NixlkvMetadata
+from .stall import BLOCK, HEAD_SIZE, HEADS, _workers, hand_over, scenario, serve
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "nixlkv default (threads 0, telemetry off)": {},
@@ -33,22 +31,14 @@ class _Pair:
     def __init__(self, sc: Any, config: ConnectorConfig, tag: str) -> None:
         self.p = _workers(sc, "prefill", f"P-{tag}", config)
         self.d = _workers(sc, "decode", f"D-{tag}", config)
-        infos = {w.topology.tp_rank: w.handshake_info() for w in self.p}
-        reply = serve_reply(f"P-{tag}", len(self.p), infos, "bench")
-        self.server = SideChannelServer("127.0.0.1", 0, lambda: reply)
         self.engine = f"P-{tag}"
+        self.server = serve(self.p, self.engine)
         self.n = 0
 
     def request(self, blocks: int) -> float:
         """One request of ``blocks`` blocks, P to D; D's transfer seconds (post to done)."""
         self.n += 1
-        rid = f"r{self.n}"
-        ids = list(range(1, blocks + 1))
-        for w in self.p:
-            w.start_load_kv(NixlkvMetadata(reqs_to_send={rid: 30.0}))
-        req = RecvRequest(local_block_ids=(ids,), remote_block_ids=(ids,), remote_engine_id=self.engine,
-                          remote_request_id=rid, remote_host="127.0.0.1", remote_port=self.server.port)
-        meta: NixlkvMetadata | None = NixlkvMetadata(reqs_to_recv={rid: req})
+        meta: NixlkvMetadata | None = hand_over(self.p, self.engine, self.server.port, f"r{self.n}", blocks)
         done: set[int] = set()
         deadline = time.monotonic() + 60
         while len(done) < len(self.d) and time.monotonic() < deadline:
@@ -88,7 +78,7 @@ def run(layers: int = 32, p_tp: int = 1, d_tp: int = 1, blocks: int = 48, rounds
         for pair in pairs.values():
             pair.close()
     base = statistics.median(times[next(iter(SETTINGS))])
-    nbytes = layers * 2 * blocks * 16 * 8 * 64 * 2 // d_tp
+    nbytes = layers * blocks * BLOCK * HEADS * HEAD_SIZE * 2 * 2 // d_tp  # K and V, bf16
     rows = {name: {"median_ms": 1e3 * statistics.median(t), "ratio_vs_default": statistics.median(t) / base}
             for name, t in times.items()}
     return {"shape": f"{layers} layers, P TP{p_tp} -> D TP{d_tp}, {blocks} blocks per request "

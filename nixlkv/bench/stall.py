@@ -25,14 +25,33 @@ from ..vllm.metadata import NixlkvMetadata, RecvRequest
 from ..vllm.worker import NixlkvWorker, serve_reply
 
 
+HEADS, HEAD_SIZE, BLOCK = 8, 64, 16  # bf16 full attention: a block of one layer is BLOCK x HEADS x HEAD_SIZE x 2 (K, V) x 2 B
+
+
 def scenario(layers: int, p_tp: int, d_tp: int, num_blocks: int) -> Any:
     return parse({
         "name": f"stall-{layers}l-p{p_tp}-d{d_tp}",
-        "model": {"layers": [{"kind": "full_attention", "count": layers, "num_kv_heads": 8, "head_size": 64}]},
-        "prefill": {"tp": p_tp, "block_size": 16, "layout": "LBHNC", "num_blocks": num_blocks},
-        "decode": {"tp": d_tp, "block_size": 16, "layout": "LBHNC", "num_blocks": num_blocks},
-        "request": {"num_tokens": 16 * 8, "seed": 0},
+        "model": {"layers": [{"kind": "full_attention", "count": layers, "num_kv_heads": HEADS, "head_size": HEAD_SIZE}]},
+        "prefill": {"tp": p_tp, "block_size": BLOCK, "layout": "LBHNC", "num_blocks": num_blocks},
+        "decode": {"tp": d_tp, "block_size": BLOCK, "layout": "LBHNC", "num_blocks": num_blocks},
+        "request": {"num_tokens": BLOCK * 8, "seed": 0},
     })
+
+
+def serve(p: list[NixlkvWorker], engine_id: str) -> SideChannelServer:
+    """The side channel answering for the prefill workers ``p``."""
+    reply = serve_reply(engine_id, len(p), {w.topology.tp_rank: w.handshake_info() for w in p}, "bench")
+    return SideChannelServer("127.0.0.1", 0, lambda: reply)
+
+
+def hand_over(p: list[NixlkvWorker], engine_id: str, port: int, rid: str, blocks: int) -> NixlkvMetadata:
+    """P holds request ``rid`` (blocks 1..``blocks``); the metadata that makes D read it."""
+    ids = list(range(1, blocks + 1))
+    for w in p:
+        w.start_load_kv(NixlkvMetadata(reqs_to_send={rid: 30.0}))
+    req = RecvRequest(local_block_ids=(ids,), remote_block_ids=(ids,), remote_engine_id=engine_id,
+                      remote_request_id=rid, remote_host="127.0.0.1", remote_port=port)
+    return NixlkvMetadata(reqs_to_recv={rid: req})
 
 
 def _workers(sc: Any, role: str, engine_id: str, config: ConnectorConfig) -> list[NixlkvWorker]:
@@ -51,9 +70,7 @@ def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, re
     sc = scenario(layers, p_tp, d_tp, num_blocks)
     config = ConnectorConfig(nixl_progress_delay_us=1000)
     p = _workers(sc, "prefill", "P", config)
-    infos = {w.topology.tp_rank: w.handshake_info() for w in p}
-    reply = serve_reply("P", len(p), infos, "bench")
-    server = SideChannelServer("127.0.0.1", 0, lambda: reply)
+    server = serve(p, "P")
     runs = []
     try:
         for i in range(reps):
@@ -83,16 +100,10 @@ def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, re
 
 
 def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], port: int, rid: str) -> dict[str, Any]:
-    ids = list(range(1, 9))
-    for w in p:
-        w.start_load_kv(NixlkvMetadata(reqs_to_send={rid: 30.0}))
-    req = RecvRequest(local_block_ids=(ids,), remote_block_ids=(ids,), remote_engine_id="P", remote_request_id=rid,
-                      remote_host="127.0.0.1", remote_port=port)
     during: list[float] = []  # steps that ended with the handshake still in progress
     post_ms = 0.0  # the step that took the finished handshake and posted the READs
-    rest: list[float] = []
-    done: set[str] = set()
-    meta: NixlkvMetadata | None = NixlkvMetadata(reqs_to_recv={rid: req})
+    done: set[int] = set()
+    meta: NixlkvMetadata | None = hand_over(p, "P", port, rid, blocks=8)
     deadline = time.monotonic() + 120
     while len(done) < len(d) and time.monotonic() < deadline:
         waiting_before = any(rid in w._waiting for w in d)
@@ -108,8 +119,6 @@ def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], port: int, rid: str) -> d
             during.append(took)
         elif waiting_before or meta is not None:
             post_ms = max(post_ms, 1e3 * took)
-        else:
-            rest.append(took)
         meta = None
         for w in p:
             w.get_finished(set())
