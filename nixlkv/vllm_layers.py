@@ -13,17 +13,20 @@ from typing import Any
 import torch
 
 from .core.errors import IncompatibleGeometry
-from .core.geometry import LayerCache, PageLayout
+from .core.geometry import LayerCache, PageLayout, PagePart
+from .vllm.model_backend import K_CHANNEL_MAJOR
 
 # Logical axes of a vLLM per-layer view [B, H, N, C]; C is counted in bytes after a uint8 view.
 VIEW_AXES = ("head", "token", "byte")
 
 
-def page_of(view: torch.Tensor, num_blocks: int) -> tuple[PageLayout, int]:
+def page_of(view: torch.Tensor, num_blocks: int, interior: str | None = None) -> tuple[PageLayout, int]:
     """(page layout, block stride in bytes) of one layer's ``[B, H, N, C]`` view.
 
     When the view holds kernel blocks (``B = num_blocks * ratio``), a logical block is
-    ``ratio`` consecutive kernel pages and the page gets an outer ``kblock`` axis.
+    ``ratio`` consecutive kernel pages and the page gets an outer ``kblock`` axis. ``interior``
+    names the order the backend's kernels really write inside a page, where it is not the
+    view's (see :mod:`nixlkv.vllm.model_backend`); the page then carries parts saying so.
     """
     if view.dim() != 4:
         raise IncompatibleGeometry(f"expected a [B, H, N, C] view, got shape {tuple(view.shape)}")
@@ -40,6 +43,8 @@ def page_of(view: torch.Tensor, num_blocks: int) -> tuple[PageLayout, int]:
                 f"page of shape {tuple(raw.shape)} with byte strides {tuple(raw.stride())} is not dense; "
                 "nixlkv needs each block's page to be one contiguous run"
             )
+    if interior is not None:
+        page = PageLayout(page.axes, interior_parts(page, interior, view.element_size()))
     kernel_stride = int(raw.stride(0))
     blocks = int(raw.shape[0])
     if blocks == num_blocks:
@@ -50,7 +55,30 @@ def page_of(view: torch.Tensor, num_blocks: int) -> tuple[PageLayout, int]:
             f"view holds {blocks} kernel blocks for {num_blocks} logical blocks with stride "
             f"{kernel_stride} and page {page.nbytes}: kernel pages are not dense"
         )
-    return PageLayout((("kblock", ratio), *axes)), kernel_stride * ratio
+    parts = tuple(PagePart(p.offset, (("kblock", ratio, page.nbytes), *p.axes)) for p in page.parts)
+    return PageLayout((("kblock", ratio), *axes), parts), kernel_stride * ratio
+
+
+def interior_parts(page: PageLayout, interior: str, element_size: int) -> tuple[PagePart, ...]:
+    """Page parts of a ``head x token x byte`` page whose kernels write it in ``interior`` order.
+
+    ``k_channel_major``: per head, the keys as ``[head_size, tokens]`` elements, then the values
+    as ``[tokens, head_size]`` (K and V of one size, as the view's ``2 x head_size`` says). The
+    parts' innermost axes are not the page's ``byte`` axis (each holds part of it), so a box that
+    takes part of ``byte`` is refused rather than misread."""
+    if interior != K_CHANNEL_MAJOR:
+        raise IncompatibleGeometry(f"unknown page interior {interior!r}; known: {[K_CHANNEL_MAJOR]}")
+    if page.names != VIEW_AXES or page.size("byte") % (2 * element_size):
+        raise IncompatibleGeometry(
+            f"a {interior} page must be head x token x (2 x head_size) elements, got {page.describe()}"
+        )
+    heads, tokens, content = page.size("head"), page.size("token"), page.size("byte")
+    half = content // 2  # one of K or V per token, in bytes
+    head_stride = tokens * content
+    keys = PagePart(0, (("head", heads, head_stride), ("channel", half // element_size, tokens * element_size),
+                        ("token", tokens, element_size), ("element", element_size, 1)))
+    values = PagePart(tokens * half, (("head", heads, head_stride), ("token", tokens, half), ("value", half, 1)))
+    return keys, values
 
 
 def layer_caches(
@@ -73,7 +101,8 @@ def layer_caches(
             continue
         for name in group.layer_names:
             view = kv_caches[name]
-            page, stride = page_of(view, kv_cache_config.num_blocks)
+            hints = model_hints(name) if model_hints else {}
+            page, stride = page_of(view, kv_cache_config.num_blocks, hints.get("page_interior"))
             layers.append(
                 LayerCache(
                     name=name,
@@ -83,7 +112,7 @@ def layer_caches(
                     num_blocks=int(kv_cache_config.num_blocks),
                     block_stride=stride,
                     page=page,
-                    hints={"total_kv_heads": int(heads_of(name)), **(model_hints(name) if model_hints else {})},
+                    hints={"total_kv_heads": int(heads_of(name)), **hints},
                 )
             )
     return layers

@@ -284,14 +284,35 @@ def test_a_refusal_is_read_from_ds_log(tmp_path) -> None:
     assert refusal_in(tmp_path / "missing.log") is None
 
 
-def test_backend_hints_mark_only_backends_whose_pages_are_not_token_major() -> None:
+def test_backend_hints_name_the_measured_interior_and_refuse_unmeasured_isas() -> None:
     from nixlkv.vllm.model_backend import backend_hints, combine
 
-    hints = backend_hints({"a": "CPU_ATTN", "b": "FLASH_ATTN"})
-    assert hints("a")["token_major_interior"] is False and "channel-major" in hints("a")["interior"]
+    class Backend:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def get_name(self) -> str:
+            return self.name
+
+    class Layer:
+        def __init__(self, backend: str, isa: str | None = None) -> None:
+            self.backend = Backend(backend)
+            if isa is not None:
+                self.isa = isa
+
+        def get_attn_backend(self) -> Backend:
+            return self.backend
+
+    hints = backend_hints({"a": Layer("CPU_ATTN", "vec"), "a16": Layer("CPU_ATTN", "vec16"),
+                           "amx": Layer("CPU_ATTN", "amx"), "b": Layer("FLASH_ATTN")})
+    assert hints("a")["page_interior"] == "k_channel_major" and "channel-major" in hints("a")["interior"]
+    assert hints("a16")["page_interior"] == "k_channel_major"
+    # an ISA nobody measured: whole blocks only, said why
+    assert "page_interior" not in hints("amx") and hints("amx")["token_major_interior"] is False
+    assert "'amx' not measured" in hints("amx")["interior"]
     assert hints("b") == {} and hints("c") == {}
     both = combine(hints, lambda name: {"mamba": 1} if name == "a" else {}, None)
-    assert both("a")["mamba"] == 1 and both("a")["token_major_interior"] is False
+    assert both("a")["mamba"] == 1 and both("a")["page_interior"] == "k_channel_major"
     assert combine(None, None) is None
 
 

@@ -13,7 +13,7 @@ from .errors import (
     RequestError,
     StrategyConflict,
 )
-from .geometry import LayerCache, PageLayout, RankGeometry, Region, Segment, box_copy_runs
+from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Segment, box_copy_runs
 from .hookspecs import hookimpl, hookspec
 from .plan import IdScratch, ReadOp, ResolvedRequest, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
@@ -33,7 +33,7 @@ from .topology import (
 
 __all__ = [
     "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
-    "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PlanError", "PlanValidationError",
+    "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PagePart", "PlanError", "PlanValidationError",
     "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
     "IdScratch", "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
     "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",

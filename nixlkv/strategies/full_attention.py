@@ -160,9 +160,10 @@ def pair_owned_blocks(
 
 
 def refuse_token_split(local: Region, peer: Region) -> None:
-    """A copy of part of a block's tokens is exact only where both pages are token-major inside."""
+    """A copy of part of a block's tokens is exact only where both pages say where each token's
+    bytes are: token-major inside, or page parts describing the backend's real order."""
     for side, region in (("local", local), ("remote", peer)):
-        if region.facts.get("token_major_interior", True) is False:
+        if region.facts.get("token_major_interior", True) is False and not region.page.parts:
             raise IncompatibleGeometry(
                 f"layer {local.name!r}: P and D hold {tokens_per_block(peer)} and {tokens_per_block(local)} tokens "
                 f"per block, which copies part of a block's tokens, but the {side} page is not token-major inside "
@@ -202,7 +203,7 @@ def kernel_pages(page: PageLayout) -> tuple[PageLayout, int, int]:
     A logical block split into kernel blocks is ``kblock`` consecutive kernel pages."""
     if page.names[0] != "kblock":
         return page, page.size("token"), page.nbytes
-    inner = PageLayout(page.axes[1:])
+    inner = page.inner("kblock")
     return inner, inner.size("token"), inner.nbytes
 
 
@@ -212,8 +213,8 @@ def head_token_runs(
     """Byte runs copying ``run``'s heads for ``tokens`` tokens from ``remote_token`` of the remote
     page to ``local_token`` of the local page, split where either side's kernel pages end.
 
-    A direct copy needs at most one contiguous run per head (heads outermost in the page, or
-    whole pages); anything finer is a permute and is refused."""
+    A direct copy needs a fixed number of runs per head (heads outermost in the page, or whole
+    pages); runs per token are a permute and are refused."""
     lpage, ltok, lbytes = kernel_pages(local.page)
     rpage, rtok, rbytes = kernel_pages(peer.page)
     out: list[tuple[int, int, int]] = []
@@ -223,17 +224,24 @@ def head_token_runs(
         rk, rin = divmod(remote_token + done, rtok)
         n = min(ltok - lin, rtok - rin, tokens - done)
         try:
-            runs = box_copy_runs(
-                lpage, {"head": run.local_slot, "token": lin}, rpage, {"head": run.remote_slot, "token": rin},
-                {"head": run.count, "token": n},
-            )
+            runs = _head_box(lpage, rpage, run, lin, rin, n)
+            # A head slice costs a fixed number of runs (one per head on a head-outer page, one
+            # per head and channel where keys are channel-major); runs that grow with the tokens
+            # copied mean tokens are outer to heads: that copy is a permute, refused.
+            if n > 1 and len(runs) > len(_head_box(lpage, rpage, run, lin, rin, 1)):
+                raise IncompatibleGeometry("a head slice is one run per token")
         except IncompatibleGeometry as exc:
             raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)} ({exc})") from None
-        if len(runs) > run.count:
-            raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)}")
         out.extend((lk * lbytes + a, rk * rbytes + b, c) for a, b, c in runs)
         done += n
     return out
+
+
+def _head_box(lpage: PageLayout, rpage: PageLayout, run: HeadRun, lin: int, rin: int, n: int) -> list[tuple[int, int, int]]:
+    return box_copy_runs(
+        lpage, {"head": run.local_slot, "token": lin}, rpage, {"head": run.remote_slot, "token": rin},
+        {"head": run.count, "token": n},
+    )
 
 
 def check_matching_facts(local: Region, peer: Region, facts: Mapping[str, str]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .kinds import KINDS
-from .scenario import LayerKind, Scenario, ScenarioError, Side
+from .scenario import INTERIOR_KINDS, LayerKind, Scenario, ScenarioError, Side
 
 DATA = Path(__file__).parent / "data"
 
@@ -170,9 +170,17 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
         total_heads={layer_name(i): KINDS[k.kind].total_kv_heads(k.params) for i, k in enumerate(kinds)},
         layer_index={layer_name(i): i for i in range(len(kinds))},
         layer_kinds={layer_name(i): k for i, k in enumerate(kinds)},
-        hints={layer_name(i): KINDS[k.kind].hints(k.params) for i, k in enumerate(kinds) if KINDS[k.kind].hints},
+        hints={layer_name(i): _hints(k, side) for i, k in enumerate(kinds)},
         params={layer_name(i): dict(k.params) for i, k in enumerate(kinds)},
     )
+
+
+def _hints(kind: LayerKind, side: Side) -> dict[str, Any]:
+    """A layer's model facts, plus the page interior its side's attention backend writes."""
+    hints = dict(KINDS[kind.kind].hints(kind.params)) if KINDS[kind.kind].hints else {}
+    if side.interior is not None and kind.kind in INTERIOR_KINDS:
+        hints["page_interior"] = side.interior
+    return hints
 
 
 def _is_state(spec: Any) -> bool:

@@ -64,6 +64,37 @@ def bytes_view(view: torch.Tensor, num_blocks: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(arr, shape, strides)
 
 
+def page_pieces(
+    view: torch.Tensor, num_blocks: int, interior: str | None, element_size: int
+) -> list[tuple[slice, np.ndarray]]:
+    """Where the logical ``[B, K, H, k, C]`` bytes of a layer really are, as (slice of C, array
+    ``[B, K, H, k, ...]`` over the memory whose trailing axes flatten to that slice).
+
+    Token-major pages are the view itself. ``k_channel_major`` (vLLM's CPU attention kernels,
+    ISA vec/vec16) keeps, per head, keys as [channel, token] elements then values as [token,
+    channel] of ``element_size`` bytes: written here from that statement with strides, not from
+    nixlkv's page parts."""
+    if interior is None:
+        return [(slice(None), bytes_view(view, num_blocks))]
+    if interior != "k_channel_major":
+        raise ValueError(f"the oracle knows no page interior {interior!r}")
+    v8 = view.view(torch.uint8)
+    pages, h, n, c = v8.shape
+    e, half = element_size, c // 2
+    s0, sh = v8.stride(0), v8.stride(1)
+    at = v8.storage_offset()
+    keys = v8.as_strided((pages, h, n, half // e, e), (s0, sh, e, n * e, 1), at)
+    values = v8.as_strided((pages, h, n, half), (s0, sh, half, 1), at + n * half)
+    return [(slice(0, half), _by_block(keys, num_blocks)), (slice(half, c), _by_block(values, num_blocks))]
+
+
+def _by_block(t: torch.Tensor, num_blocks: int) -> np.ndarray:
+    """A ``[B*K, ...]`` uint8 tensor as numpy ``[B, K, ...]`` sharing its memory."""
+    arr = t.numpy()
+    per = arr.shape[0] // num_blocks
+    return np.lib.stride_tricks.as_strided(arr, (num_blocks, per, *arr.shape[1:]), (arr.strides[0] * per, *arr.strides))
+
+
 def as_kernel_pages(values: np.ndarray, per: int) -> np.ndarray:
     """Logical ``[nb, H, N, C]`` values laid out as ``[nb, K, H, N/K, C]`` kernel pages."""
     nb, h, n, c = values.shape
@@ -250,7 +281,16 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
             mask = np.broadcast_to(gb.holds_of(name)[rows][:, None, :, None], fresh.shape)
             ids = gb.ids[rows]
             fresh, mask = as_kernel_pages(fresh, per), as_kernel_pages(mask, per)
-            arr[ids] = fresh if mask.all() else np.where(mask, fresh, arr[ids])
+            element = rank.kv_caches[name].element_size()
+            for part, mem in page_pieces(view, rank.kv_cache_config.num_blocks, interior_of(rank, name), element):
+                want = fresh[..., part].reshape(mem[ids].shape)
+                keep = mask[..., part].reshape(want.shape)
+                mem[ids] = want if keep.all() else np.where(keep, want, mem[ids])
+
+
+def interior_of(rank: FabricatedRank, layer: str) -> str | None:
+    """The page interior the scenario says the layer's backend writes (None: the view's order)."""
+    return rank.hints.get(layer, {}).get("page_interior")
 
 
 # "Token" codes that tell a conv row from an SSM unit in the pattern (no token reaches them).
@@ -358,15 +398,20 @@ def compare(rank: FabricatedRank, expected: torch.Tensor) -> Mismatch | None:
         return None
     first = int(np.argmax(diff))
     for name, view in rank.kv_caches.items():
-        a = bytes_view(view, rank.kv_cache_config.num_blocks)
-        e = bytes_view(_alias(view, rank.buffer, expected), rank.kv_cache_config.num_blocks)
-        bad = np.argwhere(a != e)
-        if bad.size:
-            b, kb, h, n, c = (int(x) for x in bad[0])
+        interior = interior_of(rank, name)
+        expected_view = _alias(view, rank.buffer, expected)
+        nb, element = rank.kv_cache_config.num_blocks, view.element_size()
+        pieces = zip(page_pieces(view, nb, interior, element), page_pieces(expected_view, nb, interior, element))
+        for (part, a), (_, e) in pieces:
+            bad = np.argwhere(a != e)
+            if not bad.size:
+                continue
+            b, kb, h, n, *inner = (int(x) for x in bad[0])
+            c = (part.start or 0) + int(np.ravel_multi_index(inner, a.shape[4:]))
             heads = model_heads(rank.tp_rank, rank.side.tp, rank.total_heads[name])
             where = (
                 f"layer {name} block {b} head slot {h} (global head {heads[h] if h < len(heads) else '?'}) "
                 f"token slot {kb * a.shape[3] + n} byte {c}"
             )
-            return Mismatch(rank.tp_rank, where, int(e[b, kb, h, n, c]), int(a[b, kb, h, n, c]), wrong)
+            return Mismatch(rank.tp_rank, where, int(e[tuple(bad[0])]), int(a[tuple(bad[0])]), wrong)
     return Mismatch(rank.tp_rank, f"buffer offset {first} (outside every layer page)", int(expected_np[first]), int(actual_np[first]), wrong)

@@ -14,6 +14,9 @@ from ..core.errors import NixlkvError
 from .kinds import KINDS, UNIFORM
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+INTERIORS = ("k_channel_major",)  # see nixlkv.vllm.model_backend
+# Layer kinds whose pages an attention backend's interior applies to (K and V of one head size).
+INTERIOR_KINDS = ("full_attention", "sliding_window")
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
 
 
@@ -48,6 +51,9 @@ class Side:
     layout: str
     num_blocks: int | None = None
     kernel_block_size: int | None = None  # attention kernels run on blocks this small
+    # The order the attention kernels write inside a page where it is not the view's
+    # (``k_channel_major``: vLLM's CPU backend); None: token-major, as the view says.
+    interior: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,17 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
         decode_layers = _model(d["decode_model"], f"{where}: decode_model")
     req = _mapping(_req(d, "request", where), f"{where}: request")
     _only(req, {"num_tokens", "seed", "cached_blocks", "state_blocks"}, f"{where}: request")
+    for role in ("prefill", "decode"):
+        side = d.get(role)
+        if isinstance(side, Mapping) and side.get("interior") is not None:
+            for i, leaf in enumerate(k for layer in (decode_layers if role == "decode" and decode_layers else layers)
+                                     for k in layer.leaves()):
+                hv = leaf.params.get("head_size_v")
+                if leaf.kind in INTERIOR_KINDS and hv is not None and hv != leaf.params.get("head_size"):
+                    raise ScenarioError(
+                        f"{where}: {role}.interior {side['interior']} stores K and V of one head size, but layer {i} "
+                        f"has head_size {leaf.params.get('head_size')} and head_size_v {hv}"
+                    )
     return Scenario(
         name=str(d.get("name") or Path(source).stem),
         layers=layers,
@@ -230,10 +247,15 @@ def _uniform(d: Mapping[str, Any], where: str, in_uniform: bool) -> LayerKind:
 
 def _side(x: Any, where: str) -> Side:
     d = _mapping(x, where)
-    _only(d, {"tp", "block_size", "layout", "num_blocks", "kernel_block_size"}, where)
+    _only(d, {"tp", "block_size", "layout", "num_blocks", "kernel_block_size", "interior"}, where)
     layout = d.get("layout", "LBHNC")
     if layout not in LAYOUTS:
         raise ScenarioError(f"{where}: layout must be one of {LAYOUTS}, got {_show(layout)}")
+    interior = d.get("interior")
+    if interior is not None and interior not in INTERIORS:
+        raise ScenarioError(f"{where}: interior must be one of {INTERIORS} or absent, got {_show(interior)}")
+    if interior is not None and layout != "LBHNC":
+        raise ScenarioError(f"{where}: interior {interior} is a backend's order inside LBHNC pages; set layout: LBHNC")
     nb = d.get("num_blocks")
     kb = d.get("kernel_block_size")
     return Side(
@@ -242,6 +264,7 @@ def _side(x: Any, where: str) -> Side:
         layout=layout,
         num_blocks=None if nb is None else _pos(nb, f"{where}.num_blocks"),
         kernel_block_size=None if kb is None else _pos(kb, f"{where}.kernel_block_size"),
+        interior=interior,
     )
 
 
