@@ -316,6 +316,18 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_capture(args: argparse.Namespace) -> int:
+    from .serving import models
+    from .serving.capture import run
+
+    names = args.model or list(models.RECIPES)
+    written = run(names, args.tp or [1, 2], args.python, Path(args.models_dir), Path(args.work_dir), Path(args.out),
+                  args.port, args.block_size, args.start_timeout)
+    for path in written:
+        print(path)
+    return 0
+
+
 def _serving_args(p: argparse.ArgumentParser) -> None:
     """Where the serving commands find their environment and put their servers."""
     from .serving.launch import default_python
@@ -437,6 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json-out", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_matrix)
+    p = sub.add_parser("capture", help="start real vLLM engines (one per TP size) that write the KV cache geometry "
+                       "they built; write a scenario per P/D pair of them that the rehearsal replays and checks")
+    p.add_argument("--model", action="append", help="tiny model(s) (default: every model of the serving matrix)")
+    p.add_argument("--tp", type=int, action="append", help="TP sizes to capture (repeatable; default 1 and 2)")
+    p.add_argument("--block-size", type=int, help="--block-size of the engines (default: the model's)")
+    p.add_argument("--out", default="tests/scenarios", help="where the scenarios are written")
+    _serving_args(p)
+    p.set_defaults(func=cmd_capture)
     args = parser.parse_args(argv)
     if getattr(args, "plans", False) and not args.json:
         parser.error("--plans needs --json")

@@ -32,6 +32,7 @@ from .vllm.handshake import compat_hash
 from .vllm.liveness import engine_generation
 from .vllm.metadata import NixlkvMetadata, NixlkvStats
 from .vllm.model_heads import kv_heads_by_layer
+from .vllm.capture import model_facts
 from .vllm.model_backend import attention_layers, backend_hints, combine
 from .vllm.model_mamba import mamba_hints_by_layer
 from .vllm.scheduler import NixlkvScheduler
@@ -127,6 +128,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
                 self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads,
                 model_hints=combine(mamba_hints_by_layer(vllm_config, kv_cache_config),
                                     backend_hints(attention_layers(vllm_config))),
+                model_facts=model_facts(vllm_config) if self.config.capture_dir else None,
             )
 
     # ================================================================ worker side

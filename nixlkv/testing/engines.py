@@ -158,6 +158,8 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
             for g in groups
         ]
     kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout], kernel_block_sizes=kernel_sizes)
+    if scenario.captured is not None:
+        _check_captured(scenario, role, kcc, kv, kinds, side)
     first = next(iter(kv.values()))
     buffer = torch.empty(0, dtype=torch.int8).set_(first.untyped_storage())
     return FabricatedRank(
@@ -173,6 +175,30 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
         hints={layer_name(i): _hints(k, side) for i, k in enumerate(kinds)},
         params={layer_name(i): dict(k.params) for i, k in enumerate(kinds)},
     )
+
+
+def _check_captured(scenario: Scenario, role: str, kcc: Any, kv: dict[str, torch.Tensor],
+                    kinds: list[LayerKind], side: Side) -> None:
+    """The groups and pages this rehearsal built must be the captured engine's (nixlkv capture)."""
+    from ..vllm_layers import page_of
+    from .captured import check_built
+
+    pages = {}
+    for i, kind in enumerate(kinds):
+        name = layer_name(i)
+        if name in kv and not _is_state(kcc_spec(kcc, name)):
+            pages[i] = page_of(kv[name], kcc.num_blocks, _hints(kind, side).get("page_interior"))[0].describe()
+    check_built(scenario.name, role, scenario.captured[role], kcc.kv_cache_groups, pages)
+
+
+def kcc_spec(kcc: Any, layer: str) -> Any:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for g in kcc.kv_cache_groups:
+        if layer in g.layer_names:
+            spec = g.kv_cache_spec
+            return spec.kv_cache_specs[layer] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+    raise KeyError(layer)
 
 
 def _hints(kind: LayerKind, side: Side) -> dict[str, Any]:

@@ -77,6 +77,8 @@ class Scenario:
     source: str = field(default="<inline>", compare=False)
     # A different model on the decode side: only for rejection tests (the engines must refuse).
     decode_layers: tuple[LayerKind, ...] | None = None
+    # What real engines built, per side (nixlkv capture): the rehearsal must build the same.
+    captured: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -148,7 +150,7 @@ def load(path: str | Path) -> Scenario:
 def parse(data: Any, source: str = "<inline>") -> Scenario:
     where = source
     d = _mapping(data, where)
-    _only(d, {"name", "model", "decode_model", "prefill", "decode", "request", "expect"}, where)
+    _only(d, {"name", "model", "decode_model", "prefill", "decode", "request", "expect", "captured"}, where)
     layers = _model(_req(d, "model", where), f"{where}: model")
     expect = d.get("expect", "ok")
     expect_error = None
@@ -191,7 +193,40 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
         expect_error=expect_error,
         source=source,
         decode_layers=decode_layers,
+        captured=None if d.get("captured") is None else _captured(d["captured"], f"{where}: captured"),
     )
+
+
+def _captured(x: Any, where: str) -> dict[str, Any]:
+    """What real engines built (nixlkv capture): checked by the rehearsal, so checked for shape here."""
+    d = _mapping(x, where)
+    _only(d, {"source", "prefill", "decode"}, where)
+    out: dict[str, Any] = {"source": str(d.get("source", ""))}
+    for role in ("prefill", "decode"):
+        w = f"{where}.{role}"
+        side = _mapping(_req(d, role, where), w)
+        _only(side, {"vllm", "groups", "pages"}, w)
+        groups = _req(side, "groups", w)
+        if not isinstance(groups, list) or not groups:
+            raise ScenarioError(f"{w}.groups must be a non-empty list")
+        parsed = []
+        for i, g in enumerate(groups):
+            gm = _mapping(g, f"{w}.groups[{i}]")
+            _only(gm, {"spec", "block_size", "layers"}, f"{w}.groups[{i}]")
+            spec = _req(gm, "spec", f"{w}.groups[{i}]")
+            layers = _req(gm, "layers", f"{w}.groups[{i}]")
+            if not isinstance(spec, str) or not isinstance(layers, list):
+                raise ScenarioError(f"{w}.groups[{i}]: spec must be a string and layers a list of layer positions")
+            parsed.append({"spec": spec, "block_size": _pos(_req(gm, "block_size", f"{w}.groups[{i}]"), f"{w}.groups[{i}].block_size"),
+                           "layers": [_nonneg(n, f"{w}.groups[{i}].layers") for n in layers]})
+        pages = _mapping(side.get("pages", {}), f"{w}.pages")
+        out[role] = {
+            "vllm": str(side.get("vllm", "")),
+            "groups": parsed,
+            "pages": {_nonneg(int(k) if isinstance(k, str) and k.isdigit() else k, f"{w}.pages key"): str(v)
+                      for k, v in pages.items()},
+        }
+    return out
 
 
 def _model(x: Any, where: str) -> tuple[LayerKind, ...]:

@@ -70,6 +70,8 @@ class ConnectorConfig:
     heartbeat_interval_s: float = 5.0  # 0: no heartbeats
     max_handshake_bytes: int = 64 << 20
     enforce_compat_hash: bool = True
+    # where each worker writes what its engine built for the KV cache (nixlkv capture); None: nothing
+    capture_dir: str | None = None
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -140,6 +142,11 @@ class ConnectorConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                     raise ConfigError(f"{key} must be an integer >= {lo}, got {value!r}")
                 out[key] = value
+        if extra.get("capture_dir") is not None:
+            value = extra["capture_dir"]
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"capture_dir must be a directory path (a non-empty string), got {value!r}")
+            out["capture_dir"] = value
         for key in ("enforce_compat_hash", "nixl_telemetry"):
             if key in extra:
                 value = extra[key]

@@ -28,6 +28,7 @@ from ..core import Dispatcher, IdScratch, NixlkvError, Topology, TransferPlan
 from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
 from ..transfer import InFlight, NixlRank, TransferError, parse_notification
 from ..vllm_layers import layer_caches, memory_device, registered_memory
+from .capture import engine_capture, write_capture
 from . import handshake
 from .config import ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
@@ -97,6 +98,7 @@ class NixlkvWorker:
         total_kv_heads: Callable[[str], int] | int,
         dispatcher: Dispatcher | None = None,
         model_hints: Callable[[str], Mapping[str, Any]] | None = None,
+        model_facts: Mapping[str, Any] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.topology = Topology(tp_size, tp_rank)
@@ -105,6 +107,7 @@ class NixlkvWorker:
         self.compat = compat
         self.total_kv_heads = total_kv_heads
         self.model_hints = model_hints  # per-layer model facts beyond head counts (Mamba geometry)
+        self.model_facts = dict(model_facts or {})  # model config facts a capture records
         self.dispatcher = dispatcher or config.dispatcher()
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.nixl: NixlRank | None = None
@@ -149,6 +152,10 @@ class NixlkvWorker:
         self.reader = Reader(
             self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
         )
+        if self.config.capture_dir:
+            record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
+                                    self.kv_cache_config, kv_caches, layers, self.model_facts)
+            logger.info("nixlkv captured the KV cache geometry to %s", write_capture(self.config.capture_dir, record))
         logger.info(
             "nixlkv registered engine=%s rank=%d/%d regions=%d memory_ranges=%d",
             self.engine_id, self.topology.tp_rank, self.topology.tp_size, len(self.geometry.regions), len(memory),
