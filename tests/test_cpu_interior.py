@@ -9,6 +9,7 @@ to the interior (what both connectors did before) is caught.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -93,19 +94,27 @@ def test_page_parts_travel_in_the_handshake_and_hostile_ones_are_refused() -> No
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize("name", ["cpu-gemma4-tiny-p1-d2", "cpu-gemma4-tiny-p2-d1", "cpu-llama-tiny-b32-b64"])
+@pytest.mark.parametrize("name", ["cpu-gemma4-tiny-p1-d2", "cpu-gemma4-tiny-p2-d1", "cpu-llama-tiny-b32-b64",
+                                  "captured-tiny-gemma4-p1-d2", "captured-tiny-gemma4-p2-d1"])
 def test_planner_blind_to_the_cpu_interior_is_caught_by_the_oracle(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: pages described as the view says (no parts) pair half-blocks token-major,
-    as both connectors did on 2026-11-23; the oracle must see wrong bytes. With parts: exact."""
+    as both connectors did on 2026-11-23; the oracle must see wrong bytes. With parts: exact. The
+    captured scenarios are the geometry the real engines built (issue #21's fault, reproduced)."""
     import nixlkv.vllm_layers as vllm_layers
     from nixlkv.core import Dispatcher
     from nixlkv.testing.rehearsal import build, transfer_and_check_modes
-    from nixlkv.testing.scenario import load
+    from nixlkv.testing.scenario import ScenarioError, load
 
     scenario = load(SCENARIOS / f"{name}.yaml")
     exact = transfer_and_check_modes(scenario, build(scenario, Dispatcher.from_plugins()), ("direct",))
     assert exact["direct"].outcome == "byte-exact", exact["direct"].message
     monkeypatch.setattr(vllm_layers, "interior_parts", lambda page, interior, element: ())
+    if scenario.captured is not None:
+        # the captured engine's pages carry the interior: a blind build is refused before any byte
+        # moves; without that check the oracle below must still see the wrong bytes
+        with pytest.raises(ScenarioError, match="captured engine's page"):
+            build(scenario, Dispatcher.from_plugins())
+        scenario = dataclasses.replace(scenario, captured=None)
     blind = transfer_and_check_modes(scenario, build(scenario, Dispatcher.from_plugins()), ("direct",))
     assert blind["direct"].outcome == "mismatch", blind["direct"].message
     assert "wrong bytes" in blind["direct"].message

@@ -84,6 +84,22 @@ def test_drift_rejects_a_wide_logprob_gap_before_parting() -> None:
     assert not judge(REF, wide, "drift").ok
 
 
+def test_drift_across_tp_allows_only_the_models_own_tp_noise_measured_in_the_same_run() -> None:
+    # the model alone at P's TP size parts from D's own answer at token 2, without a near-tie
+    natural = answer([5, 6, 4, 4], [-0.5, -1.2, -2.5, -0.1])
+    parted = answer([5, 6, 4, 4], [-0.5, -1.0, -2.5, -0.1])
+    assert not judge(REF, parted, "drift").ok  # the plain rule: parting at 2 without a near-tie
+    v = judge(REF, parted, "drift", natural)  # as the model does by itself: judged up to token 2
+    assert v.ok and "parts from D's own at token 2" in v.reason
+    # logprobs may drift by the tolerance plus the model's own gap (0.2 here), not more
+    assert judge(REF, answer([5, 6, 7, 8], [-0.5, -1.0 - DRIFT_TOL - 0.15, -0.7, -0.2]), "drift", natural).ok
+    assert not judge(REF, answer([5, 6, 7, 8], [-0.5, -1.0 - DRIFT_TOL - 0.25, -0.7, -0.2]), "drift", natural).ok
+    # a wrong KV still moves the first token: rejected whatever the model's own noise
+    assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift", natural).ok
+    # the model alone keeping D's tokens exactly changes nothing
+    assert judge(REF, REF, "drift", REF).ok and not judge(REF, parted, "drift", REF).ok
+
+
 def test_judge_rejects_answers_of_other_lengths_and_unknown_rules() -> None:
     assert not judge(REF, answer([5, 6], [-0.5, -1.0]), "exact").ok
     with pytest.raises(ValueError, match="rule"):

@@ -244,19 +244,28 @@ def prefill_on(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
     return c.kv_transfer_params
 
 
+def natural_answer(srv: Servers, case: Case, rule: str, prompt: list[int]) -> Completion | None:
+    """P alone's answer (at P's TP size) where P and D differ in TP: the model's own TP noise,
+    measured in the same run, which the drift rule then allows (nixlkv.serving.compare)."""
+    if rule != "drift" or case.p_tp == case.d_tp:
+        return None
+    return complete(srv.p_url, str(srv.model_dir), prompt, case.max_tokens)
+
+
 def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int]]) -> list[Row]:
     model = str(srv.model_dir)
     rows = []
     for name, prompt in prompts.items():
         try:
             ref = complete(srv.d_url, model, prompt, case.max_tokens)
+            natural = natural_answer(srv, case, rule, prompt)
             before = scrape(srv.d_url)
             got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
             facts = _transfer_facts(delta(scrape(srv.d_url), before))
         except (CompletionError, OSError) as exc:
             rows.append(Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"))
             continue
-        verdict = judge(ref, got, rule)
+        verdict = judge(ref, got, rule, natural)
         # D loaded the prompt (all but at most the tokens it must recompute) rather than computing it
         moved = facts["loaded_tokens"] >= len(prompt) - 1 and facts["computed_tokens"] <= 1 \
             and facts.get("transfers", 0) >= 1
@@ -273,6 +282,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     lens = [int(x) for x in rng.integers(1, min(room, 6 * block), size=case.concurrency)]
     prompts = [rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for n in lens]
     refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
+    naturals = [natural_answer(srv, case, "drift", p) for p in prompts]
     before = scrape(srv.d_url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=case.concurrency) as pool:
@@ -289,7 +299,8 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     # Batched with each other, decodes run other GEMM shapes than D's one-at-a-time references: bf16
     # reduction order moves logprobs a little (measured 0.045, both connectors alike), as another TP
     # size does. The batch is judged by the drift rule whatever the case's rule.
-    verdicts = [judge(r, g, "drift").to_dict() if g is not None else {"ok": False} for r, g in zip(refs, gots)]
+    verdicts = [judge(r, g, "drift", n).to_dict() if g is not None else {"ok": False}
+                for r, g, n in zip(refs, gots, naturals)]
     moved = facts["loaded_tokens"] >= sum(lens) - len(lens) and facts.get("transfers", 0) >= len(lens)
     return {"ok": not errors and moved and all(v["ok"] for v in verdicts), "lengths": lens, "verdicts": verdicts,
             "answers": [g.token_ids if g is not None else None for g in gots],
@@ -304,12 +315,13 @@ def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dic
     n = 3 * block + 7
     a, b = (rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for _ in range(2))
     ref_a, ref_b = (complete(srv.d_url, model, p, case.max_tokens) for p in (a, b))
+    nat_a, nat_b = (natural_answer(srv, case, rule, p) for p in (a, b))
     params_a, params_b = prefill_on(srv.p_url, model, a), prefill_on(srv.p_url, model, b)
     before = scrape(srv.d_url)
     got_a = complete(srv.d_url, model, a, case.max_tokens, kv_transfer_params=params_b)
     got_b = complete(srv.d_url, model, b, case.max_tokens, kv_transfer_params=params_a)
     facts = _transfer_facts(delta(scrape(srv.d_url), before))
-    va, vb = judge(ref_a, got_a, rule), judge(ref_b, got_b, rule)
+    va, vb = judge(ref_a, got_a, rule, nat_a), judge(ref_b, got_b, rule, nat_b)
     moved = facts.get("transfers", 0) >= 2
     return {"bites": moved and not va.ok and not vb.ok, "moved": moved, "prompt_len": n,
             "verdicts": [va.to_dict(), vb.to_dict()], "facts": facts}

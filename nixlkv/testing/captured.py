@@ -56,6 +56,7 @@ def layer_kind(name: str, rec: Mapping[str, Any], model: Mapping[str, Any]) -> d
             entry.update(num_heads=m["num_heads"], head_dim=m["head_dim"], n_groups=m["n_groups"])
         if f.get("num_speculative_blocks"):
             entry["num_spec"] = int(f["num_speculative_blocks"])
+        entry["state_tokens"] = int(f["block_size"])
         return entry
     raise ScenarioError(f"{name}: no scenario layer kind for captured spec {spec}")
 

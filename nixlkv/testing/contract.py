@@ -60,6 +60,9 @@ INVARIANTS = (
 # completeness. Memory safety, determinism and the byte oracle are never negotiable.
 EXEMPTABLE = {"full-coverage"}
 
+# The companion of a wrapped point: one replicated head (servable at every TP pair) of a head size
+# no built-in sample uses, so its page differs from the case's layers'.
+WRAP_COMPANION = {"kind": "full_attention", "count": 1, "num_kv_heads": 1, "head_size": 48}
 FULL_MATRIX_ENV = "NIXLKV_CONTRACT_MATRIX"  # "full" runs the full matrix; see docs/contract.md
 ALL_LAYOUTS = ("LBHNC", "BLHNC", "LBNHC", "BLNHC", "LHBNC", "BHLNC")
 
@@ -87,6 +90,12 @@ class Point:
     decode_block_size: int = 16
     num_tokens: int = 100
     cached_blocks: int = 0
+    # The page interior both sides' attention kernels write (``k_channel_major``: vLLM's CPU
+    # backend); applies to attention-like kinds with LBHNC pages, as in a scenario's sides.
+    interior: str | None = None
+    # A companion layer of another page size beside the case's layers: with a block-outermost
+    # layout vLLM packs them into UniformTypeKVCacheSpecs groups, which must be seen per layer.
+    wrapped: bool = False
 
     @property
     def id(self) -> str:
@@ -96,7 +105,8 @@ class Point:
             else f"bs{self.prefill_block_size}-{self.decode_block_size}"
         )
         hit = f"-hit{self.cached_blocks}" if self.cached_blocks else ""
-        return f"P{self.prefill_tp}-D{self.decode_tp}-{layout}-{bs}-t{self.num_tokens}{hit}"
+        extra = (f"-{self.interior}" if self.interior else "") + ("-wrapped" if self.wrapped else "")
+        return f"P{self.prefill_tp}-D{self.decode_tp}-{layout}-{bs}-t{self.num_tokens}{hit}{extra}"
 
 
 def attention_refusals(point: Point, params: Mapping[str, Any]) -> str | None:
@@ -220,6 +230,11 @@ class ContractCase:
         equal = next((pr for pr in self.tp_pairs if pr[0] == pr[1]), (2, 2))
         pts.append(Point(*equal, lay0, lay0, bs, bs + bs // 2, tokens))
         pts += [Point(p, d, "LBNHC", "LBNHC", bs, bs, tokens) for (p, d) in _dedup([hetero[0], equal])]
+        # vLLM's CPU attention pages (keys channel-major) with P and D at different block sizes,
+        # and groups vLLM wraps (a companion layer of another page size, block-outermost layout).
+        pts.append(Point(p0, d0, "LBHNC", "LBHNC", bs, 2 * bs, tokens, interior="k_channel_major"))
+        if "BLHNC" in self.layouts:
+            pts.append(Point(p0, d0, "LBHNC", "BLHNC", bs, bs, tokens, wrapped=True))
         return pts
 
     def _full_points(self) -> list[Point]:
@@ -243,12 +258,18 @@ class ContractCase:
         self.register()
         tokens_per_block = max(point.prefill_block_size, point.decode_block_size)
         cached = min(point.cached_blocks, max(0, -(-point.num_tokens // tokens_per_block) - 1))
+        layers = [{"kind": self.kind, "count": self.num_layers, **dict(self.params)}]
+        if point.wrapped:
+            layers.append(WRAP_COMPANION)
+        interior = {"interior": point.interior} if point.interior else {}
         return parse(
             {
                 "name": f"contract-{self.strategy}-{point.id}",
-                "model": {"layers": [{"kind": self.kind, "count": self.num_layers, **dict(self.params)}]},
-                "prefill": {"tp": point.prefill_tp, "block_size": point.prefill_block_size, "layout": point.prefill_layout},
-                "decode": {"tp": point.decode_tp, "block_size": point.decode_block_size, "layout": point.decode_layout},
+                "model": {"layers": layers},
+                "prefill": {"tp": point.prefill_tp, "block_size": point.prefill_block_size, "layout": point.prefill_layout,
+                            **(interior if point.prefill_layout == "LBHNC" else {})},
+                "decode": {"tp": point.decode_tp, "block_size": point.decode_block_size, "layout": point.decode_layout,
+                           **(interior if point.decode_layout == "LBHNC" else {})},
                 "request": {"num_tokens": point.num_tokens, "seed": self.seed, "cached_blocks": cached},
             },
             source=f"contract case {self.id}",
@@ -553,15 +574,22 @@ def _page_counts(regions: Sequence[Region]) -> dict[str, np.ndarray]:
     return {r.name: np.zeros((r.num_blocks, r.page.nbytes), dtype=np.int32) for r in regions}
 
 
-def _locate(regions: Sequence[Region], addr: int, nbytes: int) -> tuple[Region, int, int] | None:
+def _locate(
+    regions: Sequence[Region], addr: int, nbytes: int, owns: Callable[[Region, int], bool] | None = None
+) -> tuple[Region, int, int] | None:
     """(region, block, offset in page) of a byte run lying wholly inside one page, or None.
-    Regions of a blocks-first layout (BL...) interleave, so every region is tried."""
+    Regions of a blocks-first layout (BL...) interleave, and groups vLLM packs into one tensor
+    alias the same bytes (block ``b`` is whichever group's the pool gave it to), so every region
+    is tried and one whose group ``owns`` the block in this request wins."""
+    found = None
     for r in regions:
         if r.base <= addr < r.end:
             block, offset = divmod(addr - r.base, r.block_stride)
             if offset + nbytes <= r.page.nbytes and block < r.num_blocks:
-                return r, block, offset
-    return None
+                if owns is None or owns(r, block):
+                    return r, block, offset
+                found = found or (r, block, offset)
+    return found
 
 
 def _wanted_bytes(region: Region, gb: Any) -> np.ndarray:
@@ -583,16 +611,21 @@ def _wanted_bytes(region: Region, gb: Any) -> np.ndarray:
 
 
 def _token_of_byte(page: Any) -> np.ndarray | None:
-    """The token slot every byte of a page belongs to, from its named axes (``kblock`` pages of
-    ``token`` slots each), or None for a page without tokens."""
-    names = page.names
-    if "token" not in names:
+    """The token slot every byte of a page belongs to, from where its parts put each element
+    (``kblock`` pages of ``token`` slots each), or None for a page without tokens."""
+    if "token" not in page.names:
         return None
-    idx = np.indices(tuple(s for _, s in page.axes)).reshape(len(names), -1)
-    token = idx[names.index("token")]
-    if "kblock" in names:
-        token = idx[names.index("kblock")] * page.size("token") + token
-    return token
+    tokens = page.size("token")
+    out = np.full(page.nbytes, -1, dtype=np.int64)
+    for part in page.memory_parts:
+        names = [n for n, _, _ in part.axes]
+        idx = np.indices(tuple(size for _, size, _ in part.axes)).reshape(len(names), -1)
+        offset = part.offset + sum(idx[i] * stride for i, (_, _, stride) in enumerate(part.axes))
+        token = idx[names.index("token")]
+        if "kblock" in names:
+            token = idx[names.index("kblock")] * tokens + token
+        out[offset] = token
+    return out
 
 
 def check_every_byte_once(run: PointRun) -> None:
@@ -603,10 +636,11 @@ def check_every_byte_once(run: PointRun) -> None:
     exempt = "full-coverage" in exemptions(run.strategy)
     _, d_blocks, resolved = _resolved(run)
     for plan, res in zip(run.plans, resolved):
-        regions = [r for r in plan.local.regions if r.strategy == run.strategy.name]
+        regions = list(plan.local.regions)  # the case's layers and a wrapped point's companion
         counts = _page_counts(regions)
+        mine = [set(gb.ids.tolist()) for gb in d_blocks]
         for la, _, _, n in plan.byte_moves(res):
-            hit = _locate(regions, la, n)
+            hit = _locate(regions, la, n, lambda r, b: b in mine[r.group])
             if hit is None:
                 raise ContractViolation(
                     EVERY_BYTE_ONCE,
@@ -658,8 +692,8 @@ def check_reads_inside_request(run: PointRun) -> None:
     held = [set(gb.ids[gb.holds.any(axis=1)].tolist()) for gb in p_blocks]
     for plan, res in zip(run.plans, resolved):
         for la, rank, ra, n in plan.byte_moves(res):
-            regions = [r for r in plan.remote[rank].regions if r.strategy == run.strategy.name]
-            hit = _locate(regions, ra, n)
+            regions = list(plan.remote[rank].regions)
+            hit = _locate(regions, ra, n, lambda r, b: b in held[r.group])
             if hit is None:
                 raise ContractViolation(
                     READS_INSIDE_REQUEST,

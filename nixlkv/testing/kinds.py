@@ -260,7 +260,7 @@ def _mamba(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
 
     shapes, dtypes = _mamba_shapes(p, tp)
     return MambaSpec(
-        block_size=MAMBA_STATE_TOKENS,
+        block_size=p["state_tokens"] or MAMBA_STATE_TOKENS,
         shapes=shapes,
         dtypes=dtypes,
         mamba_type=MambaAttentionBackendEnum[MAMBA_TYPES[p["mamba_type"]]],
@@ -277,6 +277,8 @@ MAMBA_OPTIONAL = {
     "mamba_type": "mamba2", "num_heads": None, "head_dim": None, "n_groups": None, "intermediate_size": None, "conv_kernel": 4,
     "dtype": "bfloat16", "ssm_dtype": "float32", "conv_layout": "DS", "tp_replicated": False,
     "num_spec": None,
+    # tokens a state block stands for (vLLM sets max_model_len); a captured engine's value
+    "state_tokens": None,
 }
 
 UNIFORM = "uniform"  # not a layer: its `members` become layers vLLM must put in one uniform group
