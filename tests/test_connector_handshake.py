@@ -242,5 +242,6 @@ def test_a_remote_fact_of_another_kind_is_refused_naming_it(fact: str, value: ob
     dispatcher.plan(local, {0: remote})  # as advertised: plans
     bad = dataclasses.replace(remote.regions[0], facts={**remote.regions[0].facts, fact: value})
     broken = dataclasses.replace(remote, regions=(bad, *remote.regions[1:]))
-    with pytest.raises(IncompatibleGeometry, match=f"advertises {fact}=.*\\({kind}\\)"):
+    with pytest.raises(IncompatibleGeometry, match=f"advertises {fact}=.*\\({kind}\\)") as info:
         dispatcher.plan(local, {0: broken})
+    assert isinstance(info.value, HandshakeError)  # a malformed reply, as the worker reports it

@@ -5,6 +5,7 @@ from .errors import (
     HandshakeError,
     IncompatibleGeometry,
     IncompatibleTopology,
+    MalformedRemoteFact,
     NixlkvError,
     NoStrategyError,
     PlanError,
@@ -33,7 +34,7 @@ from .topology import (
 
 __all__ = [
     "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
-    "LayerCache", "NixlkvError", "NoStrategyError", "PageLayout", "PagePart", "PlanError", "PlanValidationError",
+    "LayerCache", "MalformedRemoteFact", "NixlkvError", "NoStrategyError", "PageLayout", "PagePart", "PlanError", "PlanValidationError",
     "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
     "IdScratch", "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
     "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",

@@ -8,7 +8,7 @@ from typing import Any
 
 import pluggy
 
-from .errors import IncompatibleGeometry, PlanError
+from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError
 from .geometry import LayerCache, RankGeometry, Region, Segment
 from .plan import GroupPairing, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
@@ -188,7 +188,7 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
     for key, mine in region.facts.items():  # a fact the strategy reads must be of the kind it wrote
         theirs = peer.facts.get(key)
         if mine is not None and theirs is not None and _kind(theirs) != _kind(mine):
-            raise IncompatibleGeometry(
+            raise MalformedRemoteFact(
                 f"layer {region.name!r}: remote rank {geometry.tp_rank} advertises {key}={_short(theirs)} "
                 f"({_kind(theirs)}), where this strategy's facts hold a {_kind(mine)}"
             )

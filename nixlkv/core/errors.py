@@ -41,3 +41,8 @@ class RequestError(NixlkvError):
 
 class HandshakeError(NixlkvError):
     """A remote engine's advertised geometry is malformed or incompatible."""
+
+
+class MalformedRemoteFact(HandshakeError, IncompatibleGeometry):
+    """A remote region's fact decodes but is of another kind than the strategy writes (1.5 tokens
+    per block, a string for a count): a malformed handshake, and a plan that cannot be built."""
