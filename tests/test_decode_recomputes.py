@@ -68,8 +68,8 @@ def _kv_cache_config(model: str):
     return build_rank(PDCase(model).scenario(), "prefill", 0).kv_cache_config
 
 
-@pytest.mark.parametrize("model,expected", [("llama", 0), ("llama-sw", 0), ("deepseek-mla", 0), ("nemotron-h", 1)])
-def test_builtin_strategies_declare_one_token_for_a_running_state(model: str, expected: int) -> None:
+@pytest.mark.parametrize("model,expected", [("llama", 0), ("llama-sw", 1), ("deepseek-mla", 0), ("nemotron-h", 1)])
+def test_builtin_strategies_declare_one_token_for_a_running_state_or_a_window(model: str, expected: int) -> None:
     from nixlkv.vllm.config import ConnectorConfig
     from nixlkv.vllm.scheduler import decode_recomputes
 
@@ -87,11 +87,15 @@ def test_a_multi_module_mtp_lookahead_is_held_back_too() -> None:
     assert decode_recomputes(SimpleNamespace(num_prefill_lookahead_tokens=1), _kv_cache_config("nemotron-h"), disp) == 1
 
 
-def test_a_window_under_bounded_replay_is_held_back() -> None:
+def test_every_window_is_held_back_one_token() -> None:
+    """The decode engine recomputes the last prompt token: it must hold that token's window, which
+    vLLM's window manager frees when told all N tokens (N - W + 1 ending a block): served wrong."""
+    from nixlkv.strategies.sliding_window import SlidingWindowStrategy
     from nixlkv.strategies.sliding_window_mla import SlidingWindowMLAStrategy
 
     assert SlidingWindowMLAStrategy().decode_recomputes(SimpleNamespace(prefix_replay_tokens=128)) == 1
-    assert SlidingWindowMLAStrategy().decode_recomputes(SimpleNamespace(prefix_replay_tokens=0)) == 0
+    assert SlidingWindowMLAStrategy().decode_recomputes(SimpleNamespace(prefix_replay_tokens=0)) == 1
+    assert SlidingWindowStrategy().decode_recomputes(SimpleNamespace(sliding_window=64)) == 1
 
 
 @pytest.mark.parametrize("n,k,remote,expected", [

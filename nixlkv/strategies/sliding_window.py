@@ -37,10 +37,15 @@ class Windowed:
         return {**super().extra_facts(spec), "sliding_window": spec.sliding_window}  # type: ignore[misc]
 
     def decode_recomputes(self, spec: Any) -> int:
-        """One for a window under bounded replay (vLLM's ``prefix_replay_tokens``, DeepSeek V4's
-        SWA): vLLM does not replay it after a P/D load, so the loaded window must be the one of
-        the token the decode engine computes again, not of the token after it."""
-        return 1 if getattr(spec, "prefix_replay_tokens", 0) else 0
+        """One: the decode engine computes the last prompt token itself, so it must load the
+        window of that token, ``[N - W, N - 1)``. vLLM's window manager frees from the count it
+        is told: a decode engine told all N tokens frees the block holding token N - W whenever
+        N - W + 1 ends a block (served tiny-gemma3, W 64, blocks of 32: N = 127 answered a wrong
+        first token, N = 95, 159, 191 wrong logprobs; N = 94, 96 exact), and a prefill engine
+        that computed all N freed it too. Stopping P one token short and loading N - 1 keeps
+        it on both sides. Bounded replay (DeepSeek V4's SWA) needs the same for its own reason:
+        vLLM does not replay the window after a P/D load."""
+        return 1
 
     def pair_blocks(
         self,
