@@ -51,6 +51,15 @@ def test_pairing_needs_the_request_length_and_a_sufficient_remote_list() -> None
         pair_by_tokens(np.array([1, 2, 3]), np.array([9]), 16, 32, 20)
 
 
+def test_nothing_to_fill_pairs_nothing_whatever_the_block_sizes() -> None:
+    """A decode engine computing the whole prompt itself (a one-token prompt held back) still
+    resolves its request, to notify P: no local blocks, no pairs, no error (served: it failed the
+    request with 'can only be paired knowing num_tokens' where block sizes differed)."""
+    for num_tokens in (None, 0, 1):
+        lp, rp, phase = pair_by_tokens(np.array([], dtype=np.int64), np.array([7]), 32, 64, num_tokens)
+        assert lp.size == rp.size == phase.size == 0
+
+
 def _plan(name: str, decode_rank: int = 0):
     return build(load(SCENARIOS / f"{name}.yaml"), Dispatcher.from_plugins()).plans[decode_rank]
 

@@ -52,6 +52,8 @@ def pair_by_tokens(
             local_ids = local_ids[len(local_ids) - len(remote_ids) :]
         local_ids, remote = tail_aligned(local_ids, remote_ids)
         return local_ids, remote, np.zeros(len(local_ids), dtype=np.int64)
+    if len(local_ids) == 0:  # nothing to fill here (the decode engine computes it): no pairs
+        return local_ids, remote_ids[:0], np.zeros(0, dtype=np.int64)
     if num_tokens is None:
         raise RequestError(
             f"blocks of {local_tokens} tokens here and {remote_tokens} on the remote engine can only be "
