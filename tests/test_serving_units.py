@@ -345,6 +345,20 @@ def test_matrix_selects_exact_shapes_and_merges_runs_in_table_order() -> None:
         ("tiny-llama", "P1->D1", 2), ("tiny-llama", "P2->D1", 2), ("tiny-gemma3", "P1->D1", 1)]
 
 
+def test_a_run_of_one_connector_replaces_only_its_column() -> None:
+    from nixlkv.serving.matrix import merge
+
+    def side(ok: bool, answers: dict) -> dict:
+        return {"ok": ok, "result": {"rows": [{"name": k, "answer": v} for k, v in answers.items()]}}
+
+    old = {"model": "tiny-gemma3", "shape": "P1->D1", "nixlkv": side(False, {"p": [1]}),
+           "vllm": side(True, {"p": [2]}), "agreement": {"prompts": 1, "identical": 0, "differ": ["p"]}}
+    new = {"model": "tiny-gemma3", "shape": "P1->D1", "nixlkv": side(True, {"p": [2]})}
+    (row,) = merge([[old], [new]])
+    assert row["nixlkv"]["ok"] and row["vllm"] == old["vllm"]
+    assert row["agreement"] == {"prompts": 1, "identical": 1, "differ": []}
+
+
 def test_where_d_alone_is_no_reference_the_row_passes_only_on_identical_answers_to_vllms() -> None:
     from nixlkv.serving import models
     from nixlkv.serving.matrix import agreement, judge_by_baseline, summarize

@@ -57,6 +57,18 @@ def agreement(a: Result, b: Result) -> dict[str, Any]:
     return {"prompts": len(common), "identical": len(same), "differ": [n for n in common if n not in same]}
 
 
+def _agreement_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """``agreement`` from two connectors' stored summaries (their answers, prompt by prompt)."""
+    answers = []
+    for conn in CONNECTORS:
+        summary = row.get(conn) or {}
+        rows = (summary.get("result") or {}).get("rows") or []
+        answers.append({r["name"]: r["answer"] for r in rows if r.get("answer") is not None})
+    common = sorted(set(answers[0]) & set(answers[1]))
+    same = [n for n in common if answers[0][n] == answers[1][n]]
+    return {"prompts": len(common), "identical": len(same), "differ": [n for n in common if n not in same]}
+
+
 def run_matrix(cases: list[Case], opts: Options, connectors: tuple[str, ...] = CONNECTORS,
                progress: Callable[[str], None] = lambda m: None,
                after_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
@@ -104,7 +116,12 @@ def merge(runs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     by_key: dict[tuple[str, str], dict[str, Any]] = {}
     for rows in runs:
         for row in rows:
-            if row["model"] in models.RECIPES:
+            earlier = by_key.get((row["model"], row["shape"]))
+            if earlier is not None and not all(row.get(c) for c in CONNECTORS):
+                # a run of one connector replaces only that connector's column
+                row = {**earlier, **{k: v for k, v in row.items() if v is not None}}
+                row["agreement"] = _agreement_of(row)
+            if row["model"] in models.RECIPES and all(row.get(c) for c in CONNECTORS):
                 judge_by_baseline(row, models.recipe(row["model"]))
             by_key[(row["model"], row["shape"])] = row
     order = {(c.model, _shape(c)): i for i, c in enumerate(default_cases())}
