@@ -135,6 +135,12 @@ def test_transfer_facts_read_vllms_connector_too() -> None:
 
 
 # ---------------------------------------------------------------- prompts and command lines
+def test_a_windowed_model_gets_a_prompt_whose_window_edge_ends_a_block() -> None:
+    n = prompt_lengths(32, 1024, 12, quick=False, window=64)["window edge"]
+    assert (n - 64 + 1) % 32 == 0 and n > 64 + 32  # 159: wrong logprobs before the window hold-back
+    assert "window edge" not in prompt_lengths(32, 1024, 12, quick=False)
+
+
 def test_prompt_lengths_cover_block_edges_and_the_longest_prompt() -> None:
     lengths = prompt_lengths(32, 1024, 12, quick=False)
     assert {1, 31, 32, 33, 1012} <= set(lengths.values())

@@ -69,21 +69,27 @@ class Options:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def prompt_lengths(block: int, max_model_len: int, max_tokens: int, quick: bool) -> dict[str, int]:
+def prompt_lengths(block: int, max_model_len: int, max_tokens: int, quick: bool,
+                   window: int | None = None) -> dict[str, int]:
     """The prompt lengths every case covers: one token, either side of a block boundary, many
-    blocks, and as long as the engine accepts with room for the answer."""
+    blocks, and as long as the engine accepts with room for the answer; with a sliding ``window``,
+    a length whose window edge N - W + 1 ends a block (where vLLM's managers free the block the
+    last token's window starts in: docs/vllm.md)."""
     room = max_model_len - max_tokens
     lengths = {"1 token": 1, "block-1": block - 1, "block+1": block + 1,
                "many blocks": min(8 * block + 5, room), "near max_model_len": room}
     if not quick:
         lengths.update({"block": block, "2 blocks+3": 2 * block + 3})
+    if window:
+        lengths["window edge"] = window - 1 + block * (1 + window // block)
     return {k: v for k, v in lengths.items() if 1 <= v <= room}
 
 
 def make_prompts(case: Case, block: int, max_model_len: int, quick: bool) -> dict[str, list[int]]:
     rng = np.random.default_rng(case.seed)
     out = {}
-    for name, n in prompt_lengths(block, max_model_len, case.max_tokens, quick).items():
+    window = models.recipe(case.model).config.get("sliding_window")
+    for name, n in prompt_lengths(block, max_model_len, case.max_tokens, quick, window).items():
         out[name] = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
     return out
 
