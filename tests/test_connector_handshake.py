@@ -245,3 +245,38 @@ def test_a_remote_fact_of_another_kind_is_refused_naming_it(fact: str, value: ob
     with pytest.raises(IncompatibleGeometry, match=f"advertises {fact}=.*\\({kind}\\)") as info:
         dispatcher.plan(local, {0: broken})
     assert isinstance(info.value, HandshakeError)  # a malformed reply, as the worker reports it
+
+
+@pytest.mark.parametrize(("fact", "value"), [
+    ("tokens_per_block", 0),  # was ZeroDivisionError in token_phases
+    ("tokens_per_block", None),  # was TypeError (None skipped the kind check)
+    ("total_kv_heads", None),  # was TypeError in heads_held
+    ("tokens_per_block", 2**40),  # was an OOM (2**36 phases)
+    ("tokens_per_block", -16),  # was planned: a head slice silently never read
+    ("tokens_per_block", 32),  # a count its page does not hold
+    ("num_heads", 8),
+])
+def test_hostile_remote_facts_are_malformed_replies_naming_the_fact(fact: str, value: object) -> None:
+    """Found by the campaign (tests/test_campaign.py): one advertised fact of an otherwise true
+    reply, P TP 2 -> D TP 1. Each is refused as a HandshakeError naming the fact, never another
+    exception, never a plan."""
+    import dataclasses
+
+    from nixlkv.core import Dispatcher
+    from nixlkv.core.errors import MalformedRemoteFact
+    from nixlkv.testing.engines import build_rank
+    from nixlkv.testing.rehearsal import geometry
+    from nixlkv.testing.scenario import parse
+
+    sc = parse({"model": {"layers": [{"kind": "full_attention", "count": 2, "num_kv_heads": 4, "head_size": 32}]},
+                "prefill": {"tp": 2}, "decode": {"tp": 1}, "request": {"num_tokens": 64}})
+    dispatcher = Dispatcher.from_plugins()
+    prefill = {r: geometry(build_rank(sc, "prefill", r), dispatcher) for r in range(2)}
+    local = geometry(build_rank(sc, "decode", 0), dispatcher)
+    assert len(dispatcher.plan(local, prefill).segments) == 4  # the true reply plans
+    region = prefill[0].regions[0]
+    bad = dataclasses.replace(region, facts={**region.facts, fact: value})
+    prefill[0] = dataclasses.replace(prefill[0], regions=(bad, *prefill[0].regions[1:]))
+    with pytest.raises(MalformedRemoteFact, match=fact) as info:
+        dispatcher.plan(local, prefill)
+    assert isinstance(info.value, HandshakeError)

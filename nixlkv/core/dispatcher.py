@@ -186,13 +186,20 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
             f"remote rank {geometry.tp_rank}: both engines must run the same model with the same KV-cache kinds"
         )
     for key, mine in region.facts.items():  # a fact the strategy reads must be of the kind it wrote
-        theirs = peer.facts.get(key)
-        if mine is not None and theirs is not None and _kind(theirs) != _kind(mine):
+        if key not in peer.facts or mine is None:
+            continue  # not advertised: the strategy derives it or does without
+        theirs = peer.facts[key]
+        if _kind(theirs) != _kind(mine) or (_kind(mine) == "integer" and not 0 <= theirs < MAX_FACT_INT):
             raise MalformedRemoteFact(
                 f"layer {region.name!r}: remote rank {geometry.tp_rank} advertises {key}={_short(theirs)} "
                 f"({_kind(theirs)}), where this strategy's facts hold a {_kind(mine)}"
+                + (f" in [0, {MAX_FACT_INT})" if _kind(mine) == "integer" else "")
             )
     return peer
+
+
+# An integer fact (a count, a size, an offset) beyond this is no geometry any engine builds.
+MAX_FACT_INT = 1 << 40
 
 
 def _kind(value: Any) -> str:

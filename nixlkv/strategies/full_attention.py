@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from ..core import (
     HeadRun,
     IncompatibleGeometry,
+    MalformedRemoteFact,
     PageLayout,
     LayerCache,
     Region,
@@ -185,13 +186,22 @@ def with_page_facts(peer: Region, total_kv_heads: int, rank: int, tp: int) -> Re
     What it did advertise is kept, and then checked like any other fact."""
     kernel, _, _ = kernel_pages(peer.page)
     held = heads_held(rank, tp, peer.facts.get("total_kv_heads", total_kv_heads))
+    page_tokens = kernel.size("token") * (peer.page.size("kblock") if peer.page.names[0] == "kblock" else 1)
     derived = {
         "total_kv_heads": total_kv_heads,
         "head_start": held.start,
         "num_heads": kernel.size("head"),
         "content_bytes": kernel.size("byte"),
-        "tokens_per_block": tokens_per_block(peer),
+        "tokens_per_block": page_tokens,
     }
+    # What the page itself says cannot be advertised otherwise: a remote claiming other tokens,
+    # heads or bytes per block than its page holds would be paired on a fiction.
+    for key in ("num_heads", "content_bytes", "tokens_per_block"):
+        if key in peer.facts and peer.facts[key] != derived[key]:
+            raise MalformedRemoteFact(
+                f"layer {peer.name!r}: remote rank {rank} advertises {key}={peer.facts[key]!r}, but its page "
+                f"{peer.page.describe()} holds {derived[key]}"
+            )
     if all(k in peer.facts for k in derived):
         return peer
     return dataclasses.replace(peer, facts={**derived, **peer.facts})
