@@ -8,7 +8,6 @@ letting the full-attention strategy take them through the MRO would move wrong b
 from __future__ import annotations
 
 from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
     CircularBufferSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -36,6 +35,5 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 PENDING = [
     pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
     pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),
-    pending("chunked_local", (ChunkedLocalAttentionSpec,), "chunked local attention frees blocks outside the chunk"),
     pending("cross_attention", (CrossAttentionSpec, EncoderOnlyAttentionSpec), "encoder caches are not part of P/D decode transfer"),
 ]

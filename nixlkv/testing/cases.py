@@ -30,12 +30,14 @@ def replicated_refusals(point: Point, params: Mapping[str, Any]) -> str | None:
 # Two KV heads: TP 4 replicates them, TP 1 holds both; TP pairs cover both directions.
 BUILTIN_CASES: dict[str, ContractCase] = {
     "full_attention": ContractCase(
+        wrapped_points=True,
         strategy="full_attention",
         kind="full_attention",
         params={"num_kv_heads": 2, "head_size": 32},
         extra_points=BLOCK_SIZE_POINTS,
     ),
     "sliding_window": ContractCase(
+        wrapped_points=True,
         strategy="sliding_window",
         kind="sliding_window",
         # A 32-token window over 16-token blocks keeps 3 blocks: requests of 1, 37 and 100
@@ -46,6 +48,7 @@ BUILTIN_CASES: dict[str, ContractCase] = {
         extra_points=BLOCK_SIZE_POINTS,
     ),
     "mla": ContractCase(
+        wrapped_points=True,
         strategy="mla",
         kind="mla",
         params={"kv_lora_rank": 64, "qk_rope_head_dim": 32},
@@ -54,6 +57,7 @@ BUILTIN_CASES: dict[str, ContractCase] = {
         extra_points=(Point(2, 2, prefill_block_size=16, decode_block_size=32),),
     ),
     "mamba": ContractCase(
+        wrapped_points=True,
         strategy="mamba",
         kind="mamba",
         # Mamba2 with two B/C groups: sharded at TP 2, replicated at TP 1, and a model vLLM cannot
@@ -69,6 +73,7 @@ BUILTIN_CASES: dict[str, ContractCase] = {
         refuses_longer_local_list=False,
     ),
     "sliding_window_mla": ContractCase(
+        wrapped_points=True,
         strategy="sliding_window_mla",
         kind="sliding_window_mla",
         params={"kv_lora_rank": 64, "qk_rope_head_dim": 32, "window": 32},

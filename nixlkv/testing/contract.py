@@ -39,7 +39,7 @@ from ..core import (
     TransferPlan,
 )
 from ..core.registry import plugin_manager
-from .kinds import KINDS, KindDef, register_kind
+from .kinds import KINDS, KindDef, load_plugin_kinds, register_kind
 
 # Invariant names: stable identifiers, used in messages, docs/contract.md and exemptions.
 DISPATCH = "dispatch"
@@ -150,7 +150,8 @@ class ContractCase:
     - ``strategy``: the strategy's ``name`` (what dispatch must pick for ``kind``'s specs).
     - ``kind``: the scenario layer kind that fabricates its layers; with ``kind_def`` a new
       kind is registered under that name (spec factory, parameters, and, for a layout that is
-      not attention-like, the oracle's element-coordinate function).
+      not attention-like, the oracle's element-coordinate function); without it, a kind a
+      plugin declares (hook ``nixlkv_scenario_kinds``) is looked up.
     - ``params``: the kind's parameters for the sample model (head counts, sizes, window...).
       Keep the head count small and a divisor-friendly number: 2 heads with TP 4 exercises
       replication.
@@ -179,6 +180,10 @@ class ContractCase:
     # Token caches must refuse more local than remote blocks; a state cache (one running state
     # per request) pairs any two lists by their running entries, so it sets this False.
     refuses_longer_local_list: bool = True
+    # Add a point whose layers vLLM packs with a full-attention companion of another page size
+    # (UniformTypeKVCacheSpecs under a block-outermost layout). Off by default: a spec vLLM
+    # cannot group with full attention (a third party's own kind) would fail in vLLM, not here.
+    wrapped_points: bool = False
     seed: int = 7
     full_tp_pairs: tuple[tuple[int, int], ...] = (
         (1, 1), (2, 2), (4, 4), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (2, 8), (8, 2),
@@ -234,7 +239,8 @@ class ContractCase:
         # and groups vLLM wraps (a companion layer of another page size, block-outermost layout).
         pts.append(Point(p0, d0, "LBHNC", "LBHNC", bs, 2 * bs, tokens, interior="k_channel_major"))
         if "BLHNC" in self.layouts:
-            pts.append(Point(p0, d0, "LBHNC", "BLHNC", bs, bs, tokens, wrapped=True))
+            if self.wrapped_points:
+                pts.append(Point(p0, d0, "LBHNC", "BLHNC", bs, bs, tokens, wrapped=True))
         return pts
 
     def _full_points(self) -> list[Point]:
@@ -279,10 +285,12 @@ class ContractCase:
         """Register ``kind_def`` (idempotent) and check the kind exists."""
         if self.kind_def is not None:
             register_kind(self.kind, self.kind_def)
+        if self.kind not in KINDS:  # a kind the installed plugins (or the case's own) declare
+            load_plugin_kinds(self.plugins)
         if self.kind not in KINDS:
             raise ValueError(
                 f"contract case {self.strategy!r}: layer kind {self.kind!r} is unknown (known: {sorted(KINDS)}); "
-                "give kind_def=KindDef(...) to add it"
+                "give kind_def=KindDef(...), or declare it in the plugin's nixlkv_scenario_kinds hook"
             )
 
     def dispatcher(self) -> Dispatcher:

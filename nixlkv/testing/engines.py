@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .kinds import KINDS
+from .kinds import KINDS, known_kind
 from .scenario import INTERIOR_KINDS, LayerKind, Scenario, ScenarioError, Side
 
 DATA = Path(__file__).parent / "data"
@@ -126,12 +126,16 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
 
     side = scenario.prefill if role == "prefill" else scenario.decode
     kinds = scenario.layer_kinds(role)
+    for kind in kinds:  # a plugin's kind, in a process that did not parse the scenario (a spawned worker)
+        known_kind(kind.kind)
     specs = align_hybrid({layer_name(i): layer_spec(k, side) for i, k in enumerate(kinds)}, side.block_size)
     vc = planning_config()
     vc.cache_config.kv_cache_layout = side.layout
     # A model with Mamba layers needs vLLM's hybrid KV-cache manager (one group per state kind
-    # beside the attention groups); NIXL P/D serving runs it so. Other scenarios keep the default.
-    hybrid = any(_is_state(s) for s in specs.values())
+    # beside the attention groups); NIXL P/D serving runs it so. So does a kind whose manager
+    # frees blocks (KindDef.skipped_tokens: chunked local attention), which vLLM would otherwise
+    # promote to full attention next to full-attention layers. Other scenarios keep the default.
+    hybrid = any(_is_state(s) for s in specs.values()) or any(KINDS[k.kind].skipped_tokens is not None for k in kinds)
     saved = vc.scheduler_config.disable_hybrid_kv_cache_manager
     try:
         if hybrid:

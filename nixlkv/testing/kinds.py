@@ -34,6 +34,13 @@ class KindDef:
     coordinates: Callable[..., Mapping[str, Any]] | None = None  # see oracle.Coordinates
     # Model facts the engine hands the strategy per layer (what a per-rank spec cannot tell).
     hints: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    # (params, num_tokens) -> leading tokens vLLM's block manager for this kind has freed once
+    # num_tokens are computed (its get_num_skipped_tokens). The rehearsal then nulls the prefill
+    # blocks wholly below them, and leaves them out of the decode engine's list (its own manager
+    # frees them too, and the connector sees only real blocks). None: every block is kept. A kind
+    # that frees blocks is planned under vLLM's hybrid KV-cache manager, as a deployment whose
+    # connector supports it runs (without it vLLM promotes such a layer to full attention).
+    skipped_tokens: Callable[[Mapping[str, Any], int], int] | None = None
 
     def total_kv_heads(self, params: Mapping[str, Any]) -> int:
         if self.replicated:
@@ -304,6 +311,34 @@ KINDS: dict[str, KindDef] = {
     "mamba": KindDef(("d_state",), MAMBA_OPTIONAL, _mamba, check=_check_mamba, hints=_mamba_hints),
     UNIFORM: KindDef(("members",)),
 }
+
+
+def load_plugin_kinds(plugins: tuple[Any, ...] = ()) -> None:
+    """Register the layer kinds the installed nixlkv plugins declare (hook ``nixlkv_scenario_kinds``,
+    :mod:`nixlkv.testing.hookspecs`), and those of ``plugins`` (extra plugin objects or modules).
+
+    A plugin that serves a new spec type ships the kind its engines report with it, so scenario
+    files (and ``nixlkv rehearse``) name it without any edit here. A kind already registered
+    with another definition is an error (:func:`register_kind`).
+    """
+    from ..core.registry import plugin_manager
+    from . import hookspecs
+
+    pm = plugin_manager()
+    for plugin in plugins:
+        if not pm.is_registered(plugin):
+            pm.register(plugin, name=getattr(plugin, "__name__", None) or f"kinds-{type(plugin).__name__}-{id(plugin)}")
+    pm.add_hookspecs(hookspecs)
+    for declared in pm.hook.nixlkv_scenario_kinds():
+        for name, kind in (declared or {}).items():
+            register_kind(name, kind)
+
+
+def known_kind(name: str) -> bool:
+    """Whether ``name`` is a layer kind, asking the installed plugins when it is not built in."""
+    if name not in KINDS:
+        load_plugin_kinds()
+    return name in KINDS
 
 
 def register_kind(name: str, kind: KindDef) -> None:

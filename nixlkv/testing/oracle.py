@@ -189,6 +189,20 @@ def _window(spec: Any) -> int | None:
     return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
 
 
+def skipped_tokens(rank: FabricatedRank, group: int, num_tokens: int) -> int:
+    """Leading tokens the group's block manager has freed once ``num_tokens`` are computed, as the
+    scenario kind of its layers states it (``KindDef.skipped_tokens``; chunked local attention:
+    every token left of the current chunk); 0 for a kind that keeps its blocks."""
+    counts = set()
+    for name in rank.group_layers(group):
+        kind = rank.layer_kinds.get(name)
+        rule = KINDS[kind.kind].skipped_tokens if kind is not None and kind.kind in KINDS else None
+        counts.add(int(rule(kind.params, num_tokens)) if rule is not None else 0)
+    if len(counts) > 1:
+        raise ValueError(f"group {group}: its layers free different token counts {sorted(counts)}; vLLM manages a group as one")
+    return counts.pop() if counts else 0
+
+
 def prefill_null_positions(num_tokens: int, window: int | None, block_size: int) -> int:
     """Leading block positions a prefill engine has already nulled: once N tokens are computed,
     vLLM's window manager frees every block wholly below token N - window + 1."""
@@ -205,16 +219,18 @@ def window_tail(num_tokens: int, window: int, block_size: int) -> int:
 
 def decode_receives(
     positions: np.ndarray, num_tokens: int, window: int | None, decode_block: int, prefill_block: int,
-    nulled_window: int | None | str = "same",
+    nulled_window: int | None | str = "same", prefill_skipped: int = 0,
 ) -> np.ndarray:
     """bool ``[len(positions), decode_block]``: which token slots of the decode blocks at these
     positions the transfer must fill. A slot is filled when the prefill block holding that token
     exists and is exchanged: for a layer with a window, both engines exchange only their own
     window tail, and prefill has nulled what fell below the window of its block manager
-    (``nulled_window``: the layer's own unless its group is managed otherwise)."""
+    (``nulled_window``: the layer's own unless its group is managed otherwise), and every block
+    wholly below ``prefill_skipped`` tokens (:func:`skipped_tokens`)."""
     tokens = positions[:, None] * decode_block + np.arange(decode_block)[None, :]
     source = tokens // prefill_block
     filled = source < -(-num_tokens // prefill_block)
+    filled &= source >= prefill_skipped // prefill_block
     if window is not None:
         filled &= positions[:, None] >= window_tail(num_tokens, window, decode_block)
         filled &= source >= window_tail(num_tokens, window, prefill_block)

@@ -114,9 +114,11 @@ def choose_blocks(
 
     Random, non-contiguous and distinct across groups (groups alias one memory pool), never the
     null block 0 except where the scheduler itself put it: on prefill, window blocks already
-    freed below the window. ``skip`` leading blocks of each group are left out (a prefix the
-    decode engine already holds). Without ``peer`` this is the prefill side; with it, the
-    decode side, whose expected content depends on the prefill engine's blocks. A state group
+    freed below the window, and blocks below the tokens the kind's manager skips
+    (``KindDef.skipped_tokens``). ``skip`` leading blocks of each group are left out (a prefix the
+    decode engine already holds; on decode, at least the blocks its own manager skips). Without
+    ``peer`` this is the prefill side; with it, the decode side, whose expected content depends
+    on the prefill engine's blocks. A state group
     lists ``state_blocks`` entries: the running state, then the spec's speculative scratch blocks;
     before it, null placeholders alternate with superseded states (random bytes on prefill).
     """
@@ -136,8 +138,11 @@ def choose_blocks(
             out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, 1), dtype=bool)))
             continue
         window = oracle.window_of(rank, group)
+        # Blocks wholly below the tokens the group's manager freed (chunked local: left of the
+        # current chunk) are null on prefill and not in the decode engine's list at all.
+        skipped = oracle.skipped_tokens(rank, group, num_tokens) // bs
         if peer is None:
-            ids[: oracle.prefill_null_positions(num_tokens, window, bs)] = 0
+            ids[: max(oracle.prefill_null_positions(num_tokens, window, bs), skipped)] = 0
             holds = np.repeat((ids != 0)[:, None], bs, axis=1)
         else:
             if peer.group_layers(group) != rank.group_layers(group):
@@ -145,14 +150,17 @@ def choose_blocks(
             # What the transfer fills follows each layer's own window (what the dispatcher sees,
             # inside a wrapped group too) and what prefill's block manager nulled (its group's window).
             peer_bs, nulled = peer.group_block_size(group), oracle.window_of(peer, group)
-            holds = oracle.decode_receives(np.arange(n), num_tokens, window, bs, peer_bs, nulled_window=nulled)
-        first = min(skip, n)
+            prefill_skipped = oracle.skipped_tokens(peer, group, num_tokens)
+            holds = oracle.decode_receives(np.arange(n), num_tokens, window, bs, peer_bs, nulled_window=nulled,
+                                           prefill_skipped=prefill_skipped)
+        first = min(skip if peer is None else max(skip, skipped), n)
         layer_holds = {}
         if peer is not None:
             for name in rank.group_layers(group):
                 own = oracle.layer_window(rank, name)
                 if own != window:  # a wrapped group's layer with a window of its own
-                    mine = oracle.decode_receives(np.arange(n), num_tokens, own, bs, peer_bs, nulled_window=nulled)
+                    mine = oracle.decode_receives(np.arange(n), num_tokens, own, bs, peer_bs, nulled_window=nulled,
+                                                  prefill_skipped=prefill_skipped)
                     layer_holds[name] = mine[first:]
         out.append(oracle.GroupBlocks(ids=ids[first:], first_position=first, holds=holds[first:],
                                       layer_holds=layer_holds))

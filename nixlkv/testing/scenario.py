@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import NixlkvError
-from .kinds import KINDS, UNIFORM
+from .kinds import KINDS, UNIFORM, known_kind
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 INTERIORS = ("k_channel_major",)  # see nixlkv.vllm.model_backend
@@ -241,7 +241,7 @@ def _model(x: Any, where: str) -> tuple[LayerKind, ...]:
 def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     d = dict(_mapping(x, where))
     kind = d.pop("kind", None)
-    if not isinstance(kind, str) or kind not in KINDS:
+    if not isinstance(kind, str) or not known_kind(kind):  # a plugin's kind: from its nixlkv_scenario_kinds
         raise ScenarioError(f"{where}: kind must be one of {sorted(KINDS)}, got {_show(kind)}")
     if kind == UNIFORM:
         return _uniform(d, where, in_uniform)

@@ -42,6 +42,7 @@ from unittest import mock
 
 from ..core.errors import IncompatibleTopology, NixlkvError
 from . import oracle
+from .kinds import KINDS, known_kind
 from .scenario import Scenario, Side
 
 SUPPORTED_VLLM = "0.33."
@@ -393,7 +394,8 @@ def _vllm_config(scenario: Scenario, role: str) -> Any:
         ),
     )
     vc.cache_config.kv_cache_layout = side.layout
-    if any(k.kind == "mamba" for k in scenario.layer_kinds(role)):
+    if any(k.kind == "mamba" or (known_kind(k.kind) and KINDS[k.kind].skipped_tokens is not None)
+           for k in scenario.layer_kinds(role)):
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # as engines.build_rank planned it
     return vc
 
