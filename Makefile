@@ -85,3 +85,12 @@ serve-lock:
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV)
+
+# The property-based campaign's long profile (docs/campaign.md): 200 scenarios per model family
+# (1,000 in all; 4 to 8 min on 2 cores) and thousands of mutated handshake replies and
+# kv_transfer_params, fresh random examples every run (failures are kept in .hypothesis/ and
+# replayed first). CI runs the bounded, derandomized profile as part of `make test`.
+CAMPAIGN_REPORT ?= build/campaign-long.json
+.PHONY: campaign-long
+campaign-long: venv
+	NIXLKV_CAMPAIGN=long NIXLKV_CAMPAIGN_REPORT=$(CAMPAIGN_REPORT) $(BIN)/python -m pytest -q tests/test_campaign.py --hypothesis-show-statistics
