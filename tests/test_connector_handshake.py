@@ -210,12 +210,28 @@ def test_region_in_memory_check_matches_brute_force() -> None:
 
 
 def test_a_renamed_page_axis_is_refused_naming_the_axis() -> None:
-    """A remote page whose 'head' axis is renamed (was KeyError: 'head' out of the planner)."""
-    from nixlkv.core.errors import IncompatibleGeometry
+    """A remote page whose 'head' axis is renamed (was KeyError: 'head' out of the planner): a
+    malformed reply (HandshakeError) naming the axes, before any strategy reads the page."""
+    import dataclasses
+
+    from nixlkv.core import Dispatcher
+    from nixlkv.core.errors import IncompatibleGeometry, MalformedRemoteFact
+    from nixlkv.testing.rehearsal import build, geometry
+    from nixlkv.testing.scenario import load
 
     page = PageLayout((("hd", 4), ("token", 16), ("byte", 128)))
     with pytest.raises(IncompatibleGeometry, match="no axis 'head'"):
         page.size("head")
+    sc = load(Path(__file__).parent / "scenarios" / "fa-p1-d1-h8.yaml")
+    dispatcher = Dispatcher.from_plugins()
+    engines = build(sc, dispatcher)
+    local, remote = geometry(engines.decode[0], dispatcher), geometry(engines.prefill[0], dispatcher)
+    region = remote.regions[0]
+    renamed = tuple(("hd" if n == "head" else n, z) for n, z in region.page.axes)
+    bad = dataclasses.replace(region, page=PageLayout(renamed))
+    with pytest.raises(MalformedRemoteFact, match="axes") as info:
+        dispatcher.plan(local, {0: dataclasses.replace(remote, regions=(bad, *remote.regions[1:]))})
+    assert isinstance(info.value, HandshakeError) and "'hd'" in str(info.value)
 
 
 @pytest.mark.parametrize(("fact", "value", "kind"), [

@@ -185,6 +185,12 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
             f"layer {region.name!r} is a {region.strategy!r} cache here but a {peer.strategy!r} cache on "
             f"remote rank {geometry.tp_rank}: both engines must run the same model with the same KV-cache kinds"
         )
+    ours, theirs_axes = set(region.page.names) - {"kblock"}, set(peer.page.names) - {"kblock"}
+    if ours != theirs_axes:  # the same cache names the same axes (in any order, kernel blocks apart)
+        raise MalformedRemoteFact(
+            f"layer {region.name!r}: remote rank {geometry.tp_rank} describes its page with axes "
+            f"{sorted(theirs_axes)}, where this cache's page has {sorted(ours)}"
+        )
     for key, mine in region.facts.items():  # a fact the strategy reads must be of the kind it wrote
         if key not in peer.facts or mine is None:
             continue  # not advertised: the strategy derives it or does without
