@@ -267,7 +267,7 @@ def _mamba(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
 
     shapes, dtypes = _mamba_shapes(p, tp)
     return MambaSpec(
-        block_size=p["state_tokens"] or MAMBA_STATE_TOKENS,
+        block_size=p.get("state_tokens") or MAMBA_STATE_TOKENS,
         shapes=shapes,
         dtypes=dtypes,
         mamba_type=MambaAttentionBackendEnum[MAMBA_TYPES[p["mamba_type"]]],
