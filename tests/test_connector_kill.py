@@ -138,7 +138,9 @@ def _dead_remote_params() -> dict:
         port = s.getsockname()[1]
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3], [4, 5, 6]],
             "remote_engine_id": "P-dead", "remote_request_id": "h", "remote_host": "127.0.0.1", "remote_port": port,
-            "tp_size": 1, "remote_lease_s": 30.0}
+            "tp_size": 1, "remote_lease_s": 30.0,
+            # what a P of this windowed model publishes for a 40-token prompt: one token held back
+            "remote_num_tokens": 39}
 
 
 @pytest.mark.vllm
