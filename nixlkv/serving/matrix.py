@@ -51,7 +51,10 @@ def _answers(result: Result) -> dict[str, list[int]]:
 
 def agreement(a: Result, b: Result) -> dict[str, Any]:
     """Do the two connectors' answers agree, prompt by prompt (token ids)?"""
-    ans_a, ans_b = _answers(a), _answers(b)
+    return _agree(_answers(a), _answers(b))
+
+
+def _agree(ans_a: dict[str, list[int]], ans_b: dict[str, list[int]]) -> dict[str, Any]:
     common = sorted(set(ans_a) & set(ans_b))
     same = [n for n in common if ans_a[n] == ans_b[n]]
     return {"prompts": len(common), "identical": len(same), "differ": [n for n in common if n not in same]}
@@ -64,9 +67,7 @@ def _agreement_of(row: dict[str, Any]) -> dict[str, Any] | None:
         summary = row.get(conn) or {}
         rows = (summary.get("result") or {}).get("rows") or []
         answers.append({r["name"]: r["answer"] for r in rows if r.get("answer") is not None})
-    common = sorted(set(answers[0]) & set(answers[1]))
-    same = [n for n in common if answers[0][n] == answers[1][n]]
-    return {"prompts": len(common), "identical": len(same), "differ": [n for n in common if n not in same]}
+    return _agree(*answers)
 
 
 def run_matrix(cases: list[Case], opts: Options, connectors: tuple[str, ...] = CONNECTORS,

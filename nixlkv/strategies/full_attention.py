@@ -73,7 +73,7 @@ class FullAttentionStrategy(Strategy):
             )
         page = layer.page
         kernel, _, _ = kernel_pages(page)
-        tokens = kernel.size("token") * (page.size("kblock") if page.names[0] == "kblock" else 1)
+        tokens = page_tokens(page)
         for axis, size, want in (
             ("head", kernel.size("head"), len(held)),
             ("token", tokens, spec.num_states),
@@ -176,8 +176,12 @@ def tokens_per_block(region: Region) -> int:
     """Tokens a block of the region holds: advertised, or read off its page."""
     if "tokens_per_block" in region.facts:
         return int(region.facts["tokens_per_block"])
-    kernel, tokens, _ = kernel_pages(region.page)
-    return tokens * (region.page.size("kblock") if region.page.names[0] == "kblock" else 1)
+    return page_tokens(region.page)
+
+
+def page_tokens(page: PageLayout) -> int:
+    """Tokens one block's page holds: its kernel pages' tokens times how many make a block."""
+    return kernel_pages(page)[1] * (page.size("kblock") if page.names[0] == "kblock" else 1)
 
 
 def with_page_facts(peer: Region, total_kv_heads: int, rank: int, tp: int) -> Region:
@@ -186,13 +190,12 @@ def with_page_facts(peer: Region, total_kv_heads: int, rank: int, tp: int) -> Re
     What it did advertise is kept, and then checked like any other fact."""
     kernel, _, _ = kernel_pages(peer.page)
     held = heads_held(rank, tp, peer.facts.get("total_kv_heads", total_kv_heads))
-    page_tokens = kernel.size("token") * (peer.page.size("kblock") if peer.page.names[0] == "kblock" else 1)
     derived = {
         "total_kv_heads": total_kv_heads,
         "head_start": held.start,
         "num_heads": kernel.size("head"),
         "content_bytes": kernel.size("byte"),
-        "tokens_per_block": page_tokens,
+        "tokens_per_block": page_tokens(peer.page),
     }
     # What the page itself says cannot be advertised otherwise: a remote claiming other tokens,
     # heads or bytes per block than its page holds would be paired on a fiction.

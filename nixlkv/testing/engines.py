@@ -64,13 +64,7 @@ class FabricatedRank:
     def layer_spec(self, layer: str) -> Any:
         """The layer's own spec, as the dispatcher sees it: a group wrapped in vLLM's
         UniformTypeKVCacheSpecs holds one spec per layer, which may differ from the group's kind."""
-        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-        for g in self.kv_cache_config.kv_cache_groups:
-            if layer in g.layer_names:
-                spec = g.kv_cache_spec
-                return spec.kv_cache_specs[layer] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-        raise KeyError(f"layer {layer!r} is in no KV group")
+        return kcc_spec(self.kv_cache_config, layer)
 
     def is_state_group(self, group: int) -> bool:
         """Whether the group holds per-request states (Mamba), not token blocks: its layers' own
@@ -202,7 +196,7 @@ def kcc_spec(kcc: Any, layer: str) -> Any:
         if layer in g.layer_names:
             spec = g.kv_cache_spec
             return spec.kv_cache_specs[layer] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-    raise KeyError(layer)
+    raise KeyError(f"layer {layer!r} is in no KV group")
 
 
 def _hints(kind: LayerKind, side: Side) -> dict[str, Any]:

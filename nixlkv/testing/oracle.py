@@ -57,11 +57,7 @@ def bytes_view(view: torch.Tensor, num_blocks: int) -> np.ndarray:
 
     vLLM's view is ``[B*K, H, k, C]`` when a logical block of ``K*k`` tokens is stored as ``K``
     consecutive kernel pages of ``k`` tokens each (K = 1 otherwise)."""
-    arr = view.view(torch.uint8).numpy()
-    per = arr.shape[0] // num_blocks
-    shape = (num_blocks, per, *arr.shape[1:])
-    strides = (arr.strides[0] * per, arr.strides[0], *arr.strides[1:])
-    return np.lib.stride_tricks.as_strided(arr, shape, strides)
+    return _by_block(view.view(torch.uint8), num_blocks)
 
 
 def page_pieces(
