@@ -6,11 +6,12 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pluggy
 
-from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError
-from .geometry import LayerCache, RankGeometry, Region, Segment
-from .plan import GroupPairing, TransferPlan
+from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
+from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment
+from .plan import GroupPairing, SegmentTable, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy
 from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks
@@ -123,51 +124,150 @@ class Dispatcher:
         if missing:
             raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
         _check_same_layers(local, {p: remote[p] for p in covered})
-
-        segments: list[tuple[Segment, int]] = []
-        keys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> key
-        bounds: list[list[int]] = []  # per key: smallest local / remote num_blocks
-        representatives: list[tuple[Region, Region]] = []
-        group_map: dict[int, int] = {}
-        for region in local.regions:
-            strategy = self.registry.by_name(region.strategy)
-            peers = {p: _peer(remote[p], region) for p in covered}
-            remote_groups = {peer.group for peer in peers.values()}
-            if len(remote_groups) != 1:
-                raise IncompatibleGeometry(
-                    f"layer {region.name!r} sits in different KV groups on different remote ranks {sorted(remote_groups)}"
-                )
-            remote_group = remote_groups.pop()
-            if group_map.setdefault(region.group, remote_group) != remote_group:
-                raise IncompatibleGeometry(
-                    f"local KV group {region.group} holds layers of remote groups "
-                    f"{group_map[region.group]} and {remote_group} (e.g. {region.name!r}): "
-                    "both engines must group layers the same way"
-                )
-            key = keys.setdefault((region.group, remote_group, strategy.name), len(keys))
-            if key == len(bounds):
-                bounds.append([region.num_blocks, min(r.num_blocks for r in peers.values())])
-                representatives.append((region, peers[covered[0]]))
-            bounds[key][0] = min(bounds[key][0], region.num_blocks)
-            bounds[key][1] = min([bounds[key][1], *(r.num_blocks for r in peers.values())])
-            segments.extend((seg, key) for seg in strategy.segments(region, peers, topology, remote_tp))
-        if len(set(group_map.values())) != len(group_map):
-            raise IncompatibleGeometry(
-                f"several local KV groups read the same remote group (local -> remote: {group_map}): "
-                "both engines must group layers the same way"
-            )
-        pairings = [
-            GroupPairing(lg, rg, self.registry.by_name(name), *bounds[key], *representatives[key])
-            for (lg, rg, name), key in keys.items()
-        ]
+        table, pairings = self._segment_table(local, [remote[p] for p in covered], covered, topology, remote_tp)
         return TransferPlan(
             local=local,
             remote={p: remote[p] for p in covered},
             covered=covered,
             consumers=consumers_per_remote_rank(local.tp_size, remote_tp),
-            segments=segments,
+            segments=table,
             pairings=pairings,
         )
+
+    def _segment_table(
+        self, local: RankGeometry, peers_geo: list[RankGeometry], covered: Sequence[int], topology: Topology, remote_tp: int
+    ) -> tuple[SegmentTable, list[GroupPairing]]:
+        """Every layer's segments as columns, asking strategies once per distinct layer geometry.
+
+        Layers whose local region and peer regions differ only in name, base and KV group (same
+        :attr:`RankGeometry.geometry_classes` on every side) form one class; each class's peers
+        are checked and its strategy asked once, on its first layer, and every layer of the class
+        gets those segments with its own regions. Groups are checked for every layer, as arrays.
+        Where a strategy is not :attr:`Strategy.segments_by_geometry`, every layer is its own class.
+        """
+        regions = local.regions
+        n = len(regions)
+        names = [r.name for r in regions]
+        # peer region index per rank; None where every rank lists the layers in this rank's order
+        same_order = all([r.name for r in g.regions] == names for g in peers_geo)
+        pidx = [list(range(n))] * len(peers_geo) if same_order else [[g.index[name] for name in names] for g in peers_geo]
+        lclass = local.geometry_classes
+        if same_order:
+            per_rank = [g.geometry_classes for g in peers_geo]
+        else:
+            per_rank = [[cls[i] for i in idx] for cls, idx in zip((g.geometry_classes for g in peers_geo), pidx)]
+        keys = list(zip(lclass, *per_rank))
+        pure: dict[str, bool] = {}
+        for r in dict(zip(lclass, regions)).values():  # one region per local class
+            pure[r.strategy] = bool(getattr(self.registry.by_name(r.strategy), "segments_by_geometry", False))
+        if not all(pure.values()):
+            keys = [k if pure[regions[i].strategy] else (*k, -1 - i) for i, k in enumerate(keys)]
+        class_of: dict[tuple[int, ...], int] = {}
+        layer_class = [class_of.setdefault(k, len(class_of)) for k in keys]
+        first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> its first layer
+        first = dict(sorted(first.items()))  # classes in order of first appearance (ids are given so)
+
+        layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
+        templates: list[np.ndarray] = []  # per class: rows (local idx or -1, rank pos, remote idx or -1, loff, roff, nbytes, phase)
+        shareable: list[bool] = []  # per class: its segments name only its own layer's regions
+        for c, i in first.items():
+            region = regions[i]
+            peers = {p: _check_peer(g, region, g.regions[pidx[j][i]]) for j, (p, g) in enumerate(zip(covered, peers_geo))}
+            segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
+            rows, own = _template(segs, local, peers_geo, covered, region, peers)
+            templates.append(rows)
+            shareable.append(own)
+        # A class whose segments name regions other than its own layer's (never a built-in
+        # strategy) cannot be shared: its other layers are asked one by one.
+        for c, i in first.items():
+            if not shareable[c]:
+                for j in [j for j in range(n) if layer_class[j] == c and j != i]:
+                    region = regions[j]
+                    peers = {p: _check_peer(g, region, g.regions[pidx[k][j]]) for k, (p, g) in enumerate(zip(covered, peers_geo))}
+                    segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
+                    layer_class[j] = len(templates)
+                    templates.append(_template(segs, local, peers_geo, covered, region, peers)[0])
+        return SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered), pairings
+
+    def _pairings(
+        self, local: RankGeometry, peers_geo: list[RankGeometry], pidx: list[list[int]], same_order: bool, covered: Sequence[int]
+    ) -> tuple[list[int], list[GroupPairing]]:
+        """Per layer, its pairing (local group, remote group, strategy); and the pairings. Every
+        layer's groups are checked: one remote group on every remote rank, and the same
+        one-to-one map of local to remote groups for all layers."""
+        regions = local.regions
+        lgroup = local.columns[:, COL_GROUP]
+        rgroups = [g.columns[:, COL_GROUP] if same_order else g.columns[idx, COL_GROUP] for g, idx in zip(peers_geo, pidx)]
+        for rg in rgroups[1:]:
+            if not np.array_equal(rg, rgroups[0]):
+                i = int(np.argmax(rg != rgroups[0]))
+                found = sorted({int(x[i]) for x in rgroups})
+                raise IncompatibleGeometry(f"layer {regions[i].name!r} sits in different KV groups on different remote ranks {found}")
+        triples = list(zip(lgroup.tolist(), rgroups[0].tolist(), [r.strategy for r in regions]))
+        pkeys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> pairing key
+        layer_key = [pkeys.setdefault(t, len(pkeys)) for t in triples]
+        group_map: dict[int, int] = {}
+        for (lg, rg, _), i in zip(pkeys, [triples.index(t) for t in pkeys]):
+            if group_map.setdefault(lg, rg) != rg:
+                raise IncompatibleGeometry(
+                    f"local KV group {lg} holds layers of remote groups {group_map[lg]} and {rg} "
+                    f"(e.g. {regions[i].name!r}): both engines must group layers the same way"
+                )
+        if len(set(group_map.values())) != len(group_map):
+            raise IncompatibleGeometry(
+                f"several local KV groups read the same remote group (local -> remote: {group_map}): "
+                "both engines must group layers the same way"
+            )
+        keys = np.asarray(layer_key, dtype=np.int64)
+        lblocks = local.columns[:, COL_BLOCKS]
+        rblocks = np.minimum.reduce([g.columns[:, COL_BLOCKS] if same_order else g.columns[idx, COL_BLOCKS]
+                                     for g, idx in zip(peers_geo, pidx)])
+        pairings = []
+        for (lg, rg, name), k in pkeys.items():
+            m = keys == k
+            i = int(np.argmax(m))
+            rep_peer = peers_geo[0].regions[pidx[0][i]]
+            pairings.append(GroupPairing(lg, rg, self.registry.by_name(name), int(lblocks[m].min()), int(rblocks[m].min()),
+                                         regions[i], rep_peer))
+        return layer_key, pairings
+
+
+def _template(
+    segs: Sequence[Segment], local: RankGeometry, peers_geo: Sequence[RankGeometry], covered: Sequence[int],
+    region: Region, peers: Mapping[int, Region],
+) -> tuple[np.ndarray, bool]:
+    """One class's segments as rows ``(local idx, rank position, remote idx, local offset, remote
+    offset, nbytes, phase)``, an index -1 where the segment names the layer's own region; and
+    whether every segment does (then other layers of the class can take the same rows)."""
+    rows = []
+    pos = {p: j for j, p in enumerate(covered)}
+    for seg in segs:
+        if seg.local_region == region.name:
+            li = -1
+        else:
+            li = local.index.get(seg.local_region)
+            if li is None:
+                raise PlanValidationError(f"segment names unknown local region {seg.local_region!r}")
+        j = pos.get(seg.remote_rank)
+        if j is None:
+            raise PlanValidationError(
+                f"segment of {seg.local_region!r} reads remote rank {seg.remote_rank}, outside the "
+                f"ranks this local rank covers {list(covered)}: that rank could free the "
+                "blocks before the read"
+            )
+        if seg.remote_region == peers[seg.remote_rank].name:
+            ri = -1
+        else:
+            ri = peers_geo[j].index.get(seg.remote_region)
+            if ri is None:
+                raise PlanValidationError(
+                    f"segment reads unknown region {seg.remote_region!r} on remote rank {seg.remote_rank}"
+                )
+        rows.append((li, j, ri, seg.local_offset, seg.remote_offset, seg.nbytes, seg.phase))
+    try:
+        return np.array(rows, dtype=np.int64).reshape(-1, 7), all(r[0] == -1 and r[2] == -1 for r in rows)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise PlanValidationError(f"segments of {region.name!r} are not integer offsets and sizes: {exc}") from None
 
 
 def _with_spec(layer: LayerCache, spec: Any) -> LayerCache:
@@ -180,6 +280,12 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
     peer = geometry.region(region.name)
     if peer is None:  # _check_same_layers ran first; this guards direct callers
         raise IncompatibleGeometry(f"layer {region.name!r} missing on remote rank {geometry.tp_rank}")
+    return _check_peer(geometry, region, peer)
+
+
+def _check_peer(geometry: RankGeometry, region: Region, peer: Region) -> Region:
+    """``peer`` (the same-named region on a remote rank) is the same kind of cache with facts of
+    the kinds this side's strategy writes."""
     if peer.strategy != region.strategy:
         raise IncompatibleGeometry(
             f"layer {region.name!r} is a {region.strategy!r} cache here but a {peer.strategy!r} cache on "
@@ -191,10 +297,14 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
             f"layer {region.name!r}: remote rank {geometry.tp_rank} describes its page with axes "
             f"{sorted(theirs_axes)}, where this cache's page has {sorted(ours)}"
         )
+    theirs_facts = peer.facts
     for key, mine in region.facts.items():  # a fact the strategy reads must be of the kind it wrote
-        if key not in peer.facts or mine is None:
+        if mine is None or key not in theirs_facts:
             continue  # not advertised: the strategy derives it or does without
-        theirs = peer.facts[key]
+        theirs = theirs_facts[key]
+        kind = type(mine)
+        if kind is type(theirs) and (kind in _PLAIN_KINDS or (kind is int and 0 <= theirs < MAX_FACT_INT)):
+            continue  # the same plain type (an integer in range): the same kind
         if _kind(theirs) != _kind(mine) or (_kind(mine) == "integer" and not 0 <= theirs < MAX_FACT_INT):
             raise MalformedRemoteFact(
                 f"layer {region.name!r}: remote rank {geometry.tp_rank} advertises {key}={_short(theirs)} "
@@ -206,6 +316,7 @@ def _peer(geometry: RankGeometry, region: Region) -> Region:
 
 # An integer fact (a count, a size, an offset) beyond this is no geometry any engine builds.
 MAX_FACT_INT = 1 << 40
+_PLAIN_KINDS = frozenset({bool, float, str, list, tuple, dict})
 
 
 def _kind(value: Any) -> str:

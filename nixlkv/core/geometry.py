@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+import functools
 from functools import cached_property
+import operator
+from itertools import chain, repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -22,6 +26,10 @@ import numpy as np
 from .errors import HandshakeError, IncompatibleGeometry
 
 MAX_RUNS_PER_BOX = 1 << 16
+# RankGeometry.columns: the first five are a descriptor row's (address, length, device, stride, count)
+COL_BASE, COL_PAGE, COL_DEVICE, COL_STRIDE, COL_BLOCKS, COL_GROUP, COL_END = range(7)
+ADDRESS_LIMIT = 1 << 62  # addresses and spans beyond it are no memory an engine maps (and overflow int64 sums)
+SMALL_BOX = 256  # runs per part below which a box is computed without numpy
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,13 @@ class PageLayout:
                     f"{self.describe()} ({self.nbytes} B) exactly"
                 )
 
+    def __hash__(self) -> int:
+        """Hashed once: pages key the memoised copy runs and geometry classes."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.axes, self.parts))
+        return h
+
     # Pages are immutable and asked about per layer and per peer at handshake: computed once.
     @cached_property
     def names(self) -> tuple[str, ...]:
@@ -167,7 +182,34 @@ def box_copy_runs(
     permute, not a byte copy, and is refused. Pages with parts are copied part by part (the
     box's axes found in each part); both sides must then have the same parts. Runs are as long
     as both sides allow, sorted by destination offset.
+
+    Memoised: a pure function of two immutable pages and a few integers, asked the same
+    questions by every handshake with engines of one model (as :func:`head_sources` is).
     """
+    try:
+        key = (dst, tuple(dst_start.items()), src, tuple(src_start.items()), tuple(extent.items()))
+        hash(key)
+    except TypeError:  # unhashable arguments: computed, not remembered
+        return _box_copy_runs(dst, dst_start, src, src_start, extent)
+    return list(_box_copy_runs_cached(*key))
+
+
+@functools.lru_cache(maxsize=4096)
+def _box_copy_runs_cached(
+    dst: PageLayout, dst_start: tuple[tuple[str, int], ...], src: PageLayout, src_start: tuple[tuple[str, int], ...],
+    extent: tuple[tuple[str, int], ...],
+) -> tuple[tuple[int, int, int], ...]:
+    return tuple(_box_copy_runs(dst, dict(dst_start), src, dict(src_start), dict(extent)))
+
+
+def _box_copy_runs(
+    dst: PageLayout,
+    dst_start: Mapping[str, int],
+    src: PageLayout,
+    src_start: Mapping[str, int],
+    extent: Mapping[str, int],
+) -> list[tuple[int, int, int]]:
+    """:func:`box_copy_runs`, computed."""
     if dst.names != src.names:
         raise IncompatibleGeometry(
             f"pages order their axes differently ({dst.describe()} vs {src.describe()}): "
@@ -206,7 +248,9 @@ def box_copy_runs(
                 "its bytes would need a permute, not a copy"
             )
         chunks.append(_part_runs(dpart, dst_start, spart, src_start, extent))
-    return _coalesce(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])
+    if all(isinstance(c, list) for c in chunks):
+        return _coalesce_small([r for c in chunks for r in c])
+    return _coalesce(np.concatenate([np.asarray(c, dtype=np.int64).reshape(-1, 3) for c in chunks]))
 
 
 def _part_runs(
@@ -235,6 +279,17 @@ def _part_runs(
         count *= n
     if count > MAX_RUNS_PER_BOX:
         raise IncompatibleGeometry(f"copy would need {count} runs per page (> {MAX_RUNS_PER_BOX})")
+    if count <= SMALL_BOX:  # a head slice is a few runs: plain Python beats numpy's per-call cost
+        ds, ss = [dst.offset], [src.offset]
+        for i, name in enumerate(dst.names):
+            d0, s0, dstep, sstep = dst_start.get(name, 0), src_start.get(name, 0), dst.axes[i][2], src.axes[i][2]
+            if i < k:
+                ds = [d + (d0 + j) * dstep for d in ds for j in range(ext[i])]
+                ss = [x + (s0 + j) * sstep for x in ss for j in range(ext[i])]
+            else:
+                ds = [d + d0 * dstep for d in ds]
+                ss = [x + s0 * sstep for x in ss]
+        return [(d, x, run) for d, x in zip(ds, ss)]
     d = np.full(count, dst.offset, dtype=np.int64)
     s = np.full(count, src.offset, dtype=np.int64)
     for i in range(len(ext)):
@@ -250,6 +305,19 @@ def _part_runs(
         d += (d0 + j) * dst.axes[i][2]
         s += (s0 + j) * src.axes[i][2]
     return np.stack([d, s, np.full(count, run, dtype=np.int64)], axis=1)
+
+
+def _coalesce_small(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """:func:`_coalesce` for a few runs, in Python."""
+    runs = sorted(runs, key=lambda r: r[0])
+    out: list[tuple[int, int, int]] = []
+    for d, s, n in runs:
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            pd, ps, pn = out[-1]
+            out[-1] = (pd, ps, pn + n)
+        else:
+            out.append((d, s, n))
+    return out
 
 
 def _coalesce(runs: np.ndarray) -> list[tuple[int, int, int]]:
@@ -413,6 +481,53 @@ class RankGeometry:
     def _by_name(self) -> dict[str, Region]:
         return {r.name: r for r in self.regions}
 
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Region name -> position in :attr:`regions` (for columnar planning)."""
+        return dict(zip([r.name for r in self.regions], range(len(self.regions))))
+
+    @cached_property
+    def geometry_classes(self) -> tuple[int, ...]:
+        """Per region, a small id shared by the regions that differ only in name, base and group.
+
+        A strategy that plans by geometry (:attr:`Strategy.segments_by_geometry`) answers such
+        regions alike, so a plan describes and pairs each class once: an 80-layer model has a
+        handful. :meth:`from_dict` fills this in while parsing; otherwise it is computed here.
+        """
+        ids: dict[tuple[Any, ...], int] = {}
+        return tuple(ids.setdefault(geometry_key(r), len(ids)) for r in self.regions)
+
+    @cached_property
+    def columns(self) -> np.ndarray:
+        """Per region, int64 ``(base, page bytes, device, block_stride, num_blocks, group, end)``
+        (the ``COL_*`` indices): checks and descriptor rows without a Python loop per layer. Built
+        per geometry class (:attr:`geometry_classes`), so a parsed handshake pays per layer only
+        for its base."""
+        classes = self.geometry_classes
+        reps = dict(zip(classes[::-1], self.regions[::-1]))  # class -> a region of it
+        try:
+            base = np.array([r.base for r in self.regions], dtype=np.int64)
+            if base.size and int(base.max()) >= ADDRESS_LIMIT:
+                raise OverflowError
+        except OverflowError:
+            raise IncompatibleGeometry(
+                f"engine {self.engine_id!r} rank {self.tp_rank}: a region base lies beyond 2**62; no engine maps memory there"
+            ) from None
+        table = np.zeros((max(reps, default=-1) + 1, 7), dtype=np.int64)
+        for c, r in reps.items():
+            span = r.end - r.base
+            if span >= ADDRESS_LIMIT or self.device_id >= ADDRESS_LIMIT:
+                raise IncompatibleGeometry(f"region {r.name!r} spans {span} B: no engine maps that much")
+            table[c] = (0, r.page.nbytes, self.device_id, r.block_stride, r.num_blocks, 0, span)
+        out = np.repeat(table, base.size, axis=0) if len(table) == 1 else table[np.array(classes, dtype=np.int64)]
+        out[:, COL_BASE] = base
+        try:
+            out[:, COL_GROUP] = [r.group for r in self.regions]
+        except OverflowError:
+            raise IncompatibleGeometry(f"engine {self.engine_id!r} rank {self.tp_rank}: a KV group id beyond 2**63") from None
+        out[:, COL_END] += base
+        return out
+
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
 
@@ -433,17 +548,148 @@ class RankGeometry:
             tp_size, tp_rank = _int(d["tp_size"], "tp_size"), _int(d["tp_rank"], "tp_rank")
             if not 0 <= tp_rank < tp_size:
                 raise HandshakeError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-            return cls(
+            regions, classes = _parse_regions(d["regions"])
+            geometry = cls(
                 engine_id=_str(d["engine_id"], "engine_id"),
                 tp_size=tp_size,
                 tp_rank=tp_rank,
-                regions=tuple(Region.from_dict(r) for r in d["regions"]),
+                regions=regions,
                 memory=tuple((_int(a, "memory address"), _int(n, "memory size")) for a, n in d["memory"]),
                 device_id=_int(d.get("device_id", 0), "device_id"),
                 mem_type=_str(d.get("mem_type", "DRAM"), "mem_type"),
             )
         except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
             raise HandshakeError(f"malformed rank geometry: {exc}") from None
+        geometry.__dict__["geometry_classes"] = classes  # what parsing found (cached_property slot)
+        return geometry
+
+
+def _parse_regions(items: Any, share: bool = True) -> tuple[tuple[Region, ...], tuple[int, ...]]:
+    """Regions of a handshake, each region that repeats an earlier one's description (all but its
+    name, base and KV group, values and their types alike) made as a copy of it: a model's
+    layers are a handful of distinct geometries, so the wire is parsed (and later planned) once
+    per distinct one.
+
+    Equality is found with C-level passes over all descriptions per distinct geometry; that
+    equal values also have equal types (``True == 1`` and ``16.0 == 16`` in Python, not on the
+    wire) is checked for all copies at once; where anything is not plain, every region is parsed
+    on its own, with every check and its own message.
+    """
+    if share:
+        try:
+            return _parse_shared(list(items))
+        except _NotPlain:
+            pass
+    regions = tuple(Region.from_dict(rd) for rd in items)
+    return regions, tuple(range(len(regions)))
+
+
+class _NotPlain(Exception):
+    """A handshake's regions are not all plain descriptions: parse them one by one."""
+
+
+_TEMPLATE = itemgetter("strategy", "num_blocks", "block_stride", "page", "facts")
+_HEAD = itemgetter("group", "num_blocks", "block_stride", "base")
+_SIGNED = itemgetter("group", "base")  # the fields a copy does not share with its template
+_OWN = itemgetter("name", "base", "group")
+
+
+def _parse_shared(items: list[Any]) -> tuple[tuple[Region, ...], tuple[int, ...]]:
+    """:func:`_parse_regions` with copies; raises :class:`_NotPlain` where that cannot be exact."""
+    if not items:
+        return (), ()
+    if set(map(type, items)) != {dict} or any(map(operator.contains, items, repeat("page_parts"))):
+        raise _NotPlain
+    try:
+        described = list(map(_TEMPLATE, items))
+        own = list(map(_OWN, items))
+    except KeyError:
+        raise _NotPlain from None
+    if set(map(type, map(itemgetter(3), described))) != {list} or set(map(type, map(itemgetter(4), described))) != {dict}:
+        raise _NotPlain
+    classes = [-1] * len(items)
+    protos: list[Region] = []
+    todo = list(range(len(items)))
+    while todo:  # one C-level pass per distinct geometry over the descriptions not yet placed
+        first = todo[0]
+        proto = Region.from_dict(items[first])
+        cid = len(protos)
+        protos.append(proto)
+        same = list(map(operator.eq, [described[i] for i in todo], repeat(described[first])))
+        for i, hit in zip(todo, same):
+            if hit:
+                classes[i] = cid
+        todo = [i for i, hit in zip(todo, same) if not hit]
+    if not _copies_exact(items, classes):
+        raise _NotPlain
+    regions = []
+    for (name, base, group), cid in zip(own, classes):
+        region = object.__new__(Region)  # a copy of a validated region: name, base and group are its own
+        fields = region.__dict__
+        fields.update(protos[cid].__dict__)
+        fields["name"], fields["base"], fields["group"] = name, base, group
+        regions.append(region)
+    return tuple(regions), tuple(classes)
+
+
+def _copies_exact(items: list[Mapping[str, Any]], classes: list[int]) -> bool:
+    """Every description has a valid name, base and group, and values of the same types as its
+    class's first (one pass in C over all of them, not a check per field per layer)."""
+    names = list(map(itemgetter("name"), items))
+    if set(map(type, names)) != {str} or "" in names:
+        return False
+    if set(map(type, chain.from_iterable(map(_HEAD, items)))) != {int} or min(chain.from_iterable(map(_SIGNED, items))) < 0:
+        return False
+    firsts: dict[int, Mapping[str, Any]] = {}
+    members: dict[int, list[Mapping[str, Any]]] = {}
+    for rd, cid in zip(items, classes):
+        if cid in firsts:
+            members[cid].append(rd)
+        else:
+            firsts[cid], members[cid] = rd, []
+    for cid, copies in members.items():
+        if not copies:
+            continue
+        t = firsts[cid]
+        fact_types = list(map(type, t["facts"].values()))
+        page_types = list(map(type, chain.from_iterable(t["page"])))
+        k = len(copies)
+        if list(map(type, chain.from_iterable(rd["facts"].values() for rd in copies))) != fact_types * k:
+            return False
+        if list(map(type, chain.from_iterable(chain.from_iterable(rd["page"] for rd in copies)))) != page_types * k:
+            return False
+        if set(map(type, map(itemgetter("strategy"), copies))) != {str}:
+            return False
+        if any(not isinstance(v, _SCALARS) for v in t["facts"].values()) and not all(_same_types(rd["facts"], t["facts"]) for rd in copies):
+            return False
+    return True
+
+
+_SCALARS = (int, str, float, bool, type(None))
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    """Equal values (already compared) hold values of the same types all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return all(_same_types(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return all(_same_types(v, b[k]) for k, v in a.items())
+    return True
+
+
+def geometry_key(region: Region) -> tuple[Any, ...]:
+    """Everything about a region but its name, base and KV group, hashable, types included."""
+    return (region.strategy, region.num_blocks, region.block_stride, region.page, _freeze(region.facts))
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return ("map", tuple((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return ("list", tuple(_freeze(v) for v in value))
+    return (type(value), value)
 
 
 def _int(value: Any, what: str) -> int:

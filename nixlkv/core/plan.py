@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from .errors import PlanValidationError, RequestError
-from .geometry import RankGeometry, Region, Segment
+from .geometry import ADDRESS_LIMIT, COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment
 from .strategy import Strategy
+from .token_blocks import PHASE_ZERO
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,11 @@ class IdScratch:
 
     def take(self, n: int, dtype: Any) -> np.ndarray:
         """One array of ``n`` IDs that stays valid until :meth:`reset`."""
-        dtype = np.dtype(dtype)
-        buf = self._buf.setdefault(dtype, np.empty(0, dtype))
+        if type(dtype) is not np.dtype:
+            dtype = np.dtype(dtype)
+        buf = self._buf.get(dtype)
+        if buf is None:
+            buf = self._buf[dtype] = np.empty(0, dtype)
         at = self._at.get(dtype, 0)
         if at + n > buf.size:
             # earlier views keep the old buffer alive; this request continues in a new one
@@ -88,6 +93,82 @@ class IdScratch:
             at = 0
         self._at[dtype] = at + n
         return buf[at : at + n]
+
+
+SMALL_CHECK = 64  # segments to check below which a loop beats numpy's per-call cost
+SMALL_IDS = 8  # paired ids per group below which bounds are checked in Python
+
+
+@dataclass(frozen=True)
+class SegmentTable:
+    """Every layer's segments as int64 columns (one entry per segment, in layer order): built by
+    the dispatcher from one template per distinct layer geometry, so a plan never loops over
+    layers in Python to check or lay out its descriptors."""
+
+    local_idx: np.ndarray  # index into the local geometry's regions
+    rank_pos: np.ndarray  # index into the plan's covered remote ranks
+    remote_idx: np.ndarray  # index into that remote rank's regions
+    local_offset: np.ndarray
+    remote_offset: np.ndarray
+    nbytes: np.ndarray
+    phase: np.ndarray
+    key: np.ndarray  # the pairing (local group, remote group, strategy) the segment belongs to
+    # Segments whose checks stand for all: each class's first layer where a class's segments name
+    # only its own layer's regions (every layer of it then has the same offsets and sizes over
+    # pages of the same sizes), every segment of any other class.
+    check_idx: np.ndarray
+    # Where every class's segments name only its own layer's regions: per layer, its class and
+    # first segment, and per remote rank each layer's peer index (None: the layer's own index).
+    layer_class: np.ndarray | None = None
+    layer_start: np.ndarray | None = None
+    peer_idx: tuple[np.ndarray, ...] | None = None
+
+    @classmethod
+    def assemble(
+        cls, layer_class: Sequence[int], templates: Sequence[np.ndarray], layer_key: Sequence[int],
+        peer_idx: Sequence[Sequence[int]] | None, covered: Sequence[int],
+    ) -> SegmentTable:
+        """Layer ``i`` gets template ``layer_class[i]``, its own region where the template says -1
+        (local) and its peer on each rank (``peer_idx[rank position][i]``, or ``i`` itself where
+        ``peer_idx`` is None) likewise; its segments belong to pairing ``layer_key[i]``."""
+        tlen = np.array([len(t) for t in templates], dtype=np.int64)
+        tstart = np.cumsum(tlen) - tlen
+        table = np.concatenate(templates) if templates else np.zeros((0, 7), dtype=np.int64)
+        lc = np.asarray(layer_class, dtype=np.int64)
+        n = lc.size
+        if n and (tlen == tlen[0]).all():  # every class has k segments (one geometry, or alike)
+            k = int(tlen[0])
+            layer = np.repeat(np.arange(n, dtype=np.int64), k)
+            row = (tstart[lc][:, None] + np.arange(k, dtype=np.int64)).ravel()
+            key = np.repeat(np.asarray(layer_key, dtype=np.int64), k)
+        else:
+            counts = tlen[lc] if n else np.zeros(0, dtype=np.int64)
+            layer = np.repeat(np.arange(n, dtype=np.int64), counts)
+            row = np.repeat(tstart[lc] - (np.cumsum(counts) - counts), counts) + np.arange(layer.size, dtype=np.int64)
+            key = np.repeat(np.asarray(layer_key, dtype=np.int64), counts) if n else layer
+        rows = table[row]
+        rank_pos = rows[:, 1]
+        own = [bool(t.size == 0 or ((t[:, 0] < 0) & (t[:, 2] < 0)).all()) for t in templates]
+        extra: dict[str, Any] = {}
+        if n and all(own):
+            first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> first layer
+            seg_start = np.cumsum(tlen[lc]) - tlen[lc]
+            check_idx = np.concatenate([np.arange(k, dtype=np.int64) + seg_start[i]
+                                        for c, i in first.items() for k in [int(tlen[c])]])
+            pidx = None if peer_idx is None else tuple(np.asarray(x, dtype=np.int64) for x in peer_idx)
+            extra = dict(layer_class=lc, layer_start=seg_start, peer_idx=pidx)
+        else:
+            check_idx = np.arange(layer.size, dtype=np.int64)
+        local_idx = np.where(rows[:, 0] < 0, layer, rows[:, 0]) if (table[:, 0] >= 0).any() else layer
+        if peer_idx is None:
+            peers = layer
+        else:
+            peers = np.asarray(peer_idx, dtype=np.int64).reshape(len(covered), -1)[rank_pos, layer]
+        remote_idx = np.where(rows[:, 2] < 0, peers, rows[:, 2]) if (table[:, 2] >= 0).any() else peers
+        return cls(local_idx, rank_pos, remote_idx, rows[:, 3], rows[:, 4], rows[:, 5], rows[:, 6], key, check_idx, **extra)
+
+    def __len__(self) -> int:
+        return int(self.local_idx.size)
 
 
 class TransferPlan:
@@ -99,7 +180,7 @@ class TransferPlan:
         remote: Mapping[int, RankGeometry],
         covered: Sequence[int],
         consumers: int,
-        segments: Sequence[tuple[Segment, int]],
+        segments: SegmentTable,
         pairings: Sequence[GroupPairing],
     ) -> None:
         self.local = local
@@ -107,116 +188,189 @@ class TransferPlan:
         self.covered = tuple(covered)
         self.consumers = consumers
         self.pairings = tuple(pairings)
-        self.segments = tuple(s for s, _ in segments)
-        self._seg_key = np.array([k for _, k in segments], dtype=np.int64)
+        self._table = segments
+        self._seg_key = segments.key
         self._validate()
         self._build_rows()
 
     # ---------------------------------------------------------------- construction
-    def _local_region(self, seg: Segment) -> Region:
-        region = self.local.region(seg.local_region)
-        if region is None:
-            raise PlanValidationError(f"segment names unknown local region {seg.local_region!r}")
-        return region
+    def _segment(self, i: int) -> Segment:
+        t = self._table
+        p = self.covered[int(t.rank_pos[i])]
+        return Segment(
+            self.local.regions[int(t.local_idx[i])].name, int(t.local_offset[i]), p,
+            self.remote[p].regions[int(t.remote_idx[i])].name, int(t.remote_offset[i]), int(t.nbytes[i]), int(t.phase[i]),
+        )
 
-    def _remote_region(self, seg: Segment) -> Region:
-        if seg.remote_rank not in self.covered:
-            raise PlanValidationError(
-                f"segment of {seg.local_region!r} reads remote rank {seg.remote_rank}, outside the "
-                f"ranks this local rank covers {list(self.covered)}: that rank could free the "
-                "blocks before the read"
-            )
-        region = self.remote[seg.remote_rank].region(seg.remote_region)
-        if region is None:
-            raise PlanValidationError(
-                f"segment reads unknown region {seg.remote_region!r} on remote rank {seg.remote_rank}"
-            )
-        return region
+    @cached_property
+    def layer_segments(self) -> tuple[Segment, ...]:
+        """Every layer's segments, in layer order (what ``explain`` lists)."""
+        return tuple(self._segment(i) for i in range(len(self._table)))
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """One segment per descriptor row, in row order: local row ``i`` is segment ``i``, and
+        each remote rank's rows are its segments in this order. Layers that alias the same memory
+        (a hybrid's groups sharing one KV tensor) share rows, so this lists the first of them."""
+        return tuple(self._segment(int(i)) for i in self._row_segment)
 
     def _validate(self) -> None:
-        by_region: dict[str, list[Segment]] = {}
-        for seg in self.segments:
-            local, remote = self._local_region(seg), self._remote_region(seg)
-            if seg.nbytes <= 0:
-                raise PlanValidationError(f"segment {seg} moves no bytes")
-            if seg.local_offset < 0 or seg.local_offset + seg.nbytes > local.page.nbytes:
-                raise PlanValidationError(
-                    f"segment {seg} leaves local page of {local.name!r} ({local.page.nbytes} B)"
-                )
-            if seg.remote_offset < 0 or seg.remote_offset + seg.nbytes > remote.page.nbytes:
-                raise PlanValidationError(
-                    f"segment {seg} leaves the page of {remote.name!r} on remote rank "
-                    f"{seg.remote_rank} ({remote.page.nbytes} B)"
-                )
-            if seg.phase < 0:
-                raise PlanValidationError(f"segment {seg} has a negative phase")
-            by_region.setdefault((seg.local_region, seg.phase), []).append(seg)
+        t = self._table
+        idx = t.check_idx
+        if idx.size <= SMALL_CHECK:  # a handful of distinct geometries: checked in Python
+            self._validate_few(idx)
+        else:
+            self._validate_many(idx)
         for geometry in (self.local, *(self.remote[p] for p in self.covered)):
-            for region in geometry.regions:
-                _check_registered(region, geometry)
-        for (name, _phase), segs in by_region.items():
-            segs = sorted(segs, key=lambda s: s.local_offset)
-            for a, b in zip(segs, segs[1:]):
-                if a.local_offset + a.nbytes > b.local_offset:
-                    raise PlanValidationError(
-                        f"two segments write the same bytes of local region {name!r}: {a} and {b}"
-                    )
-        written = {name for name, _ in by_region}
-        by_group: dict[int, list[Region]] = {}
-        for region in (r for r in self.local.regions if r.name in written):
-            by_group.setdefault(region.group, []).append(region)
-        for regions in by_group.values():
-            regions.sort(key=lambda r: r.base)
-            for i, a in enumerate(regions):
-                for b in regions[i + 1 :]:
-                    if b.base >= a.end:
-                        break
-                    _check_disjoint(a, b)
+            _check_registered_all(geometry)
+        # Pages of two written regions of one KV group must never share a byte (block IDs are shared).
+        written = np.unique(t.local_idx)
+        _check_groups_disjoint(self.local, None if written.size == len(self.local.regions) else written)
+
+    def _validate_few(self, idx: np.ndarray) -> None:
+        t = self._table
+        rows = np.stack([t.local_idx[idx], t.rank_pos[idx], t.remote_idx[idx], t.local_offset[idx], t.remote_offset[idx],
+                         t.nbytes[idx], t.phase[idx], idx], axis=1).tolist()
+        local, covered = self.local.regions, self.covered
+        for li, j, ri, loff, roff, nb, phase, i in rows:
+            self._check_segment(i, nb, loff, roff, phase, local[li].page.nbytes, self.remote[covered[j]].regions[ri].page.nbytes)
+        rows.sort(key=lambda r: (r[0], r[6], r[3]))  # by local region, phase, offset
+        for a, b in zip(rows, rows[1:]):
+            if a[0] == b[0] and a[6] == b[6] and a[3] + a[5] > b[3]:
+                self._overlap(a[7], b[7])
+
+    def _validate_many(self, idx: np.ndarray) -> None:
+        t = self._table
+        li, rk, ri = t.local_idx[idx], t.rank_pos[idx], t.remote_idx[idx]
+        loff, roff, nb, phase = t.local_offset[idx], t.remote_offset[idx], t.nbytes[idx], t.phase[idx]
+        lpage = self.local.columns[li, COL_PAGE]
+        rpage = np.zeros(idx.size, dtype=np.int64)
+        for j, p in enumerate(self.covered):
+            m = rk == j
+            rpage[m] = self.remote[p].columns[ri[m], COL_PAGE]
+        bad = (nb <= 0) | (loff < 0) | (roff < 0) | (phase < 0) | (loff + nb > lpage) | (roff + nb > rpage)
+        if bad.any():
+            k = int(np.argmax(bad))
+            self._check_segment(int(idx[k]), int(nb[k]), int(loff[k]), int(roff[k]), int(phase[k]), int(lpage[k]), int(rpage[k]))
+        order = np.lexsort((loff, phase, li))
+        li, phase, off = li[order], phase[order], loff[order]
+        clash = (li[1:] == li[:-1]) & (phase[1:] == phase[:-1]) & (off[:-1] + nb[order[:-1]] > off[1:])
+        if clash.any():
+            k = int(np.argmax(clash))
+            self._overlap(int(idx[order[k]]), int(idx[order[k + 1]]))
+
+    def _check_segment(self, i: int, nbytes: int, loff: int, roff: int, phase: int, lpage: int, rpage: int) -> None:
+        """One segment's bytes lie inside both pages; a message naming it where not."""
+        if nbytes > 0 and 0 <= loff and loff + nbytes <= lpage and 0 <= roff and roff + nbytes <= rpage and phase >= 0:
+            return
+        s = self._segment(i)
+        if nbytes <= 0:
+            raise PlanValidationError(f"segment {s} moves no bytes")
+        if loff < 0 or loff + nbytes > lpage:
+            raise PlanValidationError(f"segment {s} leaves local page of {s.local_region!r} ({lpage} B)")
+        if roff < 0 or roff + nbytes > rpage:
+            raise PlanValidationError(f"segment {s} leaves the page of {s.remote_region!r} on remote rank {s.remote_rank} ({rpage} B)")
+        raise PlanValidationError(f"segment {s} has a negative phase")
+
+    def _overlap(self, i: int, j: int) -> None:
+        a, b = self._segment(i), self._segment(j)
+        raise PlanValidationError(f"two segments write the same bytes of local region {a.local_region!r}: {a} and {b}")
+
+    def _shared_rows(self) -> np.ndarray | None:
+        """Per segment, the first segment with the same descriptor rows on both sides, or None
+        where there is none: layers of one geometry class at the same local base and the same
+        peer bases (a hybrid's groups aliasing one KV tensor) have the same rows."""
+        t = self._table
+        if t.layer_class is None or t.layer_start is None:
+            return None  # a strategy's segments name other regions: rows stay per segment
+        keys = [t.layer_class.tolist(), self.local.columns[:, COL_BASE].tolist()]
+        for j, p in enumerate(self.covered):
+            base = self.remote[p].columns[:, COL_BASE]
+            keys.append((base if t.peer_idx is None else base[t.peer_idx[j]]).tolist())
+        canon: dict[tuple[int, ...], int] = {}
+        canon_of = [canon.setdefault(k, i) for i, k in enumerate(zip(*keys))]
+        if len(canon) == len(canon_of):
+            return None
+        layer = np.repeat(np.arange(len(canon_of), dtype=np.int64), np.diff(np.append(t.layer_start, len(t))))
+        return t.layer_start[np.asarray(canon_of, dtype=np.int64)[layer]] + (np.arange(len(t)) - t.layer_start[layer])
 
     def _build_rows(self) -> None:
-        n = len(self.segments)
-        local_rows = np.zeros((n, 5), dtype=np.uint64)
-        self._local_start = np.zeros(n, dtype=np.int64)
-        self._remote_start = np.zeros(n, dtype=np.int64)
-        self._seg_rank = np.array([s.remote_rank for s in self.segments], dtype=np.int64)
-        remote_rows: dict[int, list[tuple[int, int, int, int, int]]] = {p: [] for p in self.covered}
-        remote_next = {p: 0 for p in self.covered}
-        local_next = 0
-        for i, seg in enumerate(self.segments):
-            loc, rem = self._local_region(seg), self._remote_region(seg)
-            local_rows[i] = (loc.base + seg.local_offset, seg.nbytes, self.local.device_id, loc.block_stride, loc.num_blocks)
-            self._local_start[i] = local_next
-            local_next += loc.num_blocks
-            p = seg.remote_rank
-            remote_rows[p].append(
-                (rem.base + seg.remote_offset, seg.nbytes, self.remote[p].device_id, rem.block_stride, rem.num_blocks)
-            )
-            self._remote_start[i] = remote_next[p]
-            remote_next[p] += rem.num_blocks
-        self.local_descs = local_rows
-        self.remote_descs = {
-            p: np.array(rows, dtype=np.uint64).reshape(-1, 5) for p, rows in remote_rows.items() if rows
-        }
-        self.read_ranks = tuple(sorted(self.remote_descs))
+        t = self._table
+        n = len(t)
+        # One descriptor row per distinct (local row, remote rank, remote row): layers that alias
+        # one KV tensor (a hybrid's groups) describe the same bytes, and register them once.
+        shared = self._shared_rows() if n > 1 and _regions_overlap(self.local) else None
+        if shared is None:
+            seg = None  # rows are the segments, in order
+            self._row_segment = np.arange(n, dtype=np.int64)
+        else:
+            canonical = shared == np.arange(n)
+            seg = np.flatnonzero(canonical)  # the segment each row is made of
+            row_of = (np.cumsum(canonical) - 1)[shared]  # segment -> its row
+            self._row_segment = seg
+        pick = (lambda a: a) if seg is None else (lambda a: a[seg])
+        loff, roff, nbytes, rank_pos = pick(t.local_offset), pick(t.remote_offset), pick(t.nbytes), pick(t.rank_pos)
+        # Descriptor rows (address, length, device, stride, count) start as the regions' columns.
+        local_rows = self.local.columns[pick(t.local_idx), :5]
+        local_rows[:, 0] += loff
+        local_rows[:, 1] = nbytes
+        self.local_descs = local_rows.astype(np.uint64)
+        counts = local_rows[:, 4]
+        local_start = np.cumsum(counts)
+        local_total = int(local_start[-1]) if local_start.size else 0
+        local_start -= counts
+        # Rows of each remote rank, in row order: one slice of a stable sort by rank.
+        remote_idx = pick(t.remote_idx)
+        if len(self.covered) == 1:
+            by_rank = [np.arange(rank_pos.size, dtype=np.int64)]
+        else:
+            order = np.argsort(rank_pos, kind="stable")
+            cuts = np.searchsorted(rank_pos[order], np.arange(len(self.covered) + 1)).tolist()
+            by_rank = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        remote_start = np.empty_like(local_start)
+        self.remote_descs = {}
+        totals = [local_total]
+        for p, idx in zip(self.covered, by_rank):
+            if not idx.size:
+                continue
+            rows = self.remote[p].columns[remote_idx[idx], :5]
+            rows[:, 0] += roff[idx]
+            rows[:, 1] = nbytes[idx]
+            self.remote_descs[p] = rows.astype(np.uint64)
+            starts = np.cumsum(rows[:, 4])
+            totals.append(int(starts[-1]))
+            remote_start[idx] = starts - rows[:, 4]
+        if shared is not None:
+            local_start, remote_start = local_start[row_of], remote_start[row_of]
+        self.read_ranks = tuple(self.remote_descs)  # covered order: ascending
         # Descriptor IDs fit NIXL's int32 indices unless a list holds 2**31 descriptors; int32
         # halves the memory every request writes.
-        largest = max([local_next, *remote_next.values()])
-        self._id_dtype = np.int32 if largest < 2**31 else np.int64
-        # remote rank -> [(pairing key, phase or None, local row starts, remote row starts)],
+        self._id_dtype = np.int32 if max(totals) < 2**31 else np.int64
+        self._np_dtype = np.dtype(self._id_dtype)
+        self._unsigned = np.dtype(np.uint32 if self._id_dtype is np.int32 else np.uint64)  # for one-sided bounds checks
+        self._local_start, self._remote_start = local_start, remote_start
+        # remote rank -> [(pairing key, phase, local row starts, remote row starts, bytes per block)],
         # precomputed so resolve() is one broadcast add per entry into a preallocated array.
-        seg_phase = np.array([s.phase for s in self.segments], dtype=np.int64)
-        seg_bytes = np.array([s.nbytes for s in self.segments], dtype=np.int64)
         self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {}
-        for p in self.read_ranks:
-            entries = []
-            for key in range(len(self.pairings)):
-                phases = np.unique(seg_phase[self._seg_key == key]).tolist()
-                for phase in phases:
-                    idx = np.nonzero((self._seg_rank == p) & (self._seg_key == key) & (seg_phase == phase))[0]
-                    if idx.size:
-                        entries.append((key, phase, self._local_start[idx].astype(self._id_dtype),
-                                        self._remote_start[idx].astype(self._id_dtype), int(seg_bytes[idx].sum())))
-            self._rank_keys[p] = entries
+        lstart, rstart = local_start.astype(self._id_dtype), remote_start.astype(self._id_dtype)
+        if n and len(self.pairings) == 1 and shared is None and not t.phase.any():
+            for p, idx in zip(self.covered, by_rank):  # one pairing, one phase: an entry is a rank's rows
+                if idx.size:
+                    self._rank_keys[p] = [(0, 0, lstart[idx], rstart[idx], int(t.nbytes[idx].sum()))]
+        elif n:
+            # entries: runs of equal (rank, pairing, phase) in that order, layer order within
+            sel = t.rank_pos * (len(self.pairings) + 1) + t.key
+            if t.phase.any():
+                sel = sel * (int(t.phase.max()) + 1) + t.phase
+            order = np.argsort(sel, kind="stable")
+            sel = sel[order]
+            bounds = [0, *(np.flatnonzero(sel[1:] != sel[:-1]) + 1).tolist(), n]
+            sizes = np.add.reduceat(t.nbytes[order], bounds[:-1]).tolist()
+            heads = order[bounds[:-1]]
+            for j, key, phase, a, b, nb in zip(t.rank_pos[heads].tolist(), t.key[heads].tolist(), t.phase[heads].tolist(),
+                                                bounds[:-1], bounds[1:], sizes):
+                idx = order[a:b]
+                self._rank_keys.setdefault(self.covered[j], []).append((key, phase, lstart[idx], rstart[idx], nb))
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
         # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
         self._remote_twin: dict[int, int] = {}
@@ -225,6 +379,7 @@ class TransferPlan:
                 if q not in self._remote_twin and _same_remote_rows(self._rank_keys[p], self._rank_keys[q]):
                     self._remote_twin[p] = q
                     break
+        self._rank_entries = [(p, self._rank_keys[p]) for p in self.read_ranks]
 
     # ---------------------------------------------------------------- per request
     def resolve(
@@ -246,14 +401,16 @@ class TransferPlan:
         pairs = [self._pair(pairing, local_block_ids, remote_block_ids, num_tokens) for pairing in self.pairings]
         reads = []
         remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
-        dtype = self._id_dtype
-        for p in self.read_ranks:
+        dtype = self._np_dtype
+        take = np.empty if scratch is None else scratch.take
+        twins = self._remote_twin
+        for p, entries in self._rank_entries:
             jobs = []
             total = nbytes = 0
-            for key, ph, lstarts, rstarts, block_bytes in self._rank_keys[p]:
+            for key, ph, lstarts, rstarts, block_bytes in entries:
                 lp, rp, phase = pairs[key]
                 if phase is None:
-                    if ph != 0:
+                    if ph:
                         continue  # every pair is in phase 0
                 else:
                     in_phase = phase == ph
@@ -264,9 +421,9 @@ class TransferPlan:
                     nbytes += block_bytes * lp.size
             if not total:
                 continue
-            twin = remote_of.get(self._remote_twin.get(p, -1))
-            local_ids = np.empty(total, dtype) if scratch is None else scratch.take(total, dtype)
-            remote_ids = twin if twin is not None else (np.empty(total, dtype) if scratch is None else scratch.take(total, dtype))
+            twin = remote_of.get(twins.get(p, -1))
+            local_ids = take(total, dtype)
+            remote_ids = twin if twin is not None else take(total, dtype)
             at = 0
             for lstarts, rstarts, lp, rp in jobs:
                 end = at + lstarts.size * lp.size
@@ -276,20 +433,21 @@ class TransferPlan:
                 at = end
             remote_of[p] = remote_ids
             reads.append(ReadOp(p, local_ids, remote_ids, nbytes))
-        read = {r.remote_rank for r in reads}
-        return ResolvedRequest(
-            reads=tuple(reads),
-            notify_only=tuple(p for p in self.covered if p not in read),
-            consumers=self.consumers,
-        )
+        if len(reads) == len(self.covered):
+            notify_only: tuple[int, ...] = ()
+        else:
+            read = {r.remote_rank for r in reads}
+            notify_only = tuple(p for p in self.covered if p not in read)
+        return ResolvedRequest(reads=tuple(reads), notify_only=notify_only, consumers=self.consumers)
 
     def _pair(
         self, pairing: GroupPairing, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], num_tokens: int | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The strategy's block pairs of one group as descriptor-id dtype arrays, bounds checked;
         phases only where some pair is not in phase 0."""
-        lids = _ids(local_block_ids, pairing.local_group, "local", self._id_dtype)
-        rids = _ids(remote_block_ids, pairing.remote_group, "remote", self._id_dtype)
+        dtype = self._np_dtype
+        lids = _ids(local_block_ids, pairing.local_group, "local", dtype)
+        rids = _ids(remote_block_ids, pairing.remote_group, "remote", dtype)
         paired = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens)
         lp, rp = np.asarray(paired[0]), np.asarray(paired[1])
         phase = np.asarray(paired[2]) if len(paired) > 2 else None
@@ -297,12 +455,25 @@ class TransferPlan:
             raise RequestError(
                 f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
             )
-        if lp.size:
-            _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
-            _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
-        if phase is not None and not np.count_nonzero(phase):
+        if lp.dtype != dtype or rp.dtype != dtype:  # a strategy that pairs in another dtype (int64)
+            lp = _as_ids(lp, dtype, pairing.local_num_blocks, "local", pairing.local_group)
+            rp = _as_ids(rp, dtype, pairing.remote_num_blocks, "remote", pairing.remote_group)
+        elif lp.size > SMALL_IDS:
+            # one unsigned comparison per side catches negative ids too (they wrap to huge values)
+            unsigned = self._unsigned
+            if np.maximum.reduce(lp.view(unsigned)) >= pairing.local_num_blocks:
+                _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
+            if np.maximum.reduce(rp.view(unsigned)) >= pairing.remote_num_blocks:
+                _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
+        elif lp.size:  # a running state's one block: a Python comparison beats a ufunc call
+            lv, rv = lp.tolist(), rp.tolist()
+            if min(lv) < 0 or max(lv) >= pairing.local_num_blocks:
+                _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
+            if min(rv) < 0 or max(rv) >= pairing.remote_num_blocks:
+                _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
+        if phase is not None and (phase.base is PHASE_ZERO or not phase.any()):
             phase = None
-        return lp.astype(self._id_dtype, copy=False), rp.astype(self._id_dtype, copy=False), phase
+        return lp, rp, phase
 
     def read_bytes(self, read: ReadOp) -> int:
         """Bytes one READ moves: what the planner recorded, else summed over its local descriptors."""
@@ -339,7 +510,7 @@ class TransferPlan:
             ],
             "segments": [
                 {**s.to_dict(), "strategy": self.pairings[int(k)].strategy.name}
-                for s, k in zip(self.segments, self._seg_key)
+                for s, k in zip(self.layer_segments, self._seg_key)
             ],
             "registered_descriptors": self.registered_descriptors(),
         }
@@ -363,6 +534,11 @@ def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np
     if group >= len(ids):
         raise RequestError(f"{side} block ids cover {len(ids)} KV groups; group {group} is missing")
     raw = ids[group]
+    if type(raw) is list:  # what vLLM hands: fromiter converts it fastest (and is always flat)
+        try:
+            return np.fromiter(raw, dtype=dtype, count=len(raw))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise RequestError(f"{side} block ids of group {group} must be a flat list of integers: {e}") from None
     try:
         if isinstance(raw, np.ndarray):
             if raw.dtype.kind not in "iu":
@@ -377,6 +553,15 @@ def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np
     if arr.ndim != 1:
         raise RequestError(f"{side} block ids of group {group} must be a flat list")
     return arr
+
+
+def _as_ids(ids: np.ndarray, dtype: np.dtype, limit: int, side: str, group: int) -> np.ndarray:
+    """A strategy's paired ids (in another integer dtype) bounds checked, in the descriptor-id dtype."""
+    if ids.dtype.kind not in "iu":
+        raise RequestError(f"{side} group {group}: paired block ids of dtype {ids.dtype} are not integers")
+    if ids.size:
+        _check_bounds(ids.astype(np.int64), limit, side, group)
+    return ids.astype(dtype)
 
 
 def _check_bounds(ids: np.ndarray, limit: int, side: str, group: int) -> None:
@@ -410,6 +595,59 @@ def expand_ids(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarra
     block = ids - starts[row]
     addr = rows[row, 0].astype(np.int64) + block * rows[row, 3].astype(np.int64)
     return addr, rows[row, 1].astype(np.int64)
+
+
+def _check_registered_all(geometry: RankGeometry) -> None:
+    """Every region of ``geometry`` lies inside one of its registered memory ranges (checked once
+    per geometry: a geometry is immutable)."""
+    if geometry.__dict__.get("_registered_ok") or not geometry.regions:
+        return
+    col = geometry.columns
+    base, end = col[:, COL_BASE], col[:, COL_END]
+    inside = np.zeros(base.size, dtype=bool)
+    for addr, nbytes in geometry.memory:
+        # columns hold addresses below 2**62; a range reaching past that is clipped there
+        inside |= (base >= min(addr, ADDRESS_LIMIT)) & (end <= min(addr + nbytes, ADDRESS_LIMIT))
+    if not inside.all():
+        _check_registered(geometry.regions[int(np.argmin(inside))], geometry)
+    geometry.__dict__["_registered_ok"] = True
+
+
+def _regions_overlap(geometry: RankGeometry) -> bool:
+    """Whether any two regions of ``geometry`` share bytes (a hybrid's groups alias one tensor);
+    once per geometry."""
+    found = geometry.__dict__.get("_overlap")
+    if found is None:
+        col = geometry.columns
+        order = np.argsort(col[:, COL_BASE], kind="stable")
+        base, end = col[order, COL_BASE], col[order, COL_END]
+        found = bool(base.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any())
+        geometry.__dict__["_overlap"] = found
+    return found
+
+
+def _check_groups_disjoint(geometry: RankGeometry, written: np.ndarray | None) -> None:
+    """Pages of two regions of one KV group (among ``written``, or all) never share a byte;
+    the check of all regions is done once per geometry."""
+    if written is None and geometry.__dict__.get("_disjoint_ok"):
+        return
+    col = geometry.columns if written is None else geometry.columns[written]
+    idx = np.arange(len(geometry.regions)) if written is None else written
+    order = np.lexsort((col[:, COL_BASE], col[:, COL_GROUP]))
+    group, base, end, idx = col[order, COL_GROUP], col[order, COL_BASE], col[order, COL_END], idx[order]
+    if idx.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any():  # some overlap: look per group
+        for g in np.unique(group).tolist():
+            m = group == g
+            b, e = base[m], end[m]
+            if b.size > 1 and (b[1:] < np.maximum.accumulate(e)[:-1]).any():
+                regions = [geometry.regions[int(i)] for i in idx[m]]
+                for i, a in enumerate(regions):
+                    for other in regions[i + 1 :]:
+                        if other.base >= a.end:
+                            break
+                        _check_disjoint(a, other)
+    if written is None:
+        geometry.__dict__["_disjoint_ok"] = True
 
 
 def _check_registered(region: Region, geometry: RankGeometry) -> None:

@@ -19,6 +19,9 @@ class Strategy:
     - ``spec_types``: the spec classes served; subclasses are served too unless another
       strategy claims a more specific class (dispatch walks the spec type's MRO).
     - ``overrides``: names of strategies this one deliberately replaces for the same types.
+    - ``segments_by_geometry``: set it where :meth:`segments` is a function of the regions'
+      geometry and facts only (not of their names or base addresses), so layers alike are
+      planned once; default False (asked per layer).
     - ``contract_exempt``: invariants of the contract suite (docs/contract.md) this strategy
       deliberately does not hold, each with the reason. Only ``"full-coverage"`` may be
       exempted (a strategy that leaves some bytes of a request's blocks to the decode engine);
@@ -29,6 +32,10 @@ class Strategy:
     spec_types: ClassVar[tuple[type, ...]] = ()
     overrides: ClassVar[tuple[str, ...]] = ()
     contract_exempt: ClassVar[Mapping[str, str]] = {}
+    # True where segments() depends only on the regions' geometry and facts, never on their
+    # names or bases: the dispatcher then asks once per distinct layer geometry (an 80-layer
+    # model has a handful) and gives every layer of that geometry the same segments.
+    segments_by_geometry: ClassVar[bool] = False
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         """Describe one local layer as a region, with the facts a peer needs to pair with it."""

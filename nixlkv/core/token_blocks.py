@@ -17,6 +17,15 @@ from .errors import IncompatibleGeometry, RequestError
 from .strategy import tail_aligned
 
 Phase = tuple[int, int, int]  # (local first token, remote first token, tokens) within the pages
+# Phases of pairs that are all in phase 0 are views of this (read-only) array: no allocation per
+# request, and the plan tells them apart without counting.
+PHASE_ZERO = np.zeros(1 << 16, dtype=np.int64)
+PHASE_ZERO.flags.writeable = False
+
+
+def phase_zero(n: int) -> np.ndarray:
+    """``n`` zero phases (a read-only view where ``n`` is not huge)."""
+    return PHASE_ZERO[:n] if n <= PHASE_ZERO.size else np.zeros(n, dtype=np.int64)
 
 
 def token_phases(local_tokens: int, remote_tokens: int) -> list[Phase]:
@@ -51,7 +60,7 @@ def pair_by_tokens(
         if not strict and len(local_ids) > len(remote_ids):  # a window: the remote holds only its tail
             local_ids = local_ids[len(local_ids) - len(remote_ids) :]
         local_ids, remote = tail_aligned(local_ids, remote_ids)
-        return local_ids, remote, np.zeros(len(local_ids), dtype=np.int64)
+        return local_ids, remote, phase_zero(len(local_ids))
     if len(local_ids) == 0:  # nothing to fill here (the decode engine computes it): no pairs
         return local_ids, remote_ids[:0], np.zeros(0, dtype=np.int64)
     if num_tokens is None:

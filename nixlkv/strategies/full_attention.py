@@ -50,6 +50,7 @@ MATCHING_FACTS = {
 class FullAttentionStrategy(Strategy):
     name = "full_attention"
     spec_types = (AttentionSpec,)
+    segments_by_geometry = True  # segments read pages and facts only, never names or bases
     # Facts both sides must agree on; subclasses extend it with their own.
     matching_facts: ClassVar[Mapping[str, str]] = MATCHING_FACTS
 

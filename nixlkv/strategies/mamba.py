@@ -109,6 +109,7 @@ def rank_conv_layout(facts: Mapping[str, Any], tp: int) -> list[tuple[str, int, 
 class MambaStrategy(Strategy):
     name = "mamba"
     spec_types = (MambaSpec,)
+    segments_by_geometry = True  # segments read pages and facts only, never names or bases
 
     def local_regions(self, layer: LayerCache, topology: Topology) -> Sequence[Region]:
         spec: MambaSpec = layer.spec
@@ -281,10 +282,10 @@ class MambaStrategy(Strategy):
     ) -> tuple[np.ndarray, ...]:
         """The running state slot of each side's list, and nothing else (never token-paired)."""
         if local_ids.size == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            return local_ids[:0], remote_ids[:0]
         lid = running_state_block(local_ids, int(local.facts.get("num_speculative_blocks", 0)), "local")
         rid = running_state_block(remote_ids, int(remote.facts.get("num_speculative_blocks", 0)), "remote")
-        return np.array([lid], dtype=np.int64), np.array([rid], dtype=np.int64)
+        return np.array([lid], dtype=local_ids.dtype), np.array([rid], dtype=remote_ids.dtype)  # the ids' own dtype: no conversion
 
 
 def running_state_block(ids: np.ndarray, num_speculative_blocks: int, side: str) -> int:

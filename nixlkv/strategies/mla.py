@@ -49,6 +49,7 @@ MATCHING_FACTS = {
 class MLAStrategy(Strategy):
     name = "mla"
     spec_types = (MLAAttentionSpec,)
+    segments_by_geometry = True  # segments read pages and facts only, never names or bases
     matching_facts: ClassVar[Mapping[str, str]] = MATCHING_FACTS
 
     def cache_role(self, spec: Any) -> str:
