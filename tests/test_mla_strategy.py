@@ -65,7 +65,8 @@ def test_dispatch_by_spec_type() -> None:
 
     reg = Dispatcher.from_plugins().registry
     assert reg.for_type(MLAAttentionSpec).name == "mla"
-    assert reg.for_type(HiddenStateCacheSpec).name == "mla"
+    # HiddenStateCacheSpec subclasses MLAAttentionSpec but is no decode KV: refused by name, not MLA (docs/spec-types.md).
+    assert reg.for_type(HiddenStateCacheSpec).name == "hidden_state_cache"
     assert reg.for_type(FullAttentionSpec).name == "full_attention"
     # SlidingWindowMLASpec inherits from SlidingWindowSpec, not MLAAttentionSpec: it has its own
     # placeholder, so neither the window nor the MLA logic takes it half-way.

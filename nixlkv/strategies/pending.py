@@ -1,8 +1,8 @@
-"""Spec types whose strategies have not landed yet: planning them fails loudly, never silently.
+"""Spec types nixlkv refuses: planning them fails loudly (NotImplementedError naming the reason).
 
-Each of these stores or schedules its blocks differently from plain full attention (a latent
-replicated on every rank, a window of blocks with null entries, a state instead of tokens), so
-letting the full-attention strategy take them through the MRO would move wrong bytes.
+Each subclasses a spec a real strategy serves, so without an entry here the MRO would hand it to
+that strategy and move bytes of the wrong meaning. The reasons are vLLM 0.33's own behaviour;
+docs/spec-types.md lists every spec type with its strategy or its reason.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    HiddenStateCacheSpec,
     SinkFullAttentionSpec,
 )
 
@@ -22,8 +23,8 @@ class PendingStrategy(Strategy):
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         raise NotImplementedError(
-            f"layer {layer.name!r} has a {type(layer.spec).__name__} cache; the {self.name!r} strategy is "
-            f"not implemented yet: {self.reason}"
+            f"layer {layer.name!r} has a {type(layer.spec).__name__} cache, which nixlkv does not transfer "
+            f"(strategy {self.name!r} not implemented, by design or yet): {self.reason}"
         )
 
 
@@ -33,7 +34,24 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 
 PENDING = [
-    pending("circular_buffer", (CircularBufferSpec,), "a compressor ring is one scratch block per request"),
-    pending("sink_full_attention", (SinkFullAttentionSpec,), "where static sink KV lives and whether it transfers is unverified"),
-    pending("cross_attention", (CrossAttentionSpec, EncoderOnlyAttentionSpec), "encoder caches are not part of P/D decode transfer"),
+    pending(
+        "circular_buffer", (CircularBufferSpec,),
+        "strategy not written yet (issue #17): the compressor ring (DeepSeek-V4.1 CSA) is one TP-replicated "
+        "scratch block per request, rows at position % capacity; vLLM 0.33's NixlConnector copies it whole",
+    ),
+    pending(
+        "sink_full_attention", (SinkFullAttentionSpec,),
+        "vLLM 0.33 cannot schedule such a model: its SinkFullAttentionManager rejects the "
+        "needs_kv_cache_zeroing argument its coordinator passes (TypeError), so no engine of it starts",
+    ),
+    pending(
+        "cross_attention", (CrossAttentionSpec, EncoderOnlyAttentionSpec),
+        "encoder-decoder models cannot use KV connectors in vLLM 0.33 (its scheduler asserts so), and "
+        "encoder-only layers hold no KV cache",
+    ),
+    pending(
+        "hidden_state_cache", (HiddenStateCacheSpec,),
+        "hidden-state cache layers exist only in vLLM's extract_hidden_states model, whose own connector "
+        "writes them out; they are no decode engine's KV (without this entry the MRO would plan them as MLA)",
+    ),
 ]
