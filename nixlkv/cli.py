@@ -47,7 +47,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         return 0
     for row in rows:
         types = ", ".join(t.rsplit(".", 1)[-1] for t in row["spec_types"])
-        status = f"  [not implemented yet: {row['pending']}]" if row["pending"] else ""
+        status = f"  [refused: {row['pending']}]" if row["pending"] else ""
         print(f"{row['name']:<18} {types:<48} from {row['origin']}{status}")
     return 0
 
@@ -211,7 +211,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     out = run(quick=args.quick, with_transfers=not args.no_transfer, transfer_reps=args.transfer_reps, progress=progress,
-              shape=args.shape, progress_delay_us=args.progress_delay_us)
+              shape=args.shape, progress_delay_us=args.progress_delay_us, nixl_num_threads=args.nixl_threads)
     if args.markdown:
         Path(args.markdown).write_text(markdown(out))
     if args.plot:
@@ -376,6 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--progress-delay-us", type=int, default=1000,
                    help="pause of every NIXL agent's progress thread between polls, in the real transfers "
                         "(default 1000; 0: NIXL's busy poll, a core per agent)")
+    p.add_argument("--nixl-threads", type=int, default=4,
+                   help="the decode agent's NIXL num_threads in the real transfers (default 4, vLLM's own; 0: NIXL's "
+                        "default, every READ posted by the calling thread)")
     p.add_argument("--shape", help="planning cases of this shape only (e.g. nemotron-h-8b-like); headline keys may be absent")
     p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")

@@ -37,6 +37,9 @@ from .core.staging import (
 from .transfer import InFlight, NixlRank, PreparedPlan, TransferError, notification
 
 PROBE_EVERY = 16  # auto: every so many declined requests, one is staged to re-measure the copy
+# ... but only while staging is within reach: the plan's smallest direct descriptor under this many
+# times ``TransferCosts.stage_below_bytes`` (a copy twice as fast would make staging win there).
+PROBE_REACH = 2.0
 
 
 @dataclass
@@ -156,9 +159,14 @@ class Reader:
         if self.mode == "auto" and rp.staged is not None and self.costs is None:
             self.costs = measured_costs(self._ensure_buffer().device)
         choice = choose(self.mode, rp.plan, rp.staged, resolved, self.costs)
-        if self.mode == "auto" and choice.mode == "direct" and rp.staged is not None and rp.staged.can_help:
+        staged = rp.staged
+        if (
+            self.mode == "auto" and choice.mode == "direct" and staged is not None and staged.can_help
+            and staged.min_direct_bytes < PROBE_REACH * self.costs.stage_below_bytes
+        ):
             # Staging could help but costs more now: stage one request in PROBE_EVERY anyway,
             # so that a machine that got quieter is noticed (the scatter refreshes the measure).
+            # Far out of reach (large head slices) a probe would only cost a slow request.
             self._declined += 1
             if self._declined % PROBE_EVERY == 0:
                 return Choice("staged", choice.staged or rp.staged.stage(resolved))

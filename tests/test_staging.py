@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from nixlkv.bench.shapes import LLAMA_8B, Case, block_ids, fabricate_rank
 from nixlkv.core import Dispatcher, covered_remote_ranks
 from nixlkv.core.plan import expand_ids
-from nixlkv.core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
-from nixlkv.staged import Reader, memory_tensors
+from nixlkv.core.staging import Choice, StagedPlan, StagingError, TransferCosts, choose, posted_direct
+from nixlkv.staged import PROBE_EVERY, PROBE_REACH, Reader, ReaderPlan, memory_tensors
 from nixlkv.testing import oracle
 from nixlkv.testing.rehearsal import build, rehearse, request_blocks
 from nixlkv.testing.scenario import load
@@ -111,6 +113,52 @@ def test_auto_follows_the_costs_and_only_where_staging_can_merge_more(dispatcher
         assert not sp.can_help
         assert choose("auto", plan, sp, resolved, CHEAP_COPY).mode == "direct"
         assert choose("staged", plan, sp, resolved).mode == "staged"  # forced: still served
+
+
+def test_auto_decides_from_the_plans_counts_without_staging_the_request(dispatcher, monkeypatch) -> None:
+    """Where every direct descriptor staging would save is larger than what one descriptor costs in
+    copy time (``stage_below_bytes``), auto answers direct from the plan alone: it neither stages
+    the request nor builds its program; below that bound it still weighs the staged program."""
+    plan, resolved = _plan(dispatcher, 4, 2, 1024, "contiguous")
+    sp = StagedPlan(plan, 32 << 20)
+    assert sp.can_help and sp.min_direct_bytes == 16384  # P4->D2: a 16 KiB head slice per block
+    staged_calls = []
+    real_stage = StagedPlan.stage
+    monkeypatch.setattr(StagedPlan, "stage", lambda self, r: staged_calls.append(r) or real_stage(self, r))
+    # 1.5 us per descriptor at 8 GB/s: copying 12 kB costs what one descriptor does
+    measured = TransferCosts(per_descriptor_s=1.5e-6, copy_bytes_per_s=8e9)
+    assert measured.stage_below_bytes == pytest.approx(12000)
+    assert choose("auto", plan, sp, resolved, measured) == Choice("direct", None)
+    assert staged_calls == []
+    # descriptors dearer than 16 KiB of copy: the decision needs the staged program again
+    dear = TransferCosts(per_descriptor_s=6e-6, copy_bytes_per_s=8e9)
+    assert choose("auto", plan, sp, resolved, dear).mode == "staged" and len(staged_calls) == 1
+
+
+class _NoNixl:
+    """A Reader's NIXL rank for :meth:`Reader.choose` alone, which posts nothing."""
+
+    agent = None
+
+
+def test_auto_probes_staging_only_while_it_is_within_reach(dispatcher, monkeypatch) -> None:
+    """A declined request is staged now and then to re-measure the copy, but not where the copy
+    would have to be more than PROBE_REACH times faster for staging to win (a wasted slow request)."""
+    plan, resolved = _plan(dispatcher, 4, 2, 1024, "contiguous")
+    sp = StagedPlan(plan, 16 << 20)
+    rp = ReaderPlan(prepared=SimpleNamespace(plan=plan), staged=sp)
+    memory = [torch.zeros(64, dtype=torch.uint8)]
+    staged_calls = []
+    real_stage = StagedPlan.stage
+    monkeypatch.setattr(StagedPlan, "stage", lambda self, r: staged_calls.append(r) or real_stage(self, r))
+    far = Reader(_NoNixl(), "auto", 16 << 20, memory, costs=TransferCosts(per_descriptor_s=1.5e-6, copy_bytes_per_s=4e9))
+    assert sp.min_direct_bytes >= PROBE_REACH * far.costs.stage_below_bytes
+    assert {far.choose(rp, resolved).mode for _ in range(2 * PROBE_EVERY)} == {"direct"} and staged_calls == []
+    # just out of staging's reach (the slice copies in 1.2 descriptors' time): one in PROBE_EVERY is staged
+    near_copy = sp.min_direct_bytes / 1.2 / 1.5e-6
+    near = Reader(_NoNixl(), "auto", 16 << 20, memory, costs=TransferCosts(per_descriptor_s=1.5e-6, copy_bytes_per_s=near_copy))
+    modes = [near.choose(rp, resolved).mode for _ in range(2 * PROBE_EVERY)]
+    assert modes.count("staged") == 2 and modes[PROBE_EVERY - 1] == "staged"
 
 
 def test_staging_refuses_a_page_larger_than_the_buffer(dispatcher) -> None:

@@ -29,14 +29,17 @@ def markdown(out: dict[str, Any]) -> str:
         lines += [
             "",
             "| transfer (decode rank 0) | layers | MB | memcpy GB/s | nixlkv GB/s (vs memcpy) | vLLM-style GB/s (vs memcpy) "
-            "| one descriptor per rank GB/s (vs memcpy) | posted ours: NIXL / computed | posted vLLM: NIXL / computed | reps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| one descriptor per rank GB/s (vs memcpy) | vs that ceiling: auto (mode) / direct / staged / vLLM-style "
+            "| posted ours: NIXL / computed | posted vLLM: NIXL / computed | reps |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for t in out["transfers"]:
             lines.append(
                 f"| {t['label']} | {t['layers']} of {t['model_layers']} | {t['bytes'] / 1e6:.0f} | {t['memcpy_gbps']:.2f} "
                 f"| {t['ours_gbps']:.2f} ({t['ours_vs_memcpy']:.2f}) | {t['vllm_gbps']:.2f} ({t['vllm_vs_memcpy']:.2f}) "
                 f"| {t['ceiling_gbps']:.2f} ({t['ceiling_vs_memcpy']:.2f}) "
+                f"| {t['ours_vs_ceiling']:.2f} ({t['descriptor_mode']}) / {t['ours_direct_vs_ceiling']:.2f} "
+                f"/ {t['ours_staged_vs_ceiling']:.2f} / {t['vllm_vs_ceiling']:.2f} "
                 f"| {t['descs_posted_ours_nixl']} / {t['descs_posted_ours_computed']} "
                 f"| {t['descs_posted_vllm_nixl']} / {t['descs_posted_vllm_computed']} | {t['reps']} |"
             )

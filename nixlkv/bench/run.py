@@ -16,7 +16,7 @@ from ..core.errors import NixlkvError
 from ..core.plan import expand_ids
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
-from .dram import run_transfer
+from .dram import BENCH_NIXL_THREADS, run_transfer
 from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
 from .measure import interleaved, posted_after_merge
 from .shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, PATTERNS, Case, block_ids, fabricate_rank
@@ -73,6 +73,61 @@ def id_floor(local: list[int], remote: list[int], ids_per_read: Sequence[int]) -
     return floor
 
 
+def group_id_floor(
+    local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], reads: Sequence[Sequence[tuple[int, int, int]]],
+    checked_limits: tuple[int, int] | None = None,
+) -> Callable[[], None] | None:
+    """:func:`id_floor` for a request with several KV groups (a hybrid): convert every group's
+    block lists once, and per READ write one int32 ID per descriptor on each side, ``rows`` IDs
+    per block for each ``(local group, remote group, rows)`` the READ reads. None where a group's
+    lists differ in length (pairing would be needed).
+
+    ``checked_limits`` = (local, remote) block counts: the floor then also does the least a
+    planner that refuses bad ids must do, one unsigned max per list against its block count and
+    one count of null blocks (id 0) per list; it is the floor of validated planning."""
+    if any(len(local[lg]) != len(remote[rg]) for read in reads for lg, rg, _ in read):
+        return None
+    stride = max([max(g) for g in (*local, *remote) if len(g)], default=0) + 1
+    offsets = {rows: np.arange(rows, dtype=np.int32)[:, None] * np.int32(stride) for read in reads for _, _, rows in read}
+    out = []
+    for read in reads:
+        n = sum(rows * len(local[lg]) for lg, _, rows in read)
+        out.append((np.empty(n, dtype=np.int32), np.empty(n, dtype=np.int32)))
+    sizes_l, sizes_r = [len(g) for g in local], [len(g) for g in remote]
+
+    def floor() -> None:
+        lids = [np.fromiter(g, dtype=np.int32, count=k) for g, k in zip(local, sizes_l)]
+        rids = [np.fromiter(g, dtype=np.int32, count=k) for g, k in zip(remote, sizes_r)]
+        if checked_limits is not None:
+            for ids, limit in ((lids, checked_limits[0]), (rids, checked_limits[1])):
+                for a in ids:
+                    if a.size and (np.maximum.reduce(a.view(np.uint32)) >= limit or np.count_nonzero(a) != a.size):
+                        raise ValueError("a block id out of bounds or null")
+        for read, (lo, ro) in zip(reads, out):
+            at = 0
+            for lg, rg, rows in read:
+                k = rows * sizes_l[lg]
+                np.add(offsets[rows], lids[lg], out=lo[at : at + k].reshape(rows, sizes_l[lg]))
+                np.add(offsets[rows], rids[rg], out=ro[at : at + k].reshape(rows, sizes_r[rg]))
+                at += k
+
+    floor.out = out  # type: ignore[attr-defined]
+    return floor
+
+
+def floor_reads(plan: Any) -> list[list[tuple[int, int, int]]]:
+    """Per READ of ``plan`` (in its read order), ``(local group, remote group, rows)`` for every
+    (pairing, phase) it reads: the descriptor rows a block of that group has in the READ."""
+    out = []
+    for p in plan.read_ranks:
+        read = []
+        for key, _phase, lstarts, _rstarts, _bytes in plan._rank_keys[p]:
+            pairing = plan.pairings[key]
+            read.append((pairing.local_group, pairing.remote_group, int(lstarts.size)))
+        out.append(read)
+    return out
+
+
 def plan_case(
     case: Case, dispatcher: Dispatcher, seed: int = 0, budget: float = 3.0, costs: TransferCosts | None = None
 ) -> dict[str, Any]:
@@ -94,8 +149,11 @@ def plan_case(
     def ours_handshake():
         return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
 
+    def ours_parse():  # the wire alone: every region description of every covered rank checked
+        return {r: RankGeometry.from_dict(d) for r, d in wire.items()}
+
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
-    hs_ours, hs_vllm = interleaved([ours_handshake, vllm.handshake], hs_reps, warmup=1)
+    hs_ours, hs_vllm, hs_parse = interleaved([ours_handshake, vllm.handshake, ours_parse], hs_reps, warmup=1)
     plan = ours_handshake()
 
     n = case.num_request_blocks
@@ -113,9 +171,14 @@ def plan_case(
     reps = _reps(resolved.num_descriptors + sum(r.local_ids.size for r in v_reads), budget)
     scratch = IdScratch()  # what the connector's worker does: one id buffer reused per request
     fns = [lambda: plan.resolve(d_groups, p_groups, case.num_tokens, scratch=scratch), lambda: vllm.desc_ids(d_groups, p_groups)]
-    floor = None if hybrid else id_floor(d_groups[0], p_groups[0], [r.local_ids.size for r in resolved.reads])
-    if floor is not None:
-        fns.append(floor)
+    reads = floor_reads(plan)
+    floor = group_id_floor(d_groups, p_groups, reads)
+    limits = (min(g.local_num_blocks for g in plan.pairings), min(g.remote_num_blocks for g in plan.pairings))
+    floor_checked = group_id_floor(d_groups, p_groups, reads, checked_limits=limits)
+    if floor is not None and sum(lo.size for lo, _ in floor.out) != resolved.num_descriptors:
+        floor = floor_checked = None  # not the request's descriptor count: no floor for it
+    if floor is not None and floor_checked is not None:
+        fns += [floor, floor_checked]
     t_ours, t_vllm, *t_floor = interleaved(fns, reps)
     merged_direct = posted_direct(plan, resolved)
     # What the connector's default (descriptor_mode auto, default staging buffer) posts.
@@ -146,6 +209,8 @@ def plan_case(
         "plan_reps": reps,
         "plan_time_ratio": t_ours.p50 / t_vllm.p50,
         "plan_floor_ratio": t_floor[0].p50 / t_vllm.p50 if t_floor else None,
+        # the floor plus the least validation (bounds and null block per list): what nixlkv keeps
+        "plan_floor_checked_ratio": t_floor[1].p50 / t_vllm.p50 if t_floor else None,
         "reads_ours": len(resolved.reads),
         "reads_vllm": len(v_reads),
         "descs_ids_ours": resolved.num_descriptors,
@@ -162,6 +227,9 @@ def plan_case(
         "handshake_ms_ours": hs_ours.p50 * 1e3,
         "handshake_ms_vllm": hs_vllm.p50 * 1e3,
         "handshake_ratio": hs_ours.p50 / hs_vllm.p50,
+        # of ours: parsing and checking the covered ranks' geometry (RankGeometry.from_dict) alone
+        "handshake_ms_parse_ours": hs_parse.p50 * 1e3,
+        "handshake_parse_ratio": hs_parse.p50 / hs_vllm.p50,
     }
 
 
@@ -176,6 +244,7 @@ def run(
     progress: Callable[[str], None] | None = None,
     shape: str | None = None,
     progress_delay_us: int = 1000,
+    nixl_num_threads: int = BENCH_NIXL_THREADS,
 ) -> dict[str, Any]:
     """Run the suite; return one JSON-ready object (headline keys first, then every row).
 
@@ -199,7 +268,7 @@ def run(
         for case in transfer_cases():
             say(f"transfer {case.label} ({TRANSFER_LAYERS} layers)")
             result = run_transfer(case, TRANSFER_LAYERS, transfer_reps or (5 if quick else 9), dispatcher, costs=costs,
-                                  progress_delay_us=progress_delay_us)
+                                  progress_delay_us=progress_delay_us, nixl_num_threads=nixl_num_threads)
             transfers.append(result.to_dict())
             learned.append(result.costs)
     costs = next((c for c in reversed(learned) if c is not None), costs)
@@ -211,6 +280,7 @@ def run(
     out["auto_costs"] = {"per_descriptor_us": costs.per_descriptor_s * 1e6, "copy_gbps_measured": costs.copy_bytes_per_s / 1e9,
                          "nixl_gbps_assumed": costs.nixl_bytes_per_s / 1e9}
     out["nixl_progress_delay_us"] = progress_delay_us
+    out["nixl_num_threads"] = nixl_num_threads
     out["mode"] = "quick" if quick else "full"
     out["runtime_s"] = time.perf_counter() - t0
     out["machine"] = f"{platform.node()} {platform.machine()} cpus={_cpus()} (shared: timings noisy, ratios from one run)"
@@ -230,6 +300,9 @@ def run(
         memcpy_note(),
         f"NIXL agents' progress threads pause {progress_delay_us} us between polls (0: NIXL's busy poll, one core "
         "per agent; the bench holds three agents in one process)",
+        f"the decode agent runs with NIXL num_threads={nixl_num_threads} (vLLM's NixlConnector uses 4); nixlkv, "
+        "vLLM-style and the one-descriptor ceiling READs are all posted by it; *_vs_ceiling: the same run's "
+        "one-descriptor-per-prefill-rank READ over each",
     ]
     return out
 
@@ -266,6 +339,9 @@ HETERO_KEYS = {  # P4->D2, contiguous
     "handshake_ratio_vs_vllm_hetero": "handshake_ratio",
     "handshake_ms_ours_hetero": "handshake_ms_ours",
     "handshake_ms_vllm_hetero": "handshake_ms_vllm",
+    "handshake_ms_parse_ours_hetero": "handshake_ms_parse_ours",
+    "handshake_parse_ratio_vs_vllm_hetero": "handshake_parse_ratio",
+    "plan_floor_checked_ratio_vs_vllm": "plan_floor_checked_ratio",
 }
 FRAGMENTED_KEYS = {  # P4->D2, fragmented
     "descs_ratio_vs_vllm_fragmented": "descs_ratio",
@@ -283,11 +359,17 @@ TRANSFER_KEYS = {  # per real transfer (P1->D1, and P4->D2 with the suffix _hete
     "memcpy_gbps": "memcpy_gbps",
     "vllm_style_nixl_vs_memcpy": "vllm_vs_memcpy",
     "nixl_ceiling_vs_memcpy": "ceiling_vs_memcpy",
+    "nixl_vs_ceiling": "ours_vs_ceiling",
+    "nixl_direct_vs_ceiling": "ours_direct_vs_ceiling",
+    "nixl_staged_vs_ceiling": "ours_staged_vs_ceiling",
+    "vllm_style_nixl_vs_ceiling": "vllm_vs_ceiling",
     "transfer_bytes": "bytes",
 }
 EQUAL_TP_KEYS = {  # P1->D1, contiguous
     "plan_time_ratio_vs_vllm_equal_tp": "plan_time_ratio",
     "plan_floor_ratio_vs_vllm_equal_tp": "plan_floor_ratio",
+    "plan_floor_checked_ratio_vs_vllm_equal_tp": "plan_floor_checked_ratio",
+    "handshake_ratio_vs_vllm_equal_tp": "handshake_ratio",
     "descs_ratio_vs_vllm_equal_tp": "descs_ratio",
 }
 

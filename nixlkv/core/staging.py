@@ -144,16 +144,25 @@ class TransferCosts:
 
     Staging trades descriptors for one extra local copy of every byte, so what decides is the
     descriptor cost against the copy bandwidth. Measured on this project's 2-core VM (UCX
-    ``cma``, docs/performance.md): a descriptor costs ~4-8 us whatever the load, while copy
-    bandwidth falls tenfold when the machine is shared. The executor therefore measures the copy
-    bandwidth where it runs (``nixlkv.staged.measured_costs``); these defaults are a quiet machine.
+    ``cma``, paused progress threads, docs/performance.md): 8,192 head-slice descriptors of
+    16 KiB cost 1.3 us each over the same bytes read as one descriptor per prefill rank when one
+    thread posts them, 0.3 us with the agent's ``num_threads=4``; copy bandwidth falls tenfold
+    when the machine is shared. The executor therefore measures the copy bandwidth where it runs
+    (``nixlkv.staged.measured_costs``); the descriptor cost is the single-thread figure, so that
+    ``auto`` stages only where staging wins with either.
     """
 
-    per_descriptor_s: float = 6e-6
+    per_descriptor_s: float = 1.5e-6
     nixl_bytes_per_s: float = 6e9
     copy_bytes_per_s: float = 6e9
     per_scatter_s: float = 20e-6
     per_round_s: float = 100e-6
+
+    @property
+    def stage_below_bytes(self) -> float:
+        """Staging can only win for direct descriptors smaller than this: it saves at most one
+        descriptor's cost per direct descriptor and copies each of its bytes once more."""
+        return self.per_descriptor_s * self.copy_bytes_per_s
 
     def direct(self, posted: int, nbytes: int) -> float:
         return posted * self.per_descriptor_s + nbytes / self.nixl_bytes_per_s
@@ -234,9 +243,11 @@ class StagedPlan:
         self._local_addr = plan.local_descs[:, 0].astype(np.int64)
         self._local_len = plan.local_descs[:, 1].astype(np.int64)
         self._local_stride = plan.local_descs[:, 3].astype(np.int64)
-        self.can_help = bool(
-            any(s.dense and (shared[j] or not local_dense[self._seg_span == j].all()) for j, s in enumerate(spans))
-        )
+        helps = self._span_dense[self._seg_span] & (shared[self._seg_span] | ~local_dense) if len(segs) else np.zeros(0, bool)
+        self.can_help = bool(helps.any())
+        # The smallest descriptor a direct READ posts where staging would merge more (sliced rows
+        # never merge, runs only grow): with it, auto decides from counts, per plan, not per request.
+        self.min_direct_bytes = int(self._local_len[helps].min()) if self.can_help else 0
 
     def staging_rows(self, base: int, device_id: int) -> np.ndarray:
         """One dense row per span length over the whole buffer at ``base``: slot ``k`` of length
@@ -423,6 +434,8 @@ def choose(
     if not staged_plan.can_help:
         return Choice("direct", None)
     costs = costs or TransferCosts()
+    if staged_plan.min_direct_bytes >= costs.stage_below_bytes:
+        return Choice("direct", None)  # every descriptor staging would save copies slower than it posts
     nbytes = request_bytes(plan, resolved)
     if nbytes / costs.copy_bytes_per_s >= resolved.num_descriptors * costs.per_descriptor_s:
         return Choice("direct", None)  # the copy alone costs more than every descriptor could save
