@@ -24,8 +24,8 @@ from nixlkv.core import (
     covered_remote_ranks,
 )
 from nixlkv.core import plan as plan_module
-from nixlkv.core.registry import BUILTIN_MODULE
 from nixlkv.strategies.full_attention import FullAttentionStrategy
+from test_faults import dispatcher_with  # the builtin strategies plus one under test
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -51,24 +51,6 @@ class CountingPerLayer(Counting):
     overrides = ("full_attention", "counting")
     segments_by_geometry = False
 
-
-def dispatcher_with(strategy) -> Dispatcher:
-    import importlib
-
-    import pluggy
-
-    from nixlkv.core import hookimpl, hookspecs
-
-    class Plugin:
-        @hookimpl
-        def nixlkv_strategies(self):
-            return [strategy]
-
-    pm = pluggy.PluginManager("nixlkv")
-    pm.add_hookspecs(hookspecs)
-    pm.register(importlib.import_module(BUILTIN_MODULE), name="builtin")
-    pm.register(Plugin(), name="test")
-    return Dispatcher.from_plugins(pm)
 
 
 def ranks(dispatcher: Dispatcher, shape: Shape, p_tp: int, d_tp: int, nb: int = 40):
