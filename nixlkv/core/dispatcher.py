@@ -167,26 +167,25 @@ class Dispatcher:
         first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> its first layer
         first = dict(sorted(first.items()))  # classes in order of first appearance (ids are given so)
 
-        layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
-        templates: list[np.ndarray] = []  # per class: rows (local idx or -1, rank pos, remote idx or -1, loff, roff, nbytes, phase)
-        shareable: list[bool] = []  # per class: its segments name only its own layer's regions
-        for c, i in first.items():
+        def describe(i: int) -> tuple[np.ndarray, bool]:
+            """Layer ``i``'s peers checked and its strategy asked: its segment rows (see _template)."""
             region = regions[i]
             peers = {p: _check_peer(g, region, g.regions[pidx[j][i]]) for j, (p, g) in enumerate(zip(covered, peers_geo))}
             segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
-            rows, own = _template(segs, local, peers_geo, covered, region, peers)
-            templates.append(rows)
-            shareable.append(own)
+            return _template(segs, local, peers_geo, covered, region, peers)
+
+        layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
+        # per class: rows (local idx or -1, rank pos, remote idx or -1, loff, roff, nbytes, phase), and
+        # whether its segments name only its own layer's regions
+        described = [describe(i) for i in first.values()]
+        templates: list[np.ndarray] = [rows for rows, _ in described]
         # A class whose segments name regions other than its own layer's (never a built-in
         # strategy) cannot be shared: its other layers are asked one by one.
         for c, i in first.items():
-            if not shareable[c]:
+            if not described[c][1]:
                 for j in [j for j in range(n) if layer_class[j] == c and j != i]:
-                    region = regions[j]
-                    peers = {p: _check_peer(g, region, g.regions[pidx[k][j]]) for k, (p, g) in enumerate(zip(covered, peers_geo))}
-                    segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
                     layer_class[j] = len(templates)
-                    templates.append(_template(segs, local, peers_geo, covered, region, peers)[0])
+                    templates.append(describe(j)[0])
         return SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered), pairings
 
     def _pairings(
@@ -297,14 +296,10 @@ def _check_peer(geometry: RankGeometry, region: Region, peer: Region) -> Region:
             f"layer {region.name!r}: remote rank {geometry.tp_rank} describes its page with axes "
             f"{sorted(theirs_axes)}, where this cache's page has {sorted(ours)}"
         )
-    theirs_facts = peer.facts
     for key, mine in region.facts.items():  # a fact the strategy reads must be of the kind it wrote
-        if mine is None or key not in theirs_facts:
+        if key not in peer.facts or mine is None:
             continue  # not advertised: the strategy derives it or does without
-        theirs = theirs_facts[key]
-        kind = type(mine)
-        if kind is type(theirs) and (kind in _PLAIN_KINDS or (kind is int and 0 <= theirs < MAX_FACT_INT)):
-            continue  # the same plain type (an integer in range): the same kind
+        theirs = peer.facts[key]
         if _kind(theirs) != _kind(mine) or (_kind(mine) == "integer" and not 0 <= theirs < MAX_FACT_INT):
             raise MalformedRemoteFact(
                 f"layer {region.name!r}: remote rank {geometry.tp_rank} advertises {key}={_short(theirs)} "
@@ -316,7 +311,6 @@ def _check_peer(geometry: RankGeometry, region: Region, peer: Region) -> Region:
 
 # An integer fact (a count, a size, an offset) beyond this is no geometry any engine builds.
 MAX_FACT_INT = 1 << 40
-_PLAIN_KINDS = frozenset({bool, float, str, list, tuple, dict})
 
 
 def _kind(value: Any) -> str:
