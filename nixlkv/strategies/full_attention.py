@@ -60,6 +60,12 @@ class FullAttentionStrategy(Strategy):
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
         spec = layer.spec
+        if getattr(spec, "block_table_token_alignment", 0) is None:
+            raise IncompatibleGeometry(
+                f"layer {layer.name!r}: a {type(spec).__name__}'s blocks are not token blocks (vLLM gives it no "
+                "block-table token alignment), and full attention pairs blocks by token range; the strategy for "
+                "it is missing or disabled (see `nixlkv strategies`)"
+            )
         total = layer.hints.get("total_kv_heads")
         if not isinstance(total, int) or total < 1:
             raise IncompatibleGeometry(

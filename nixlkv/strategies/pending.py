@@ -8,7 +8,6 @@ docs/spec-types.md lists every spec type with its strategy or its reason.
 from __future__ import annotations
 
 from vllm.v1.kv_cache_interface import (
-    CircularBufferSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     HiddenStateCacheSpec,
@@ -34,11 +33,6 @@ def pending(name: str, types: tuple[type, ...], reason: str) -> PendingStrategy:
 
 
 PENDING = [
-    pending(
-        "circular_buffer", (CircularBufferSpec,),
-        "strategy not written yet (issue #17): the compressor ring (DeepSeek-V4.1 CSA) is one TP-replicated "
-        "scratch block per request, rows at position % capacity; vLLM 0.33's NixlConnector copies it whole",
-    ),
     pending(
         "sink_full_attention", (SinkFullAttentionSpec,),
         "vLLM 0.33 cannot schedule such a model: its SinkFullAttentionManager rejects the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,11 @@ class FabricatedRank:
 
         return all(isinstance(self.layer_spec(n), MambaSpec) for n in self.group_layers(group))
 
+    def fixed_blocks(self, group: int) -> int | None:
+        """Blocks a request holds in the group whatever its length (``KindDef.blocks_per_request``:
+        a ring's one block), or None for a group of token blocks."""
+        return fixed_blocks(self.group_layers(group), self.layer_kinds)
+
     def state_scratch_blocks(self, group: int) -> int:
         """Speculative scratch blocks a state group appends after the running state."""
         return max(int(self.layer_spec(n).num_speculative_blocks) for n in self.group_layers(group))
@@ -129,7 +135,9 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     # beside the attention groups); NIXL P/D serving runs it so. So does a kind whose manager
     # frees blocks (KindDef.skipped_tokens: chunked local attention), which vLLM would otherwise
     # promote to full attention next to full-attention layers. Other scenarios keep the default.
-    hybrid = any(_is_state(s) for s in specs.values()) or any(KINDS[k.kind].skipped_tokens is not None for k in kinds)
+    hybrid = any(_is_state(s) for s in specs.values()) or any(
+        KINDS[k.kind].skipped_tokens is not None or KINDS[k.kind].blocks_per_request is not None for k in kinds
+    )
     saved = vc.scheduler_config.disable_hybrid_kv_cache_manager
     try:
         if hybrid:
@@ -150,9 +158,11 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     if kernel is not None:
         # Like vLLM's prepare_kernel_block_sizes: a group whose block the kernel size divides is
         # stored as block_size // kernel kernel pages per block; others keep whole blocks.
-        # State (Mamba) groups are never split into kernel blocks.
+        # State (Mamba) groups and fixed per-request blocks (rings) are never split into kernel blocks.
+        by_name = {layer_name(i): k for i, k in enumerate(kinds)}
         kernel_sizes = [
-            kernel if g.kv_cache_spec.block_size % kernel == 0 and not _is_state(g.kv_cache_spec) else None
+            kernel if g.kv_cache_spec.block_size % kernel == 0 and not _is_state(g.kv_cache_spec)
+            and fixed_blocks(g.layer_names, by_name) is None else None
             for g in groups
         ]
     kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout], kernel_block_sizes=kernel_sizes)
@@ -187,6 +197,12 @@ def _check_captured(scenario: Scenario, role: str, kcc: Any, kv: dict[str, torch
         if name in kv and not _is_state(kcc_spec(kcc, name)):
             pages[i] = page_of(kv[name], kcc.num_blocks, _hints(kind, side).get("page_interior"))[0].describe()
     check_built(scenario.name, role, scenario.captured[role], kcc.kv_cache_groups, pages)
+
+
+def fixed_blocks(layers: list[str], kinds: Mapping[str, LayerKind]) -> int | None:
+    """The ``blocks_per_request`` the layers' kinds share, or None (token blocks)."""
+    counts = {KINDS[kinds[n].kind].blocks_per_request if n in kinds else None for n in layers}
+    return counts.pop() if len(counts) == 1 else None
 
 
 def kcc_spec(kcc: Any, layer: str) -> Any:

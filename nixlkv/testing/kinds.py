@@ -41,6 +41,11 @@ class KindDef:
     # that frees blocks is planned under vLLM's hybrid KV-cache manager, as a deployment whose
     # connector supports it runs (without it vLLM promotes such a layer to full attention).
     skipped_tokens: Callable[[Mapping[str, Any], int], int] | None = None
+    # Blocks vLLM's block manager for this kind gives a request whatever its length (a ring, vLLM's
+    # CircularBufferManager: 1), each wholly the request's: the rehearsal lists that many, never
+    # trims them for a prefix hit, and every byte of them must arrive. None: one block per
+    # block_size tokens. Such a kind is planned under vLLM's hybrid KV-cache manager, as above.
+    blocks_per_request: int | None = None
 
     def total_kv_heads(self, params: Mapping[str, Any]) -> int:
         if self.replicated:

@@ -123,7 +123,10 @@ def choose_blocks(
     before it, null placeholders alternate with superseded states (random bytes on prefill).
     """
     sizes = [rank.group_block_size(g) for g in range(rank.num_groups)]
-    need = [state_blocks if rank.is_state_group(g) else -(-num_tokens // bs) for g, bs in enumerate(sizes)]
+    fixed = [rank.fixed_blocks(g) for g in range(rank.num_groups)]
+    need = [
+        state_blocks if rank.is_state_group(g) else fixed[g] or -(-num_tokens // bs) for g, bs in enumerate(sizes)
+    ]
     pool = rng.permutation(np.arange(1, rank.kv_cache_config.num_blocks))
     if sum(need) > pool.size:
         raise NixlkvError(f"{rank.engine_id}: {sum(need)} blocks needed, only {pool.size} in the pool; raise num_blocks")
@@ -136,6 +139,10 @@ def choose_blocks(
             scratch = min(rank.state_scratch_blocks(group), n - 1)
             ids[: n - 1 - scratch : 2] = 0
             out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, 1), dtype=bool)))
+            continue
+        if fixed[group] is not None:
+            # The request's own blocks for its whole life (a ring): all held, all delivered, no prefix.
+            out.append(oracle.GroupBlocks(ids=ids, first_position=0, holds=np.ones((n, bs), dtype=bool)))
             continue
         window = oracle.window_of(rank, group)
         # Blocks wholly below the tokens the group's manager freed (chunked local: left of the
