@@ -617,6 +617,22 @@ def test_scratch_grows_without_corrupting_earlier_reads_of_the_request() -> None
     assert sorted(plan.byte_moves(res)) == sorted(plan.byte_moves(plan.resolve([[1, 5, 7], [0, 2]], [[9, 0, 3], [11, 4]])))
 
 
+def test_scratch_keeps_earlier_views_when_the_id_type_changes() -> None:
+    """One buffer per ID type at a time: a take in another type starts a new buffer, and what an
+    earlier take handed out keeps its values (a worker posts a request's READs from those views)."""
+    scratch = IdScratch()
+    first = scratch.take(4, np.dtype(np.int32))
+    first[:] = [1, 2, 3, 4]
+    wide = scratch.take(3, np.dtype(np.int64))
+    wide[:] = -1
+    again = scratch.take(2, np.dtype(np.int32))
+    again[:] = 9
+    assert first.tolist() == [1, 2, 3, 4] and first.dtype == np.int32
+    assert wide.tolist() == [-1, -1, -1] and again.dtype == np.int32
+    scratch.reset()
+    assert scratch.take(2, np.dtype(np.int32)).size == 2
+
+
 def test_prefix_hit_tail_alignment() -> None:
     plan = _equal_tp_plan()
     # local already holds the first remote blocks: last len(local) remote blocks are paired

@@ -72,26 +72,24 @@ class IdScratch:
     the next, so it need not allocate (and page-fault in) fresh arrays for every request."""
 
     def __init__(self) -> None:
-        self._buf: dict[np.dtype, np.ndarray] = {}
-        self._at: dict[np.dtype, int] = {}
+        self._buf = np.empty(0, np.int64)
+        self._at = 0
 
     def reset(self) -> None:
         """Start a new request: earlier views will be overwritten."""
-        self._at.clear()
+        self._at = 0
 
     def take(self, n: int, dtype: Any) -> np.ndarray:
         """One array of ``n`` IDs that stays valid until :meth:`reset`."""
-        if type(dtype) is not np.dtype:
-            dtype = np.dtype(dtype)
-        buf = self._buf.get(dtype)
-        if buf is None:
-            buf = self._buf[dtype] = np.empty(0, dtype)
-        at = self._at.get(dtype, 0)
-        if at + n > buf.size:
-            # earlier views keep the old buffer alive; this request continues in a new one
-            self._buf[dtype] = buf = np.empty(max(n, 2 * buf.size), dtype)
+        buf, at = self._buf, self._at
+        if buf.dtype is not dtype and buf.dtype != dtype:  # another plan's ID type: a buffer of its own
+            buf = self._buf = np.empty(max(n, buf.size), dtype)
             at = 0
-        self._at[dtype] = at + n
+        elif at + n > buf.size:
+            # earlier views keep the old buffer alive; this request continues in a new one
+            buf = self._buf = np.empty(max(n, 2 * buf.size), dtype)
+            at = 0
+        self._at = at + n
         return buf[at : at + n]
 
 
@@ -422,8 +420,11 @@ class TransferPlan:
             if not total:
                 continue
             twin = remote_of.get(twins.get(p, -1))
-            local_ids = take(total, dtype)
-            remote_ids = twin if twin is not None else take(total, dtype)
+            if twin is None:  # both sides' IDs in one allocation
+                both = take(2 * total, dtype)
+                local_ids, remote_ids = both[:total], both[total:]
+            else:
+                local_ids, remote_ids = take(total, dtype), twin
             at = 0
             for lstarts, rstarts, lp, rp in jobs:
                 end = at + lstarts.size * lp.size
@@ -449,13 +450,21 @@ class TransferPlan:
         lids = _ids(local_block_ids, pairing.local_group, "local", dtype)
         rids = _ids(remote_block_ids, pairing.remote_group, "remote", dtype)
         paired = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens)
-        lp, rp = np.asarray(paired[0]), np.asarray(paired[1])
-        phase = np.asarray(paired[2]) if len(paired) > 2 else None
+        lp, rp = paired[0], paired[1]
+        if type(lp) is not np.ndarray or type(rp) is not np.ndarray:
+            lp, rp = np.asarray(lp), np.asarray(rp)
+        phase = paired[2] if len(paired) > 2 else None
+        if phase is not None:
+            if type(phase) is np.ndarray and phase.base is PHASE_ZERO:
+                phase = None  # every pair in phase 0 (equal block sizes), as most requests are
+            else:
+                phase = np.asarray(phase)
         if lp.shape != rp.shape or lp.ndim != 1 or (phase is not None and phase.shape != lp.shape):
             raise RequestError(
                 f"strategy {pairing.strategy.name!r} paired {lp.shape} local with {rp.shape} remote blocks"
             )
-        if lp.dtype != dtype or rp.dtype != dtype:  # a strategy that pairs in another dtype (int64)
+        if (lp.dtype is not dtype and lp.dtype != dtype) or (rp.dtype is not dtype and rp.dtype != dtype):
+            # a strategy that pairs in another dtype (int64)
             lp = _as_ids(lp, dtype, pairing.local_num_blocks, "local", pairing.local_group)
             rp = _as_ids(rp, dtype, pairing.remote_num_blocks, "remote", pairing.remote_group)
         elif lp.size > SMALL_IDS:
@@ -471,7 +480,7 @@ class TransferPlan:
                 _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
             if min(rv) < 0 or max(rv) >= pairing.remote_num_blocks:
                 _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
-        if phase is not None and (phase.base is PHASE_ZERO or not phase.any()):
+        if phase is not None and not phase.any():
             phase = None
         return lp, rp, phase
 
