@@ -44,6 +44,9 @@ def scenario(layers: list, p_tp: int = 4, d_tp: int = 2, **extra):
         ({"kind": "mla", "cache_dtype": "fp8_ds_mla"}, 656 * 64),
         ({"kind": "mla", "cache_dtype": "nvfp4_ds_mla"}, 352 * 64),
         ({"kind": "mla_indexer"}, 132 * 64),
+        # DeepSeek V4 compressed latents: 64 / 4 = 16 states, padded to the alignment (19 x 576)
+        ({"kind": "mla", "cache_dtype": "fp8_ds_mla", "compress_ratio": 4, "alignment": 576}, 19 * 576),
+        ({"kind": "mla", "compress_ratio": 4, "alignment": 512, "kv_lora_rank": 448}, 16 * 1024),
     ],
 )
 def test_specs_have_vllms_page_sizes_on_every_tp(layer: dict, page_bytes: int) -> None:
@@ -173,6 +176,8 @@ def test_a_head_sharded_page_is_not_mla() -> None:
         ([{"kind": "mla", "cache_dtype": "fp8_ds_mla", "kv_lora_rank": 256}], "set kv_lora_rank: 512"),
         ([{"kind": "mla", "cache_dtype": "fp8"}], "cache_dtype must be one of"),
         ([{"kind": "mla_indexer", "index_head_dim": 100}], "index_head_dim must be a positive multiple of 128"),
+        ([{"kind": "mla", "compress_ratio": 0}], "compress_ratio"),
+        ([{"kind": "mla", "alignment": True}], "alignment"),
         ([{"kind": "uniform", "members": []}], "model.layers[0].members must be a non-empty list"),
         ([{"kind": "uniform", "count": 2, "members": [{"kind": "mla"}]}], "unknown field(s) ['count']"),
         (
@@ -226,3 +231,32 @@ def test_every_prefill_rank_is_read_or_told_exactly_consumers_times(p_tp: int, d
     assert set(heard.values()) == {consumers_per_remote_rank(d_tp, p_tp)}
     if p_tp >= d_tp:
         assert len(set(reads)) == d_tp
+
+
+def test_a_compressed_latent_moves_its_states_never_the_page_padding() -> None:
+    """300 tokens in blocks of 64 at ratio 4: 5 blocks of 16 fp8_ds_mla states (10,496 B) in a
+    10,944 B block stride. Each decode rank reads 2 layers x 5 unpadded pages; the padding stays
+    the decode engine's (the byte oracle checks every byte of the buffer, padding included)."""
+    from pathlib import Path
+
+    from nixlkv.testing.rehearsal import rehearse
+    from nixlkv.testing.scenario import load
+
+    path = Path(__file__).parent / "scenarios" / "mla-dsv4-compressed-fp8-r4-p4-d2.yaml"
+    result = rehearse(load(path))
+    assert result.outcome == "byte-exact", result.message
+    assert result.bytes_moved == 2 * (2 * 5 * 16 * 656)
+    spec = layer_spec(load(path).layers[0], Side(tp=2, block_size=64, layout="LBHNC"))
+    assert (spec.num_states, spec.page_size_bytes) == (16, 10944)
+
+
+def test_the_oracle_holds_a_compressed_state_where_it_holds_any_of_its_tokens() -> None:
+    from nixlkv.testing.oracle import slot_holds
+
+    holds = np.array([[True] * 8, [True] * 5 + [False] * 3])
+    assert slot_holds(holds, 2).tolist() == [[True, True], [True, True]]  # state 1 of block 1: tokens 4..7
+    assert slot_holds(holds[:, :4] & [True, False, False, False], 2).tolist() == [[True, False], [True, False]]
+    assert slot_holds(holds[:, :2], 4).tolist() == [[True] * 4, [True] * 4]  # two states per token
+    assert slot_holds(holds, 8) is holds
+    with pytest.raises(ValueError, match="neither divides"):
+        slot_holds(holds, 3)

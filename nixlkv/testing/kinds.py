@@ -87,12 +87,16 @@ INDEXER_QUANT_BLOCK = 128  # DeepSeek V3.2 Indexer: one fp32 scale per 128 fp8 v
 
 
 def _mla(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
-    """Like MLAAttention.get_kv_cache_spec: one latent head, replicated (the same on every rank)."""
+    """Like MLAAttention.get_kv_cache_spec: one latent head, replicated (the same on every rank).
+    ``compress_ratio`` > 1 is DeepSeek V4's compressed latent (one state per that many tokens:
+    ``tokens_per_state``), ``alignment`` its page padding, as DeepseekV4 attention's spec sets them."""
     import torch
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
     cache = p["cache_dtype"]
+    ratio, alignment = p.get("compress_ratio", 1), p.get("alignment")
+    v4 = {"tokens_per_state": ratio, "alignment": alignment, "model_version": "deepseek_v4"} if ratio > 1 or alignment else {}
     return MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
@@ -102,6 +106,7 @@ def _mla(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
         cache_dtype_str=cache,
         kv_quant_mode=get_kv_quant_mode(cache),
         state_content_bytes=DS_MLA_STATE_BYTES.get(cache),
+        **v4,
     )
 
 
@@ -128,6 +133,11 @@ def _check_mla(p: Mapping[str, Any]) -> list[str]:
     for key in ("kv_lora_rank", "qk_rope_head_dim"):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < 1:
             errors.append(f"{key} must be a positive integer, got {p[key]!r}")
+    ratio, alignment = p.get("compress_ratio", 1), p.get("alignment")
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        errors.append(f"compress_ratio must be a positive integer, got {ratio!r}")
+    if alignment is not None and (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1):
+        errors.append(f"alignment must be a positive integer (page bytes are padded to a multiple of it), got {alignment!r}")
     if p["cache_dtype"] not in MLA_CACHE_DTYPES:
         errors.append(f"cache_dtype must be one of {MLA_CACHE_DTYPES}, got {p['cache_dtype']!r}")
     elif p["cache_dtype"] != "auto" and (p["kv_lora_rank"], p["qk_rope_head_dim"]) != (512, 64):
@@ -300,7 +310,8 @@ KINDS: dict[str, KindDef] = {
     "sliding_window": KindDef(("num_kv_heads", "head_size", "window"), _ATTENTION_OPTIONAL, _sliding_window),
     "mla": KindDef(
         (),
-        {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto"},
+        {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto",
+         "compress_ratio": 1, "alignment": None},
         _mla,
         check=_check_mla,
         replicated=True,

@@ -290,7 +290,8 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
                     total_kv_heads=rank.total_heads[name], positions=positions, shape=logical,
                 )
                 fresh = element_pattern(rank.layer_index[name], custom(query), (positions.size, *logical), seed)
-            mask = np.broadcast_to(gb.holds_of(name)[rows][:, None, :, None], fresh.shape)
+            held = slot_holds(gb.holds_of(name)[rows], n_tokens)
+            mask = np.broadcast_to(held[:, None, :, None], fresh.shape)
             ids = gb.ids[rows]
             fresh, mask = as_kernel_pages(fresh, per), as_kernel_pages(mask, per)
             element = rank.kv_caches[name].element_size()
@@ -298,6 +299,20 @@ def _write_expected(rank: FabricatedRank, target: torch.Tensor, blocks: Sequence
                 want = fresh[..., part].reshape(mem[ids].shape)
                 keep = mask[..., part].reshape(want.shape)
                 mem[ids] = want if keep.all() else np.where(keep, want, mem[ids])
+
+
+def slot_holds(holds: np.ndarray, slots: int) -> np.ndarray:
+    """``holds`` (per block, per token) as per block, per page slot: a page of compressed states
+    (DeepSeek V4: one state per ``tokens / slots`` tokens) holds a state where it holds any of its
+    tokens; a page of several states per token repeats each token's."""
+    tokens = holds.shape[1]
+    if tokens == slots or tokens == 1:
+        return holds if tokens == slots else np.repeat(holds, slots, axis=1)
+    if tokens % slots == 0:
+        return holds.reshape(holds.shape[0], slots, tokens // slots).any(axis=2)
+    if slots % tokens == 0:
+        return np.repeat(holds, slots // tokens, axis=1)
+    raise ValueError(f"a page of {slots} slots for blocks of {tokens} tokens: neither divides the other")
 
 
 def interior_of(rank: FabricatedRank, layer: str) -> str | None:
