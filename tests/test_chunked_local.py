@@ -16,7 +16,6 @@ What is checked here, beside the scenarios in tests/scenarios/chunked-*.yaml:
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +29,11 @@ from nixlkv.testing.rehearsal import build, rehearse, request_blocks
 from nixlkv.testing.scenario import ScenarioError, load, parse
 from nixlkv.testing.suite import StrategyContract
 
+from plugin_helpers import check_installed_as_own_plugin, check_neither_builtin_nor_placeholder
+
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-ENTRY_POINT = ("chunked_local", "nixlkv.strategies.chunked_local")
-REINSTALL = "pip install --no-deps -e . (or make venv)"
 C = 64  # the scenarios' chunk
 
 
@@ -46,27 +45,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 def test_the_plugin_is_installed_through_its_own_entry_point() -> None:
-    """Installed metadata names the module; a stale install fails here by name, not as a dispatch
-    to full attention somewhere else. Every distribution is read, as pluggy reads them."""
-    eps = {(ep.name, ep.value) for dist in importlib.metadata.distributions() for ep in dist.entry_points
-           if ep.group == "nixlkv"}
-    if ENTRY_POINT not in eps:
-        pytest.fail(f"nixlkv's installed 'nixlkv' entry points are {sorted(eps)}, without {ENTRY_POINT}: {REINSTALL}",
-                    pytrace=False)
-    from nixlkv.core import StrategyRegistry
-
-    origins = {r.strategy.name: r.origin for r in StrategyRegistry.from_plugins().registered()}
-    assert origins["chunked_local"].startswith("chunked_local ")
+    check_installed_as_own_plugin("chunked_local", "nixlkv.strategies.chunked_local")
 
 
 def test_it_is_not_a_builtin_nor_a_placeholder_any_more() -> None:
-    from nixlkv.core import StrategyRegistry
-    from nixlkv.core.registry import plugin_manager
-    from nixlkv.strategies.pending import PENDING
-
-    assert "chunked_local" not in {s.name for s in PENDING}
-    builtin = {r.strategy.name for r in StrategyRegistry.from_plugins(plugin_manager(load_entry_points=False)).registered()}
-    assert "chunked_local" not in builtin
+    check_neither_builtin_nor_placeholder("chunked_local")
 
 
 def _spec(chunk: int = C, block_size: int = 16):

@@ -17,7 +17,6 @@ What is checked here, beside the scenarios in tests/scenarios/ring-*.yaml:
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +29,11 @@ from nixlkv.testing.rehearsal import build, rehearse, request_blocks
 from nixlkv.testing.scenario import ScenarioError, load, parse
 from nixlkv.testing.suite import StrategyContract
 
+from plugin_helpers import check_installed_as_own_plugin, check_neither_builtin_nor_placeholder
+
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-ENTRY_POINT = ("circular_buffer", "nixlkv.strategies.circular_buffer")
-REINSTALL = "pip install --no-deps -e . (or make venv)"
 RING_PAGE = 8 * 1024 * 4  # the scenarios' DeepSeek-V4.1-like ring: 8 rows of 1024 fp32
 
 
@@ -42,25 +41,11 @@ RING_PAGE = 8 * 1024 * 4  # the scenarios' DeepSeek-V4.1-like ring: 8 rows of 10
 
 
 def test_the_plugin_is_installed_through_its_own_entry_point() -> None:
-    eps = {(ep.name, ep.value) for dist in importlib.metadata.distributions() for ep in dist.entry_points
-           if ep.group == "nixlkv"}
-    if ENTRY_POINT not in eps:
-        pytest.fail(f"nixlkv's installed 'nixlkv' entry points are {sorted(eps)}, without {ENTRY_POINT}: {REINSTALL}",
-                    pytrace=False)
-    from nixlkv.core import StrategyRegistry
-
-    origins = {r.strategy.name: r.origin for r in StrategyRegistry.from_plugins().registered()}
-    assert origins["circular_buffer"].startswith("circular_buffer ")
+    check_installed_as_own_plugin("circular_buffer", "nixlkv.strategies.circular_buffer")
 
 
 def test_it_is_neither_a_builtin_nor_a_placeholder() -> None:
-    from nixlkv.core import StrategyRegistry
-    from nixlkv.core.registry import plugin_manager
-    from nixlkv.strategies.pending import PENDING
-
-    assert "circular_buffer" not in {s.name for s in PENDING}
-    builtin = {r.strategy.name for r in StrategyRegistry.from_plugins(plugin_manager(load_entry_points=False)).registered()}
-    assert "circular_buffer" not in builtin
+    check_neither_builtin_nor_placeholder("circular_buffer")
 
 
 def test_the_strategies_command_lists_it_served(capsys: pytest.CaptureFixture[str]) -> None:
