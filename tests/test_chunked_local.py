@@ -401,3 +401,18 @@ def test_null_pairs_kept_put_foreign_bytes_below_the_chunk_start() -> None:
     v = byte_oracle_violation(case, STRADDLE)
     assert v.invariant == contract.BYTE_ORACLE
     assert "token slot" in str(v) and "expected 0x5a" in str(v)  # the sentinel: nothing may land there
+
+
+def test_a_captured_chunked_layer_becomes_the_plugins_kind() -> None:
+    """``nixlkv capture`` records the spec's fields; the plugin's kind turns them into a scenario
+    layer (KindDef.captured_spec / from_capture), and vLLM's CPU page interior applies to it."""
+    from nixlkv.testing.captured import layer_kind
+    from nixlkv.testing.kinds import takes_interior
+
+    rec = {"spec": "ChunkedLocalAttentionSpec", "hints": {"total_kv_heads": 2},
+           "facts": {"head_size": 64, "head_size_v": 64, "attention_chunk_size": 64, "dtype": "bfloat16"}}
+    assert layer_kind("l0", rec, {}) == {"kind": "chunked_local", "num_kv_heads": 2, "head_size": 64, "chunk": 64,
+                                         "dtype": "bfloat16"}
+    assert takes_interior("chunked_local") and takes_interior("full_attention") and not takes_interior("mla")
+    with pytest.raises(ScenarioError, match="no scenario layer kind for captured spec SinkFullAttentionSpec"):
+        layer_kind("l0", {**rec, "spec": "SinkFullAttentionSpec"}, {})

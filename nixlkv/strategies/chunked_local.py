@@ -124,7 +124,19 @@ def scenario_kind() -> Any:
         optional={"dtype": "bfloat16", "head_size_v": None},
         build=chunked_local_spec,
         skipped_tokens=chunk_start,
+        interior=True,  # full attention's pages: vLLM's CPU kernels write them channel-major too
+        captured_spec="ChunkedLocalAttentionSpec",
+        from_capture=from_capture,
     )
+
+
+def from_capture(facts: Mapping[str, Any], hints: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+    """The kind's parameters of a layer ``nixlkv capture`` recorded (its spec's fields)."""
+    params: dict[str, Any] = {"num_kv_heads": int(hints["total_kv_heads"]), "head_size": int(facts["head_size"]),
+                              "chunk": int(facts["attention_chunk_size"]), "dtype": facts["dtype"]}
+    if facts.get("head_size_v") not in (None, facts["head_size"]):
+        params["head_size_v"] = int(facts["head_size_v"])
+    return params
 
 
 def chunked_local_spec(params: Mapping[str, Any], tp: int, block_size: int) -> ChunkedLocalAttentionSpec:

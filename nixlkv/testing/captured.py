@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .kinds import KINDS, load_plugin_kinds
 from .scenario import ScenarioError
 
 _INDEX = re.compile(r"\.(\d+)\.")
@@ -58,6 +59,10 @@ def layer_kind(name: str, rec: Mapping[str, Any], model: Mapping[str, Any]) -> d
             entry["num_spec"] = int(f["num_speculative_blocks"])
         entry["state_tokens"] = int(f["block_size"])
         return entry
+    load_plugin_kinds()  # a plugin's kind says which captured spec it fabricates
+    for kind_name, kind in KINDS.items():
+        if kind.captured_spec == spec and kind.from_capture is not None:
+            return {"kind": kind_name, **kind.from_capture(f, hints, model)}
     raise ScenarioError(f"{name}: no scenario layer kind for captured spec {spec}")
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .kinds import KINDS, known_kind
-from .scenario import INTERIOR_KINDS, LayerKind, Scenario, ScenarioError, Side
+from .kinds import KINDS, known_kind, takes_interior
+from .scenario import LayerKind, Scenario, ScenarioError, Side
 
 DATA = Path(__file__).parent / "data"
 
@@ -218,7 +218,7 @@ def kcc_spec(kcc: Any, layer: str) -> Any:
 def _hints(kind: LayerKind, side: Side) -> dict[str, Any]:
     """A layer's model facts, plus the page interior its side's attention backend writes."""
     hints = dict(KINDS[kind.kind].hints(kind.params)) if KINDS[kind.kind].hints else {}
-    if side.interior is not None and kind.kind in INTERIOR_KINDS:
+    if side.interior is not None and takes_interior(kind.kind):
         hints["page_interior"] = side.interior
     return hints
 

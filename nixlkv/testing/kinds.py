@@ -46,6 +46,13 @@ class KindDef:
     # trims them for a prefix hit, and every byte of them must arrive. None: one block per
     # block_size tokens. Such a kind is planned under vLLM's hybrid KV-cache manager, as above.
     blocks_per_request: int | None = None
+    # Attention pages a backend writes in its own order (K and V of one head size per head): a
+    # scenario side's ``interior`` (vLLM's CPU kernels: k_channel_major) applies to this kind.
+    interior: bool = False
+    # What ``nixlkv capture`` reports for this kind: the vLLM spec class name, and the kind's
+    # parameters from a captured layer, ``(spec facts, layer hints, model facts) -> params``.
+    captured_spec: str | None = None
+    from_capture: Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
 
     def total_kv_heads(self, params: Mapping[str, Any]) -> int:
         if self.replicated:
@@ -306,8 +313,9 @@ MAMBA_OPTIONAL = {
 UNIFORM = "uniform"  # not a layer: its `members` become layers vLLM must put in one uniform group
 
 KINDS: dict[str, KindDef] = {
-    "full_attention": KindDef(("num_kv_heads", "head_size"), _ATTENTION_OPTIONAL, _full_attention),
-    "sliding_window": KindDef(("num_kv_heads", "head_size", "window"), _ATTENTION_OPTIONAL, _sliding_window),
+    "full_attention": KindDef(("num_kv_heads", "head_size"), _ATTENTION_OPTIONAL, _full_attention, interior=True),
+    "sliding_window": KindDef(("num_kv_heads", "head_size", "window"), _ATTENTION_OPTIONAL, _sliding_window,
+                              interior=True),
     "mla": KindDef(
         (),
         {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto",
@@ -327,6 +335,11 @@ KINDS: dict[str, KindDef] = {
     "mamba": KindDef(("d_state",), MAMBA_OPTIONAL, _mamba, check=_check_mamba, hints=_mamba_hints),
     UNIFORM: KindDef(("members",)),
 }
+
+
+def takes_interior(name: str) -> bool:
+    """Whether a side's page ``interior`` applies to layers of kind ``name`` (``KindDef.interior``)."""
+    return known_kind(name) and KINDS[name].interior
 
 
 def load_plugin_kinds(plugins: tuple[Any, ...] = ()) -> None:

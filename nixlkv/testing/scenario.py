@@ -11,12 +11,10 @@ from typing import Any
 import yaml
 
 from ..core.errors import NixlkvError
-from .kinds import KINDS, UNIFORM, known_kind
+from .kinds import KINDS, UNIFORM, known_kind, takes_interior
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 INTERIORS = ("k_channel_major",)  # see nixlkv.vllm.model_backend
-# Layer kinds whose pages an attention backend's interior applies to (K and V of one head size).
-INTERIOR_KINDS = ("full_attention", "sliding_window")
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
 
 
@@ -174,7 +172,7 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
             for i, leaf in enumerate(k for layer in (decode_layers if role == "decode" and decode_layers else layers)
                                      for k in layer.leaves()):
                 hv = leaf.params.get("head_size_v")
-                if leaf.kind in INTERIOR_KINDS and hv is not None and hv != leaf.params.get("head_size"):
+                if takes_interior(leaf.kind) and hv is not None and hv != leaf.params.get("head_size"):
                     raise ScenarioError(
                         f"{where}: {role}.interior {side['interior']} stores K and V of one head size, but layer {i} "
                         f"has head_size {leaf.params.get('head_size')} and head_size_v {hv}"
