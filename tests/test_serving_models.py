@@ -71,6 +71,22 @@ def test_gemma4_full_layer_has_its_own_kv_heads_and_head_size() -> None:
     assert cfg.attention_k_eq_v and rec.block_size == 32
 
 
+def test_llama4_mixes_chunked_local_layers_with_a_nope_full_layer_and_no_experts() -> None:
+    rec = models.recipe("tiny-llama4")
+    cfg = hf_config(rec)
+    assert type(cfg).__name__ == "Llama4TextConfig" and rec.config["architectures"] == ["Llama4ForCausalLM"]
+    # vLLM: RoPE layers (no_rope_layers 1) get ChunkedLocalAttention, the NoPE layer full attention
+    assert cfg.no_rope_layers == [1, 1, 1, 0] and cfg.attention_chunk_size == 64
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    # dense MLPs everywhere: vLLM reads interleave_moe_layer_step, transformers moe_layers
+    assert cfg.interleave_moe_layer_step == 0 and cfg.moe_layers == []
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.use_qk_norm) == (2, 64, True)
+    # a chunk is whole blocks, and the prompts span many chunks
+    assert cfg.attention_chunk_size % rec.block_size == 0 and rec.max_model_len >= 4 * cfg.attention_chunk_size
+    # chunked layers free blocks only under vLLM's hybrid KV-cache manager
+    assert rec.env["VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"] == "1"
+
+
 def test_fingerprints_are_stable_and_distinct() -> None:
     prints = {name: models.recipe(name).fingerprint() for name in models.RECIPES}
     assert prints == {name: models.recipe(name).fingerprint() for name in models.RECIPES}

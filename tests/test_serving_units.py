@@ -11,7 +11,7 @@ import math
 import pytest
 from aiohttp import web
 
-from nixlkv.serving.check import Case, _transfer_facts, prompt_lengths
+from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
 from nixlkv.serving.client import Completion, parse_metrics
 from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
 from nixlkv.serving.launch import EngineSpec
@@ -100,6 +100,27 @@ def test_drift_across_tp_allows_only_the_models_own_tp_noise_measured_in_the_sam
     assert judge(REF, REF, "drift", REF).ok and not judge(REF, parted, "drift", REF).ok
 
 
+def test_drift_across_tp_may_give_p_alones_first_token_where_tp_noise_alone_moves_it() -> None:
+    # measured on tiny-llama4 P2->D1, 261 tokens: D alone at TP 1 puts 305 0.094 above 28, P alone at
+    # TP 2 has them tied and answers 28, and both connectors' P/D answers are P alone's
+    ref = answer([305, 40, 223], [-2.093, -1.345, -1.290], [{305: -2.093, 28: -2.187}, {40: -1.345}, {223: -1.290}])
+    natural = answer([28, 57, 184], [-2.112, -1.077, -0.366], [{28: -2.112, 305: -2.112}, {57: -1.077}, {184: -0.366}])
+    got = answer([28, 57, 184], [-2.103, -1.084, -0.348], [{28: -2.103, 305: -2.103}, {57: -1.084}, {184: -0.348}])
+    assert not judge(ref, got, "drift").ok  # without P alone's answer: a first token moved past a tie
+    v = judge(ref, got, "drift", natural)
+    assert v.ok and v.first_divergence == 0 and "model alone's at the other TP size" in v.reason
+    # judged against P alone's answer: a P/D answer that parts from it without a near-tie is wrong
+    assert not judge(ref, answer([28, 57, 9], [-2.103, -1.084, -0.348]), "drift", natural).ok
+    assert not judge(ref, answer([28, 57, 184], [-2.103, -1.084 - 2 * DRIFT_TOL, -0.348]), "drift", natural).ok
+    # another first token than both D's and P alone's: wrong, as before
+    assert not judge(ref, answer([9, 57, 184], got.logprobs), "drift", natural).ok
+    # P alone's first token far below D's own in D's answer (no near-tie): no TP noise explains it
+    far = answer(ref.token_ids, ref.logprobs, [{305: -2.093, 28: -2.093 - 2 * NEAR_TIE}, {40: -1.345}, {223: -1.29}])
+    assert not judge(far, got, "drift", natural).ok
+    # where P alone keeps D's first token, the first token must still be D's own
+    assert not judge(ref, got, "drift", ref).ok
+
+
 def test_judge_rejects_answers_of_other_lengths_and_unknown_rules() -> None:
     assert not judge(REF, answer([5, 6], [-0.5, -1.0]), "exact").ok
     with pytest.raises(ValueError, match="rule"):
@@ -139,6 +160,22 @@ def test_a_windowed_model_gets_a_prompt_whose_window_edge_ends_a_block() -> None
     n = prompt_lengths(32, 1024, 12, quick=False, window=64)["window edge"]
     assert (n - 64 + 1) % 32 == 0 and n > 64 + 32  # 159: wrong logprobs before the window hold-back
     assert "window edge" not in prompt_lengths(32, 1024, 12, quick=False)
+
+
+def test_a_chunked_model_gets_prompts_at_both_sides_of_each_chunk_edge() -> None:
+    lengths = prompt_lengths(32, 1024, 12, quick=False, chunk=64)
+    # P holds N - 1 tokens: N = 65 and 129 leave the current chunk empty (nothing of the chunked
+    # layers moves; at 129 P's list is all null blocks), N = 64 and 128 end a chunk with its last token
+    assert {lengths[k] for k in ("chunk", "chunk+1", "2 chunks", "2 chunks+1")} == {64, 65, 128, 129}
+    assert "chunk" not in prompt_lengths(32, 1024, 12, quick=False)
+    # the prompts the other models get stay what they were (the chunk lengths are drawn after them)
+    assert list(lengths)[:len(prompt_lengths(32, 1024, 12, quick=False))] == list(prompt_lengths(32, 1024, 12, False))
+
+
+def test_make_prompts_reads_the_chunk_size_from_the_recipe() -> None:
+    prompts = make_prompts(Case(model="tiny-llama4"), 32, 1024, quick=False)
+    assert {len(prompts[k]) for k in ("chunk", "chunk+1", "2 chunks", "2 chunks+1")} == {64, 65, 128, 129}
+    assert "chunk" not in make_prompts(Case(model="tiny-llama"), 32, 1024, quick=False)
 
 
 def test_prompt_lengths_cover_block_edges_and_the_longest_prompt() -> None:

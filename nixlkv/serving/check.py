@@ -70,11 +70,14 @@ class Options:
 
 
 def prompt_lengths(block: int, max_model_len: int, max_tokens: int, quick: bool,
-                   window: int | None = None) -> dict[str, int]:
+                   window: int | None = None, chunk: int | None = None) -> dict[str, int]:
     """The prompt lengths every case covers: one token, either side of a block boundary, many
     blocks, and as long as the engine accepts with room for the answer; with a sliding ``window``,
     a length whose window edge N - W + 1 ends a block (where vLLM's managers free the block the
-    last token's window starts in: docs/vllm.md)."""
+    last token's window starts in: docs/vllm.md); with chunked local attention of ``chunk``
+    tokens, N = C, C + 1, 2C and 2C + 1: P holds N - 1 tokens, so N = C + 1 and 2C + 1 leave the
+    current chunk empty (nothing of the chunked layers moves; at 2C + 1 P's list is all null
+    blocks) and N = C and 2C end a chunk with its last token (docs/strategies/chunked_local.md)."""
     room = max_model_len - max_tokens
     lengths = {"1 token": 1, "block-1": block - 1, "block+1": block + 1,
                "many blocks": min(8 * block + 5, room), "near max_model_len": room}
@@ -82,14 +85,17 @@ def prompt_lengths(block: int, max_model_len: int, max_tokens: int, quick: bool,
         lengths.update({"block": block, "2 blocks+3": 2 * block + 3})
     if window:
         lengths["window edge"] = window - 1 + block * (1 + window // block)
+    if chunk:
+        lengths.update({"chunk": chunk, "chunk+1": chunk + 1, "2 chunks": 2 * chunk, "2 chunks+1": 2 * chunk + 1})
     return {k: v for k, v in lengths.items() if 1 <= v <= room}
 
 
 def make_prompts(case: Case, block: int, max_model_len: int, quick: bool) -> dict[str, list[int]]:
     rng = np.random.default_rng(case.seed)
     out = {}
-    window = models.recipe(case.model).config.get("sliding_window")
-    for name, n in prompt_lengths(block, max_model_len, case.max_tokens, quick, window).items():
+    config = models.recipe(case.model).config
+    window, chunk = config.get("sliding_window"), config.get("attention_chunk_size")
+    for name, n in prompt_lengths(block, max_model_len, case.max_tokens, quick, window, chunk).items():
         out[name] = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
     return out
 

