@@ -632,6 +632,15 @@ def base_geometries(name: str) -> tuple[dict[int, dict[str, Any]], list[RankGeom
     return prefill, decode, truth
 
 
+def base_wires(name: str, columnar: bool) -> dict[int, dict[str, Any]]:
+    """Prefill rank -> its geometry as a handshake carries it: columnar (what nixlkv sends) or
+    per region (what an earlier nixlkv sent, still accepted)."""
+    prefill, _, _ = base_geometries(name)
+    if not columnar:
+        return prefill
+    return {r: RankGeometry.from_dict(g).to_wire() for r, g in prefill.items()}
+
+
 def coverage(plan: Any) -> dict[tuple[str, int], list[tuple[int, int]]]:
     """The local bytes a plan writes: (local region, phase) -> merged [start, end) byte ranges of its page."""
     runs: dict[tuple[str, int], list[tuple[int, int]]] = {}
@@ -688,7 +697,7 @@ DICT_GARBAGE = st.one_of(WIRE_GARBAGE, st.sampled_from([10**30, -(10**30), (1, 2
 ALL_OPS = ("replace", "drop", "nudge", "rename", "reorder", "extra", "page_parts")
 # Mutations that keep every value's type (a reply that decodes, with hostile facts in it).
 TYPED_OPS = ("nudge", "nudge", "rename", "reorder", "page_parts", "drop")
-FOCUS = {"facts", "page", "page_parts", "group", "num_blocks", "block_stride"}
+FOCUS = {"facts", "page", "page_parts", "group", "num_blocks", "block_stride", "class"}
 
 
 @st.composite
@@ -786,12 +795,15 @@ def test_mutated_geometry_dicts_are_handshake_errors(data: st.DataObject, name: 
     RankGeometry or a HandshakeError, never another exception."""
     prefill, _, _ = base_geometries(name)
     rank = data.draw(st.sampled_from(sorted(prefill)))
-    target = data.draw(st.sampled_from(["rank", "region"]))
-    base = prefill[rank] if target == "rank" else prefill[rank]["regions"][0]
+    target = data.draw(st.sampled_from(["rank", "region", "columnar"]))
+    if target == "columnar":  # the rank's geometry as this nixlkv sends it
+        base = base_wires(name, columnar=True)[rank]
+    else:
+        base = prefill[rank] if target == "rank" else prefill[rank]["regions"][0]
     obj, done = data.draw(mutated(base, DICT_GARBAGE))
     note(f"mutations: {done}")
     try:
-        (RankGeometry if target == "rank" else Region).from_dict(obj)
+        (Region if target == "region" else RankGeometry).from_dict(obj)
     except HandshakeError as exc:
         assert str(exc)
         COUNTS["geometry"]["handshake_error"] += 1
@@ -863,7 +875,7 @@ def test_mutated_handshake_replies_are_refused_or_planned_safely(data: st.DataOb
     """A real handshake reply, mutated in its fields and in its msgpack bytes: decode_reply raises
     HandshakeError or returns geometries; planning against them raises a NixlkvError or plans,
     and a plan never reads or writes outside the memory each side registered."""
-    prefill, decode, truth = base_geometries(name)
+    prefill = base_wires(name, columnar=data.draw(st.booleans()))  # as sent, or as an earlier nixlkv sent
     engine_id, tp = prefill[0]["engine_id"], prefill[0]["tp_size"]
     payload = [engine_id, tp, [[r, b"agent-%d" % r, g] for r, g in sorted(prefill.items())]]
     typed = data.draw(st.booleans())  # half the replies keep their types: they decode and reach planning
@@ -958,10 +970,12 @@ def check_reply(name: str, raw: bytes, what: str, enforce_hash: bool = True, cou
             counts["planned_same_bytes"] += 1
 
 
-def _reply_with_fact(name: str, region: int, fact: str, value: Any) -> bytes:
-    prefill, _, _ = base_geometries(name)
-    p = copy.deepcopy(prefill)
-    p[0]["regions"][region]["facts"][fact] = value
+def _reply_with_fact(name: str, region: int, fact: str, value: Any, columnar: bool = False) -> bytes:
+    p = copy.deepcopy(base_wires(name, columnar))
+    if columnar:  # the region's class: every layer of that geometry advertises it
+        p[0]["region_classes"][p[0]["region_columns"]["class"][region]]["facts"][fact] = value
+    else:
+        p[0]["regions"][region]["facts"][fact] = value
     payload = [p[0]["engine_id"], p[0]["tp_size"], [[r, b"agent-%d" % r, g] for r, g in sorted(p.items())]]
     return msgspec.msgpack.encode([hs.SCHEMA_VERSION, HASH, msgspec.msgpack.encode(payload)])
 
@@ -974,9 +988,10 @@ HOSTILE_FACTS = [("tokens_per_block", 0), ("tokens_per_block", None), ("tokens_p
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("columnar", [True, False], ids=["columnar", "per-region"])
 @pytest.mark.parametrize(("fact", "value"), HOSTILE_FACTS, ids=[f"{f}={v}" for f, v in HOSTILE_FACTS])
-def test_hostile_fact_found_by_the_campaign_is_refused(fact: str, value: Any) -> None:
-    check_reply("fa-p2-d1-lbhnc", _reply_with_fact("fa-p2-d1-lbhnc", 0, fact, value), f"facts.{fact}={value!r}",
+def test_hostile_fact_found_by_the_campaign_is_refused(fact: str, value: Any, columnar: bool) -> None:
+    check_reply("fa-p2-d1-lbhnc", _reply_with_fact("fa-p2-d1-lbhnc", 0, fact, value, columnar), f"facts.{fact}={value!r}",
                 counts=COUNTS["hostile_facts"])
 
 

@@ -36,8 +36,11 @@ def valid() -> bytes:
     return hs.encode_reply("P", 2, ranks(), HASH)
 
 
-def payload_dict() -> list:
-    """The payload as plain msgpack data, to mutate field by field."""
+def payload_dict(columnar: bool = True) -> list:
+    """The payload as plain msgpack data, to mutate field by field: as this nixlkv sends it
+    (columnar geometry), or as an earlier nixlkv did (``columnar=False``: a description per region)."""
+    if not columnar:
+        return ["P", 2, [[r, meta, geo.to_dict()] for r, (meta, geo) in sorted(ranks().items())]]
     reply = msgspec.msgpack.decode(valid())
     return msgspec.msgpack.decode(reply[2])
 
@@ -51,17 +54,43 @@ def test_round_trip() -> None:
     assert engine.tp_size == 2 and engine.geometry[1] == geometry(1) and engine.agent_metadata[0] == b"agent-0"
 
 
-def _mut(fn):
+def test_the_reply_is_columnar_and_an_earlier_peers_per_region_reply_is_still_accepted() -> None:
+    sent = payload_dict()[2][0][2]
+    assert "regions" not in sent and len(sent["region_classes"]) == 1  # two layers, one geometry
+    assert sent["region_columns"] == {"name": ["layer.0", "layer.1"], "base": [0x10000, 0x50000], "group": [0, 0], "class": [0, 0]}
+    new = hs.decode_reply(valid(), HASH, expected_engine_id="P")
+    old = hs.decode_reply(rewrap(payload_dict(columnar=False)), HASH, expected_engine_id="P")
+    assert old.geometry == new.geometry == {r: geometry(r) for r in range(2)}
+
+
+def _mut(fn, columnar: bool = True):
     def build():
-        p = payload_dict()
+        p = payload_dict(columnar)
         fn(p)
         return rewrap(p)
     return build
 
 
+def _old(fn):
+    """A mutation of an earlier nixlkv's per-region reply (still accepted when well formed)."""
+    return _mut(fn, columnar=False)
+
+
 def _region(fn):
     def f(p):
         fn(p[2][0][2]["regions"][0])
+    return f
+
+
+def _columns(fn):
+    def f(p):
+        fn(p[2][0][2]["region_columns"])
+    return f
+
+
+def _class(fn):
+    def f(p):
+        fn(p[2][0][2]["region_classes"][0])
     return f
 
 
@@ -91,31 +120,66 @@ MUTATIONS = {
     "agent-metadata-empty": _mut(lambda p: p[2][0].__setitem__(1, b"")),
     "agent-metadata-str": _mut(lambda p: p[2][0].__setitem__(1, "x")),
     "geometry-not-map": _mut(lambda p: p[2][0].__setitem__(2, [1, 2])),
-    "geometry-no-regions": _mut(lambda p: p[2][0][2].pop("regions")),
+    "geometry-no-regions": _old(lambda p: p[2][0][2].pop("regions")),
     "geometry-no-memory": _mut(lambda p: p[2][0][2].__setitem__("memory", [])),
     "geometry-engine-differs": _mut(lambda p: p[2][0][2].__setitem__("engine_id", "Q")),
     "geometry-rank-differs": _mut(lambda p: p[2][0][2].__setitem__("tp_rank", 1)),
     "geometry-tp-differs": _mut(lambda p: p[2][0][2].__setitem__("tp_size", 4)),
-    "regions-huge-count": _mut(lambda p: p[2][0][2].__setitem__("regions", [{}] * (hs.MAX_REGIONS + 1))),
+    "regions-huge-count": _old(lambda p: p[2][0][2].__setitem__("regions", [{}] * (hs.MAX_REGIONS + 1))),
     "memory-entry-shape": _mut(lambda p: p[2][0][2].__setitem__("memory", [[1, 2, 3]])),
     "memory-past-2^64": _mut(lambda p: p[2][0][2].__setitem__("memory", [[2**64 - 16, 4096]])),
     "memory-negative": _mut(lambda p: p[2][0][2].__setitem__("memory", [[-5, 4096]])),
-    "region-not-map": _mut(lambda p: p[2][0][2]["regions"].__setitem__(0, "layer")),
-    "region-base-negative": _mut(_region(lambda r: r.__setitem__("base", -1))),
-    "region-base-str": _mut(_region(lambda r: r.__setitem__("base", "0x10"))),
-    "region-num-blocks-zero": _mut(_region(lambda r: r.__setitem__("num_blocks", 0))),
-    "region-outside-memory": _mut(_region(lambda r: r.__setitem__("base", 0x7000000))),
-    "region-too-many-blocks": _mut(_region(lambda r: r.__setitem__("num_blocks", 10**6))),
-    "region-page-over-stride": _mut(_region(lambda r: r.__setitem__("block_stride", 16))),
-    "region-page-axis-negative": _mut(_region(lambda r: r["page"][0].__setitem__(1, -4))),
-    "region-page-axis-shape": _mut(_region(lambda r: r["page"].__setitem__(0, ["head"]))),
-    "region-page-too-many-axes": _mut(_region(lambda r: r.__setitem__("page", [[f"a{i}", 1] for i in range(40)]))),
-    "region-page-empty": _mut(_region(lambda r: r.__setitem__("page", []))),
-    "region-name-empty": _mut(_region(lambda r: r.__setitem__("name", ""))),
-    "region-name-duplicate": _mut(lambda p: p[2][0][2]["regions"][1].__setitem__("name", "layer.0")),
-    "region-facts-deep": _mut(_region(lambda r: r.__setitem__("facts", {"x": [[[[[[1]]]]]]}))),
-    "region-facts-int-key": _mut(_region(lambda r: r.__setitem__("facts", {1: 2}))),
-    "region-missing-stride": _mut(_region(lambda r: r.pop("block_stride"))),
+    # an earlier nixlkv's per-region geometry
+    "region-not-map": _old(lambda p: p[2][0][2]["regions"].__setitem__(0, "layer")),
+    "region-base-negative": _old(_region(lambda r: r.__setitem__("base", -1))),
+    "region-base-str": _old(_region(lambda r: r.__setitem__("base", "0x10"))),
+    "region-num-blocks-zero": _old(_region(lambda r: r.__setitem__("num_blocks", 0))),
+    "region-outside-memory": _old(_region(lambda r: r.__setitem__("base", 0x7000000))),
+    "region-too-many-blocks": _old(_region(lambda r: r.__setitem__("num_blocks", 10**6))),
+    "region-page-over-stride": _old(_region(lambda r: r.__setitem__("block_stride", 16))),
+    "region-page-axis-negative": _old(_region(lambda r: r["page"][0].__setitem__(1, -4))),
+    "region-page-axis-shape": _old(_region(lambda r: r["page"].__setitem__(0, ["head"]))),
+    "region-page-too-many-axes": _old(_region(lambda r: r.__setitem__("page", [[f"a{i}", 1] for i in range(40)]))),
+    "region-page-empty": _old(_region(lambda r: r.__setitem__("page", []))),
+    "region-name-empty": _old(_region(lambda r: r.__setitem__("name", ""))),
+    "region-name-duplicate": _old(lambda p: p[2][0][2]["regions"][1].__setitem__("name", "layer.0")),
+    "region-facts-deep": _old(_region(lambda r: r.__setitem__("facts", {"x": [[[[[[1]]]]]]}))),
+    "region-facts-int-key": _old(_region(lambda r: r.__setitem__("facts", {1: 2}))),
+    "region-missing-stride": _old(_region(lambda r: r.pop("block_stride"))),
+    # the columnar geometry this nixlkv sends: the same refusals, per class and per column
+    "geometry-no-region-classes": _mut(lambda p: p[2][0][2].pop("region_classes")),
+    "geometry-no-region-columns": _mut(lambda p: p[2][0][2].pop("region_columns")),
+    "geometry-both-forms": _mut(lambda p: p[2][0][2].__setitem__("regions", [])),
+    "classes-huge-count": _mut(lambda p: p[2][0][2].__setitem__("region_classes", [{}] * (hs.MAX_REGIONS + 1))),
+    "columns-huge-count": _mut(_columns(lambda c: c.__setitem__("name", ["x"] * (hs.MAX_REGIONS + 1)))),
+    "columns-not-map": _mut(lambda p: p[2][0][2].__setitem__("region_columns", [])),
+    "column-not-list": _mut(_columns(lambda c: c.__setitem__("base", 7))),
+    "column-missing": _mut(_columns(lambda c: c.pop("group"))),
+    "columns-length-mismatch": _mut(_columns(lambda c: c["name"].pop())),
+    "column-base-negative": _mut(_columns(lambda c: c["base"].__setitem__(0, -1))),
+    "column-base-str": _mut(_columns(lambda c: c["base"].__setitem__(0, "0x10"))),
+    "column-base-bool": _mut(_columns(lambda c: c["base"].__setitem__(1, True))),
+    "column-base-float": _mut(_columns(lambda c: c["base"].__setitem__(1, 65536.0))),
+    "column-base-outside-memory": _mut(_columns(lambda c: c["base"].__setitem__(0, 0x7000000))),
+    "column-group-bool": _mut(_columns(lambda c: c["group"].__setitem__(0, False))),
+    "column-class-out-of-range": _mut(_columns(lambda c: c["class"].__setitem__(1, 1))),
+    "column-class-negative": _mut(_columns(lambda c: c["class"].__setitem__(1, -1))),
+    "column-name-empty": _mut(_columns(lambda c: c["name"].__setitem__(0, ""))),
+    "column-name-duplicate": _mut(_columns(lambda c: c["name"].__setitem__(1, "layer.0"))),
+    "column-name-int": _mut(_columns(lambda c: c["name"].__setitem__(1, 1))),
+    "class-not-map": _mut(lambda p: p[2][0][2]["region_classes"].__setitem__(0, "layer")),
+    "class-holds-a-base": _mut(_class(lambda r: r.__setitem__("base", 0x10000))),
+    "class-num-blocks-zero": _mut(_class(lambda r: r.__setitem__("num_blocks", 0))),
+    "class-too-many-blocks": _mut(_class(lambda r: r.__setitem__("num_blocks", 10**6))),
+    "class-page-over-stride": _mut(_class(lambda r: r.__setitem__("block_stride", 16))),
+    "class-page-axis-negative": _mut(_class(lambda r: r["page"][0].__setitem__(1, -4))),
+    "class-page-axis-shape": _mut(_class(lambda r: r["page"].__setitem__(0, ["head"]))),
+    "class-page-too-many-axes": _mut(_class(lambda r: r.__setitem__("page", [[f"a{i}", 1] for i in range(40)]))),
+    "class-page-empty": _mut(_class(lambda r: r.__setitem__("page", []))),
+    "class-facts-deep": _mut(_class(lambda r: r.__setitem__("facts", {"x": [[[[[[1]]]]]]}))),
+    "class-facts-int-key": _mut(_class(lambda r: r.__setitem__("facts", {1: 2}))),
+    "class-missing-stride": _mut(_class(lambda r: r.pop("block_stride"))),
+    "class-strategy-none": _mut(_class(lambda r: r.__setitem__("strategy", None))),
 }
 
 
@@ -125,6 +189,30 @@ def test_mutation_is_rejected_cleanly(name: str) -> None:
     with pytest.raises(HandshakeError) as e:
         hs.decode_reply(raw, HASH, expected_engine_id="P")
     assert str(e.value)
+
+
+# Columnar mutations whose refusal must name the field (the wire's own words).
+NAMED = {
+    "columns-length-mismatch": r"region_columns must be lists of one length, got name 1, base 2",
+    "column-class-out-of-range": r"region_columns\['class'\]\[1\] = 1 is out of range",
+    "column-base-bool": r"region_columns\['base'\]\[1\] must be a non-negative integer, got True",
+    "column-group-bool": r"region_columns\['group'\]\[0\] must be a non-negative integer, got False",
+    "column-name-duplicate": r"region_columns\['name'\] repeats region names \['layer.0'\]",
+    "column-base-negative": r"region_columns\['base'\]\[0\] must be a non-negative integer, got -1",
+    "column-missing": r"region_columns lacks the columns \['group'\]",
+    "column-base-outside-memory": r"region 'layer.0' .* lies outside every memory range",
+    "classes-huge-count": r"65537 region classes",
+    "class-page-axis-shape": r"region_classes\[0\]: page axes must be \[name, size\]",
+    "class-num-blocks-zero": r"region_classes\[0\]: .*num_blocks must be >= 1",
+    "geometry-no-region-columns": r"'region_columns'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_columnar_mutation_refusal_names_the_field(name: str) -> None:
+    assert hs.decode_reply(rewrap(payload_dict()), HASH, expected_engine_id="P").tp_size == 2  # control
+    with pytest.raises(HandshakeError, match=NAMED[name]):
+        hs.decode_reply(MUTATIONS[name](), HASH, expected_engine_id="P")
 
 
 def test_at_least_twenty_mutations() -> None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nixlkv.core.errors import HandshakeError, IncompatibleGeometry
-from nixlkv.core.geometry import PageLayout, RankGeometry, Region, Segment, box_copy_runs
+from nixlkv.core.geometry import PageLayout, PagePart, RankGeometry, Region, Segment, box_copy_runs
 
 HEAD_OUTER = PageLayout((("head", 4), ("token", 16), ("byte", 64)))
 TOKEN_OUTER = PageLayout((("token", 16), ("head", 4), ("byte", 64)))
@@ -344,3 +344,95 @@ def test_invalid_values_in_handshake_raise_handshake_error(mutation: str) -> Non
     SEMANTICALLY_INVALID[mutation](d)
     with pytest.raises(HandshakeError):
         RankGeometry.from_dict(d)
+
+
+# ----------------------------------------------------------------------------- the columnar wire
+
+
+def _layers(n: int = 6) -> RankGeometry:
+    """``n`` layers of one geometry (different names, bases, groups), one MLA-like layer, and a
+    layer with page parts: three geometry classes."""
+    page = PageLayout((("head", 2), ("token", 16), ("byte", 64)))
+    parted = PageLayout((("token", 4), ("byte", 16)), parts=(PagePart(0, (("token", 4, 8), ("byte", 8, 1))),
+                                                            PagePart(32, (("token", 4, 8), ("byte", 8, 1)))))
+    regions = [Region(f"L{i}", i % 2, "toy", 4096 + i * 0x10000, 8, 2048, page, facts={"heads": [0, 1], "dtype": "bf16"})
+               for i in range(n)]
+    regions.append(Region("M0", 2, "toy_mla", 1 << 20, 3, 64, PageLayout((("token", 4), ("byte", 16))), facts={}))
+    regions.append(Region("P0", 3, "toy", 1 << 21, 2, 64, parted, facts={"heads": [0]}))
+    return RankGeometry("prefill-0", 4, 2, tuple(regions), ((4096, 1 << 22),), device_id=1, mem_type="VRAM")
+
+
+@pytest.mark.parametrize("make", [_geometry, _layers])
+def test_columnar_wire_round_trips_to_the_geometry_the_per_region_form_gives(make: Callable[[], RankGeometry]) -> None:
+    g = make()
+    wire = json.loads(json.dumps(g.to_wire()))
+    assert "regions" not in wire
+    back = RankGeometry.from_dict(wire)
+    old = RankGeometry.from_dict(json.loads(json.dumps(g.to_dict())))
+    assert back == g == old
+    assert [r.__dict__ for r in back.regions] == [r.__dict__ for r in g.regions]  # facts, pages, types and all
+    assert np.array_equal(back.columns, g.columns) and np.array_equal(back.columns, old.columns)
+    assert back.to_wire() == wire and back.to_dict() == g.to_dict()
+    # one description per distinct geometry: the classes the geometry itself finds
+    assert len(wire["region_classes"]) == len(set(g.geometry_classes))
+    assert back.geometry_classes == tuple(wire["region_columns"]["class"])
+
+
+def test_columnar_wire_of_identical_layers_holds_one_description() -> None:
+    wire = _layers(40).to_wire()
+    assert len(wire["region_classes"]) == 3
+    assert wire["region_columns"]["class"] == [0] * 40 + [1, 2]
+    assert wire["region_columns"]["group"][:4] == [0, 1, 0, 1]
+    assert RankGeometry.from_dict(wire).regions[39].base == 4096 + 39 * 0x10000
+
+
+def test_columnar_wire_with_no_regions() -> None:
+    g = RankGeometry("e", 1, 0, (), ((0, 64),))
+    assert RankGeometry.from_dict(g.to_wire()) == g
+
+
+def _cols(key: str, fn: Callable[[list], None]) -> Callable[[dict], None]:
+    return lambda d: fn(d["region_columns"][key])
+
+
+# mutation of the columnar wire of _layers() -> what the refusal must say (the field it names)
+COLUMNAR_MALFORMED: dict[str, tuple[Callable[[dict], None], str]] = {
+    "length mismatch": (_cols("base", list.pop), r"region_columns must be lists of one length, got name 8, base 7, group 8, class 8"),
+    "class index out of range": (_cols("class", lambda c: c.__setitem__(7, 3)), r"region_columns\['class'\]\[7\] = 3 is out of range: .* 3 region_classes"),
+    "negative class index": (_cols("class", lambda c: c.__setitem__(2, -1)), r"region_columns\['class'\]\[2\] must be a non-negative integer, got -1"),
+    "bool class index": (_cols("class", lambda c: c.__setitem__(1, True)), r"region_columns\['class'\]\[1\] must be a non-negative integer, got True"),
+    "bool base": (_cols("base", lambda c: c.__setitem__(3, True)), r"region_columns\['base'\]\[3\] must be a non-negative integer, got True"),
+    "bool group": (_cols("group", lambda c: c.__setitem__(0, False)), r"region_columns\['group'\]\[0\] must be a non-negative integer, got False"),
+    "float base": (_cols("base", lambda c: c.__setitem__(0, 4096.0)), r"region_columns\['base'\]\[0\] must be a non-negative integer, got 4096.0"),
+    "str group": (_cols("group", lambda c: c.__setitem__(5, "1")), r"region_columns\['group'\]\[5\] must be a non-negative integer, got '1'"),
+    "negative base": (_cols("base", lambda c: c.__setitem__(4, -4096)), r"region_columns\['base'\]\[4\] must be a non-negative integer, got -4096"),
+    "negative group": (_cols("group", lambda c: c.__setitem__(4, -1)), r"region_columns\['group'\]\[4\] must be a non-negative integer, got -1"),
+    "base beyond 2**62": (_cols("base", lambda c: c.__setitem__(6, 1 << 62)), r"region_columns\['base'\]\[6\] = \d+ lies beyond 2\*\*62"),
+    "duplicate names": (_cols("name", lambda c: c.__setitem__(5, "L1")), r"region_columns\['name'\] repeats region names \['L1'\]"),
+    "empty name": (_cols("name", lambda c: c.__setitem__(0, "")), r"region_columns\['name'\]\[0\] must be a non-empty string, got ''"),
+    "int name": (_cols("name", lambda c: c.__setitem__(2, 7)), r"region_columns\['name'\]\[2\] must be a non-empty string, got 7"),
+    "missing base column": (lambda d: d["region_columns"].pop("base"), r"region_columns lacks the columns \['base'\]"),
+    "missing class column": (lambda d: d["region_columns"].pop("class"), r"region_columns lacks the columns \['class'\]"),
+    "missing region_columns": (lambda d: d.pop("region_columns"), r"malformed rank geometry: 'region_columns'"),
+    "missing region_classes": (lambda d: d.pop("region_classes"), r"malformed rank geometry: 'region_classes'"),
+    "column not a list": (lambda d: d["region_columns"].__setitem__("group", 3), r"region_columns\['group'\] must be a list, got int"),
+    "columns not a map": (lambda d: d.__setitem__("region_columns", [[], [], [], []]), r"region_columns must be a map"),
+    "classes not a list": (lambda d: d.__setitem__("region_classes", {}), r"region_classes must be a list"),
+    "class not a map": (lambda d: d["region_classes"].__setitem__(1, "M0"), r"region_classes\[1\] must be a map, got str"),
+    "class missing page": (lambda d: d["region_classes"][1].pop("page"), r"region_classes\[1\]: malformed region description: 'page'"),
+    "class bool num_blocks": (lambda d: d["region_classes"][0].__setitem__("num_blocks", True), r"region_classes\[0\]: .*num_blocks must be a non-negative integer, got True"),
+    "class page over stride": (lambda d: d["region_classes"][0].__setitem__("block_stride", 8), r"region_classes\[0\]: .*exceeds the block stride"),
+    "class parts not covering": (lambda d: d["region_classes"][2]["page_parts"].pop(), r"region_classes\[2\]: .*do not cover the page"),
+    "class holds a name": (lambda d: d["region_classes"][0].__setitem__("name", "L0"), r"region_classes\[0\] holds \['name'\]: a region's own fields belong in region_columns"),
+    "both forms": (lambda d: d.__setitem__("regions", []), r"both 'regions' and 'region_classes'"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(COLUMNAR_MALFORMED))
+def test_malformed_columnar_wire_is_refused_naming_the_field(mutation: str) -> None:
+    wire = json.loads(json.dumps(_layers().to_wire()))
+    assert RankGeometry.from_dict(copy.deepcopy(wire)) == _layers()  # control: the message as sent is accepted
+    mutate, message = COLUMNAR_MALFORMED[mutation]
+    mutate(wire)
+    with pytest.raises(HandshakeError, match=message):
+        RankGeometry.from_dict(wire)

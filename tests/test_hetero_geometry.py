@@ -10,7 +10,7 @@ import pytest
 
 from nixlkv.core import Dispatcher, IncompatibleGeometry, RequestError
 from nixlkv.core.token_blocks import pair_by_tokens, token_phases
-from nixlkv.testing.rehearsal import build
+from nixlkv.testing.rehearsal import build, request_blocks
 from nixlkv.testing.scenario import load
 
 SCENARIOS = Path(__file__).parent / "scenarios"
@@ -134,3 +134,36 @@ def test_a_block_size_mismatch_is_refused_where_a_page_is_not_token_major() -> N
 def test_equal_block_sizes_still_plan_with_pages_that_are_not_token_major() -> None:
     dispatcher, local, p_geo = _hetero_with_opaque_prefill("fa-p2-d4-h8")  # whole per-head runs only
     assert dispatcher.plan(local, p_geo).to_dict()["segments"]
+
+
+# The handshake's columnar geometry (one description per distinct region geometry, the regions as
+# columns) against an earlier peer's per-region form: the same geometry, the same plan, the same bytes.
+WIRE_SCENARIOS = ["fa-p4-d2-h8", "fa-p2-d8-h4-replicated", "hetero-gemma4-like-p4-d8", "hetero-gemma4-like-p2-d4-kernel16",
+                  "mamba-nemotronh-like-p4-d2", "cpu-gemma4-tiny-p2-d1"]
+
+
+@pytest.mark.parametrize("name", WIRE_SCENARIOS)
+def test_columnar_and_per_region_handshakes_plan_the_same_bytes(name: str) -> None:
+    import json
+
+    from nixlkv.core.geometry import RankGeometry
+
+    dispatcher = Dispatcher.from_plugins()
+    scenario = load(SCENARIOS / f"{name}.yaml")
+    engines = build(scenario, dispatcher)
+    sent = next(iter(engines.plans)).remote  # what P advertises, as built (never through a wire)
+    for plan in engines.plans:
+        sent = {**sent, **plan.remote}
+    columnar = {r: RankGeometry.from_dict(json.loads(json.dumps(g.to_wire()))) for r, g in sent.items()}
+    per_region = {r: RankGeometry.from_dict(json.loads(json.dumps(g.to_dict()))) for r, g in sent.items()}
+    assert columnar == per_region == sent
+    assert sum(len(g.to_wire()["region_classes"]) for g in sent.values()) < sum(len(g.regions) for g in sent.values())
+    for plan in engines.plans:
+        a, b = dispatcher.plan(plan.local, columnar), dispatcher.plan(plan.local, per_region)
+        assert a.to_dict() == b.to_dict() == plan.to_dict()
+        assert np.array_equal(a.local_descs, b.local_descs) and np.array_equal(a.local_descs, plan.local_descs)
+        assert all(np.array_equal(a.remote_descs[p], b.remote_descs[p]) for p in plan.remote_descs)
+        p_blocks, d_blocks = request_blocks(scenario, engines)  # the scenario's own request
+        args = ([g.ids for g in d_blocks], [g.ids for g in p_blocks], scenario.request.num_tokens)
+        moves = a.byte_moves(a.resolve(*args))
+        assert moves and moves == b.byte_moves(b.resolve(*args))

@@ -143,13 +143,14 @@ def plan_case(
         remote = {r: fabricate_rank(dispatcher, case.shape, "prefill", case.p_tp, r, nb) for r in covered}
         vllm = VllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb,
                            [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()})
-    # What arrives in a handshake: each covered rank's geometry as plain data.
-    wire = {r: g.to_dict() for r, g in remote.items()}
+    # What arrives in a handshake: each covered rank's geometry as plain data, in the columnar form
+    # nixlkv sends (one description per distinct region geometry, the regions as columns).
+    wire = {r: g.to_wire() for r, g in remote.items()}
 
     def ours_handshake():
         return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
 
-    def ours_parse():  # the wire alone: every region description of every covered rank checked
+    def ours_parse():  # the wire alone: every covered rank's geometry parsed and checked
         return {r: RankGeometry.from_dict(d) for r, d in wire.items()}
 
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15

@@ -7,7 +7,9 @@ LBHNC attention page. A *region* is block-strided memory: block ``b``'s page sta
 of a remote rank's page, for every pair of blocks the request maps together.
 
 These are plain frozen dataclasses with ``to_dict``/``from_dict`` so they can travel in a
-handshake and be printed by ``nixlkv explain``.
+handshake and be printed by ``nixlkv explain``. A rank's geometry travels columnar
+(:meth:`RankGeometry.to_wire`: one description per distinct region geometry, the regions as
+columns); :meth:`RankGeometry.from_dict` also reads the per-region form earlier peers send.
 """
 
 from __future__ import annotations
@@ -406,6 +408,17 @@ class Region:
             "facts": dict(self.facts),
         }
 
+    def class_dict(self) -> dict[str, Any]:
+        """The description less name, base and KV group: what the regions of one geometry class
+        share, sent once per class by the columnar wire (``region_classes``)."""
+        return {
+            "strategy": self.strategy,
+            "num_blocks": self.num_blocks,
+            "block_stride": self.block_stride,
+            **self.page.to_wire(),
+            "facts": dict(self.facts),
+        }
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Region:
         try:
@@ -503,35 +516,46 @@ class RankGeometry:
         (the ``COL_*`` indices): checks and descriptor rows without a Python loop per layer. Built
         per geometry class (:attr:`geometry_classes`), so a parsed handshake pays per layer only
         for its base."""
+        return self._columns_of([r.base for r in self.regions], [r.group for r in self.regions])
+
+    def _columns_of(self, bases: list[int] | tuple[int, ...], groups: list[int] | tuple[int, ...]) -> np.ndarray:
+        """:attr:`columns` from the regions' bases and KV groups, given as the lists a columnar
+        handshake carries (so parsing one builds them without a pass over the regions)."""
         classes = self.geometry_classes
-        reps = dict(zip(classes[::-1], self.regions[::-1]))  # class -> a region of it
-        try:
-            base = np.array([r.base for r in self.regions], dtype=np.int64)
-            if base.size and int(base.max()) >= ADDRESS_LIMIT:
-                raise OverflowError
-        except OverflowError:
+        n = len(bases)
+        if n and max(bases) >= ADDRESS_LIMIT:
             raise IncompatibleGeometry(
                 f"engine {self.engine_id!r} rank {self.tp_rank}: a region base lies beyond 2**62; no engine maps memory there"
-            ) from None
-        table = np.zeros((max(reps, default=-1) + 1, 7), dtype=np.int64)
+            )
+        try:
+            own = np.array((bases, groups), dtype=np.int64).reshape(2, n)
+        except OverflowError:
+            raise IncompatibleGeometry(f"engine {self.engine_id!r} rank {self.tp_rank}: a KV group id beyond 2**63") from None
+        if not n:
+            return np.zeros((0, 7), dtype=np.int64)
+        reps = dict(zip(classes[::-1], self.regions[::-1]))  # class -> a region of it
+        rows = [(0, 0, 0, 0, 0, 0, 0)] * (max(reps, default=-1) + 1)
         for c, r in reps.items():
             span = r.end - r.base
             if span >= ADDRESS_LIMIT or self.device_id >= ADDRESS_LIMIT:
                 raise IncompatibleGeometry(f"region {r.name!r} spans {span} B: no engine maps that much")
-            table[c] = (0, r.page.nbytes, self.device_id, r.block_stride, r.num_blocks, 0, span)
-        out = np.repeat(table, base.size, axis=0) if len(table) == 1 else table[np.array(classes, dtype=np.int64)]
-        out[:, COL_BASE] = base
-        try:
-            out[:, COL_GROUP] = [r.group for r in self.regions]
-        except OverflowError:
-            raise IncompatibleGeometry(f"engine {self.engine_id!r} rank {self.tp_rank}: a KV group id beyond 2**63") from None
-        out[:, COL_END] += base
+            rows[c] = (0, r.page.nbytes, self.device_id, r.block_stride, r.num_blocks, 0, span)
+        if len(rows) == 1:
+            out = np.empty((n, 7), dtype=np.int64)
+            out[:] = rows[0]
+        else:
+            out = np.array(rows, dtype=np.int64)[np.array(classes, dtype=np.int64)]
+        out[:, COL_BASE] = own[0]
+        out[:, COL_GROUP] = own[1]
+        out[:, COL_END] += own[0]
         return out
 
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
 
     def to_dict(self) -> dict[str, Any]:
+        """The per-region form: every region a full description (readable; what peers before
+        the columnar wire send, and still accepted by :meth:`from_dict`)."""
         return {
             "engine_id": self.engine_id,
             "tp_size": self.tp_size,
@@ -542,13 +566,51 @@ class RankGeometry:
             "mem_type": self.mem_type,
         }
 
+    def to_wire(self) -> dict[str, Any]:
+        """The columnar form a handshake sends: one description per distinct region geometry
+        (``region_classes``: all but name, base and KV group) and the regions as parallel columns
+        (``region_columns``: name, base, group, class index). A model's layers are a handful of
+        geometries, so a peer parses each once and checks the per-layer fields in bulk."""
+        ids: dict[int, int] = {}
+        reps: list[Region] = []
+        column = []
+        for region, c in zip(self.regions, self.geometry_classes):
+            k = ids.get(c)
+            if k is None:
+                k = ids[c] = len(reps)
+                reps.append(region)
+            column.append(k)
+        return {
+            "engine_id": self.engine_id,
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "region_classes": [r.class_dict() for r in reps],
+            "region_columns": {
+                "name": [r.name for r in self.regions],
+                "base": [r.base for r in self.regions],
+                "group": [r.group for r in self.regions],
+                "class": column,
+            },
+            "memory": [[a, n] for a, n in self.memory],
+            "device_id": self.device_id,
+            "mem_type": self.mem_type,
+        }
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankGeometry:
+        """Parse and check a peer's geometry, in the columnar form (:meth:`to_wire`) or the
+        per-region form (:meth:`to_dict`); HandshakeError naming the field otherwise."""
         try:
             tp_size, tp_rank = _int(d["tp_size"], "tp_size"), _int(d["tp_rank"], "tp_rank")
             if not 0 <= tp_rank < tp_size:
                 raise HandshakeError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-            regions, classes = _parse_regions(d["regions"])
+            columnar = "region_classes" in d or "region_columns" in d
+            if columnar:
+                if "regions" in d:
+                    raise HandshakeError("geometry holds both 'regions' and 'region_classes'/'region_columns': send one form")
+                regions, classes = _parse_columnar(d)
+            else:
+                regions, classes = _parse_regions(d["regions"])
             geometry = cls(
                 engine_id=_str(d["engine_id"], "engine_id"),
                 tp_size=tp_size,
@@ -558,13 +620,17 @@ class RankGeometry:
                 device_id=_int(d.get("device_id", 0), "device_id"),
                 mem_type=_str(d.get("mem_type", "DRAM"), "mem_type"),
             )
+            if classes is not None:
+                geometry.__dict__["geometry_classes"] = classes  # what parsing found (cached_property slot)
+            if columnar:  # the columns as they came, checked: no pass over the regions for them
+                cols = d["region_columns"]
+                geometry.__dict__["columns"] = geometry._columns_of(cols["base"], cols["group"])
         except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
             raise HandshakeError(f"malformed rank geometry: {exc}") from None
-        geometry.__dict__["geometry_classes"] = classes  # what parsing found (cached_property slot)
         return geometry
 
 
-def _parse_regions(items: Any, share: bool = True) -> tuple[tuple[Region, ...], tuple[int, ...]]:
+def _parse_regions(items: Any, share: bool = True) -> tuple[tuple[Region, ...], tuple[int, ...] | None]:
     """Regions of a handshake, each region that repeats an earlier one's description (all but its
     name, base and KV group, values and their types alike) made as a copy of it: a model's
     layers are a handful of distinct geometries, so the wire is parsed (and later planned) once
@@ -580,8 +646,85 @@ def _parse_regions(items: Any, share: bool = True) -> tuple[tuple[Region, ...], 
             return _parse_shared(list(items))
         except _NotPlain:
             pass
-    regions = tuple(Region.from_dict(rd) for rd in items)
-    return regions, tuple(range(len(regions)))
+    # classes left to RankGeometry.geometry_classes (by value and type), so that such a peer is
+    # planned per geometry class like any other (and aliasing groups share registered rows)
+    return tuple(Region.from_dict(rd) for rd in items), None
+
+
+REGION_COLUMNS = ("name", "base", "group", "class")  # the columnar wire's per-region fields
+_REGION_OWN = frozenset(("name", "base", "group"))
+
+
+def _parse_columnar(d: Mapping[str, Any]) -> tuple[tuple[Region, ...], tuple[int, ...]]:
+    """Regions of a columnar handshake (:meth:`RankGeometry.to_wire`): each class description
+    parsed and checked once as a region, the columns checked in bulk (lengths, exact types, ranges,
+    unique names), and every region made as a copy of its class with its own name, base and group."""
+    described, columns = d["region_classes"], d["region_columns"]
+    if not isinstance(described, list):
+        raise HandshakeError(f"region_classes must be a list of region descriptions, got {type(described).__name__}")
+    if not isinstance(columns, Mapping):
+        raise HandshakeError(f"region_columns must be a map of the columns {list(REGION_COLUMNS)}, got {type(columns).__name__}")
+    protos: list[dict[str, Any]] = []
+    for k, cd in enumerate(described):
+        if not isinstance(cd, Mapping):
+            raise HandshakeError(f"region_classes[{k}] must be a map, got {type(cd).__name__}")
+        own = sorted(_REGION_OWN & cd.keys())
+        if own:
+            raise HandshakeError(f"region_classes[{k}] holds {own}: a region's own fields belong in region_columns")
+        try:
+            protos.append(Region.from_dict({**cd, "name": f"region_classes[{k}]", "base": 0, "group": 0}).__dict__)
+        except HandshakeError as exc:
+            raise HandshakeError(f"region_classes[{k}]: {exc}") from None
+    missing = [c for c in REGION_COLUMNS if c not in columns]
+    if missing:
+        raise HandshakeError(f"region_columns lacks the columns {missing}")
+    cols = [columns[c] for c in REGION_COLUMNS]
+    for key, col in zip(REGION_COLUMNS, cols):
+        if not isinstance(col, (list, tuple)):
+            raise HandshakeError(f"region_columns[{key!r}] must be a list, got {type(col).__name__}")
+    names, bases, groups, classes = cols
+    n = len(names)
+    if any(len(col) != n for col in cols):
+        sizes = ", ".join(f"{key} {len(col)}" for key, col in zip(REGION_COLUMNS, cols))
+        raise HandshakeError(f"region_columns must be lists of one length, got {sizes}")
+    if not n:
+        return (), ()
+    if set(map(type, names)) != {str} or "" in names:
+        i = next(i for i, v in enumerate(names) if type(v) is not str or not v)
+        raise HandshakeError(f"region_columns['name'][{i}] must be a non-empty string, got {names[i]!r}")
+    if len(set(names)) != n:
+        seen: set[str] = set()
+        dup = sorted({v for v in names if v in seen or seen.add(v)})
+        raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
+    for key, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
+        _check_int_column(key, col, limit)
+    new, set_fields = object.__new__, object.__setattr__
+    regions = []
+    for name, base, group, c in zip(names, bases, groups, classes):
+        region = new(Region)  # a copy of its class's validated region: name, base and group its own
+        fields = protos[c].copy()
+        fields["name"], fields["base"], fields["group"] = name, base, group
+        set_fields(region, "__dict__", fields)
+        regions.append(region)
+    return tuple(regions), tuple(classes)
+
+
+def _check_int_column(key: str, col: list[Any] | tuple[Any, ...], limit: int) -> None:
+    """Every entry an int (not a bool, not a float) in ``[0, limit)``: one pass over the types
+    and one min and max, all in C (cheaper than numpy's per-call cost for a model's layers, as
+    fast beyond), the first bad entry named."""
+    if set(map(type, col)) != {int}:
+        i = next(i for i, v in enumerate(col) if type(v) is not int)
+        raise HandshakeError(f"region_columns[{key!r}][{i}] must be a non-negative integer, got {col[i]!r}")
+    low, high = min(col), max(col)
+    if low < 0:
+        i = col.index(low)
+        raise HandshakeError(f"region_columns[{key!r}][{i}] must be a non-negative integer, got {low!r}")
+    if high >= limit:
+        i = col.index(high)
+        if key == "class":
+            raise HandshakeError(f"region_columns['class'][{i}] = {high} is out of range: the geometry lists {limit} region_classes")
+        raise HandshakeError(f"region_columns[{key!r}][{i}] = {high} lies beyond 2**62: no engine has one")
 
 
 class _NotPlain(Exception):

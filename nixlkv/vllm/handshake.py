@@ -4,7 +4,15 @@ Wire format (msgpack through msgspec, never pickle)::
 
     reply    = [schema_version: int, compat_hash: str, payload: bytes]
     payload  = [engine_id: str, tp_size: int, ranks: [[tp_rank: int, agent_metadata: bytes, geometry: map], ...]]
+    geometry = {engine_id, tp_size, tp_rank, memory: [[address, nbytes], ...], device_id, mem_type,
+                region_classes: [{strategy, num_blocks, block_stride, page, [page_parts], facts}, ...],
+                region_columns: {name: [str], base: [int], group: [int], class: [int]}}
     request  = [schema_version: int]
+
+The geometry is columnar (``RankGeometry.to_wire``): one description per distinct region
+geometry and the regions as parallel columns, so the reader parses each geometry once and
+checks the per-layer fields in bulk. The per-region form of earlier peers (``regions``: one full
+description per region, ``RankGeometry.to_dict``) is still accepted and checked as before.
 
 The reader decodes ``[schema_version, compat_hash]`` first and refuses a different schema or
 compatibility hash before it looks at the payload. Then every field is checked: types (msgspec),
@@ -89,7 +97,7 @@ def encode_reply(engine_id: str, tp_size: int, ranks: Mapping[int, tuple[bytes, 
     payload = EnginePayload(
         engine_id=engine_id,
         tp_size=tp_size,
-        ranks=[RankPayload(r, meta, geo.to_dict()) for r, (meta, geo) in sorted(ranks.items())],
+        ranks=[RankPayload(r, meta, geo.to_wire()) for r, (meta, geo) in sorted(ranks.items())],
     )
     return msgspec.msgpack.encode(Reply(SCHEMA_VERSION, hash_, msgspec.msgpack.encode(payload)))
 
@@ -188,34 +196,49 @@ def _check_regions_in_memory(geo: RankGeometry, rank: int) -> None:
 
 
 def _check_shape(d: Mapping[str, Any], rank: int) -> None:
-    """Bound the sizes before building objects from them (a hostile payload cannot make us loop)."""
-    regions, memory = d.get("regions"), d.get("memory")
+    """Bound the sizes before building objects from them (a hostile payload cannot make us loop).
+
+    Either form of a geometry: columnar (``region_classes`` + ``region_columns``, what this
+    nixlkv sends) or per-region (``regions``, what earlier peers send)."""
+    columnar = "region_classes" in d or "region_columns" in d
+    regions = d.get("region_classes") if columnar else d.get("regions")
+    memory = d.get("memory")
     if not isinstance(regions, list) or not isinstance(memory, list):
-        raise HandshakeError(f"rank {rank}: geometry needs 'regions' and 'memory' lists")
+        raise HandshakeError(
+            f"rank {rank}: geometry needs a 'memory' list and a 'region_classes' list (or, from an earlier nixlkv, a 'regions' list)"
+        )
     if len(regions) > MAX_REGIONS or len(memory) > MAX_MEMORY_RANGES:
         raise HandshakeError(
-            f"rank {rank}: {len(regions)} regions / {len(memory)} memory ranges exceed the limits "
-            f"{MAX_REGIONS} / {MAX_MEMORY_RANGES}"
+            f"rank {rank}: {len(regions)} region {'classes' if columnar else 'entries'} / {len(memory)} memory ranges "
+            f"exceed the limits {MAX_REGIONS} / {MAX_MEMORY_RANGES}"
         )
+    if columnar:
+        columns = d.get("region_columns")
+        if not isinstance(columns, dict):
+            raise HandshakeError(f"rank {rank}: geometry needs a 'region_columns' map beside 'region_classes'")
+        for key, col in columns.items():
+            if isinstance(col, list) and len(col) > MAX_REGIONS:
+                raise HandshakeError(f"rank {rank}: region_columns[{key!r}] lists {len(col)} regions, over the limit {MAX_REGIONS}")
     if not memory:
         raise HandshakeError(f"rank {rank}: no registered memory")
     for m in memory:
         if not isinstance(m, list) or len(m) != 2:
             raise HandshakeError(f"rank {rank}: memory entries must be [address, nbytes], got {m!r}")
-    for r in regions:
+    what = "region_classes" if columnar else "regions"
+    for i, r in enumerate(regions):  # per class in the columnar form, per region in the other
         if not isinstance(r, dict):
-            raise HandshakeError(f"rank {rank}: region entries must be maps, got {type(r).__name__}")
+            raise HandshakeError(f"rank {rank}: {what}[{i}]: region entries must be maps, got {type(r).__name__}")
         page = r.get("page")
         if not isinstance(page, list) or not 1 <= len(page) <= MAX_PAGE_AXES:
-            raise HandshakeError(f"rank {rank}: region page must list 1..{MAX_PAGE_AXES} axes, got {page!r}")
+            raise HandshakeError(f"rank {rank}: {what}[{i}]: region page must list 1..{MAX_PAGE_AXES} axes, got {page!r}")
         for axis in page:
             if not isinstance(axis, list) or len(axis) != 2 or not isinstance(axis[0], str):
-                raise HandshakeError(f"rank {rank}: page axes must be [name, size], got {axis!r}")
+                raise HandshakeError(f"rank {rank}: {what}[{i}]: page axes must be [name, size], got {axis!r}")
         if r.get("page") and any(isinstance(a[1], int) and a[1] > ADDRESS_LIMIT for a in page):
-            raise HandshakeError(f"rank {rank}: page axis size past 2^64")
+            raise HandshakeError(f"rank {rank}: {what}[{i}]: page axis size past 2^64")
         facts = r.get("facts", {})
         if not isinstance(facts, dict) or not _plain(facts, 0):
-            raise HandshakeError(f"rank {rank}: region facts must be plain values nested at most {MAX_FACT_DEPTH} deep")
+            raise HandshakeError(f"rank {rank}: {what}[{i}]: region facts must be plain values nested at most {MAX_FACT_DEPTH} deep")
 
 
 def _plain(value: Any, depth: int) -> bool:
