@@ -763,18 +763,23 @@ def check_serialisable(run: PointRun) -> None:
 
 
 def _round_trip(run: PointRun, geo: RankGeometry, who: str) -> RankGeometry:
-    try:
-        wire = json.loads(json.dumps(geo.to_dict()))
-    except (TypeError, ValueError) as exc:
-        raise ContractViolation(
-            SERIALISABLE, f"{run.point.id}: {who}'s geometry is not JSON (facts must be plain str/int/float/bool/list): {exc}"
-        ) from None
-    back = RankGeometry.from_dict(wire)
-    if back != geo:
-        diff = [r.name for r, s in zip(geo.regions, back.regions) if r != s]
-        raise ContractViolation(
-            SERIALISABLE, f"{run.point.id}: {who}'s geometry changes over the wire (regions {diff[:3]}): use plain fact values"
-        )
+    """The geometry through both wire forms: the columnar one a handshake sends (to_wire) and the
+    per-region one older peers send (to_dict); each must come back equal."""
+    back = geo
+    for form, encode in (("per-region", geo.to_dict), ("columnar", geo.to_wire)):
+        try:
+            wire = json.loads(json.dumps(encode()))
+        except (TypeError, ValueError) as exc:
+            raise ContractViolation(
+                SERIALISABLE, f"{run.point.id}: {who}'s geometry is not JSON (facts must be plain str/int/float/bool/list): {exc}"
+            ) from None
+        back = RankGeometry.from_dict(wire)
+        if back != geo:
+            diff = [r.name for r, s in zip(geo.regions, back.regions) if r != s]
+            raise ContractViolation(
+                SERIALISABLE,
+                f"{run.point.id}: {who}'s geometry changes over the wire ({form} form; regions {diff[:3]}): use plain fact values",
+            )
     return back
 
 
