@@ -64,6 +64,11 @@ MODELS = {
         _MAMBA2, {**_FA, "num_kv_heads": 4}, _MAMBA2), "LBHNC", prefix_caching=False),
     # Gemma4-like: 3 sliding layers (8 KV heads x 32, window 64) + 1 full layer (2 KV heads x 64,
     # per_layer_config), so the full layer's heads are replicated from TP 4 on.
+    # The tiny-llama config with compressor rings beside its attention layers (DeepSeek-V4.1-like:
+    # 8 rows of 1024 fp32, one block per request, whole on every rank): vLLM's real scheduler runs
+    # its CircularBufferManager, so the ring block lists the connector gets are vLLM's own.
+    "llama-ring": TinyModel(DATA / "tiny-llama", (
+        {**_FA, "count": 2}, {"kind": "circular_buffer", "count": 2, "capacity": 8, "head_size": 1024}), "LBHNC"),
     "gemma4": TinyModel(MODELS_DIR / "tiny-gemma4", (
         {**_FA, "kind": "sliding_window", "count": 3, "window": 64},
         {"kind": "full_attention", "count": 1, "num_kv_heads": 2, "head_size": 64}), "LBHNC"),
@@ -282,7 +287,7 @@ class PDEngine:
             for group, g in enumerate(block_ids):
                 ids = np.asarray(g, dtype=np.int64)
                 holds, first = ids != 0, 0
-                if num_tokens is not None and not rank.is_state_group(group):
+                if num_tokens is not None and not rank.is_state_group(group) and rank.fixed_blocks(group) is None:
                     # The list ends with the request's last block; vLLM may leave out the null
                     # blocks below a window, so positions are counted from the tail.
                     bs = rank.group_block_size(group)

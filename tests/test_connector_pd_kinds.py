@@ -51,6 +51,24 @@ def test_mamba_hybrid_is_byte_exact(p_tp: int, d_tp: int) -> None:
     assert run.computes_from == {**loaded, "k-4": 0}
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_compressor_rings_move_whole_through_vllms_scheduler(p_tp: int, d_tp: int) -> None:
+    """GQA + compressor rings: vLLM's scheduler gives each request one ring block per ring group on
+    both engines (its CircularBufferManager), the connector moves it whole from one P rank, holds
+    no token back, and the oracle checks every D byte (the ring pages and the attention blocks)."""
+    run = run_pd(PDCase("llama-ring", p_tp, d_tp), PROMPTS)
+    assert run.transfers["failed_transfers"] == 0
+    assert {rid: p["remote_num_tokens"] for rid, p in run.params.items()} == PROMPTS  # nothing held back
+    d = PDCase("llama-ring", p_tp, d_tp).scenario()
+    from nixlkv.testing.engines import build_rank
+
+    rank = build_rank(d, "decode", 0)
+    rings = [g for g in range(rank.num_groups) if rank.fixed_blocks(g) == 1]
+    assert len(rings) == 1 and len(rank.group_layers(rings[0])) == 2
+    for blocks in run.recv_blocks.values():  # one ring block per request, never the null block
+        assert len(blocks[rings[0]]) == 1 and blocks[rings[0]][0] != 0, blocks
+
+
 def test_attention_only_loads_the_whole_prompt() -> None:
     """No running state, no window: P prefills every prompt token, D loads all of them and computes
     the last one again for its logits (unchanged from before state kinds held tokens back)."""
