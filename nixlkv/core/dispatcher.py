@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import pluggy
 
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
-from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment
+from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, geometry_key
 from .plan import GroupPairing, SegmentTable, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy
@@ -18,6 +19,7 @@ from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks
 
 Unwrap = Callable[[Any, str], Any]
 MAX_UNWRAP_DEPTH = 8
+MEMO_CLASSES = 256  # class templates a dispatcher remembers (a deployment serves a handful of models)
 
 
 class Dispatcher:
@@ -26,6 +28,11 @@ class Dispatcher:
     def __init__(self, registry: StrategyRegistry, unwrap: Unwrap | None = None) -> None:
         self.registry = registry
         self._unwrap = unwrap
+        # (strategy, geometry key of the local region and of its peer on each covered rank,
+        # covered ranks, topology, remote TP) -> the class's template rows: a function of those
+        # alone for a segments_by_geometry strategy, so a later handshake with peers of a geometry
+        # already planned (another prefill engine of the same model) skips the strategy call.
+        self._templates: dict[tuple[Any, ...], np.ndarray] = {}
 
     @classmethod
     def from_plugins(cls, pm: pluggy.PluginManager | None = None, **registry_options: Any) -> Dispatcher:
@@ -123,8 +130,12 @@ class Dispatcher:
         missing = [p for p in covered if p not in remote]
         if missing:
             raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
-        _check_same_layers(local, {p: remote[p] for p in covered})
-        table, pairings = self._segment_table(local, [remote[p] for p in covered], covered, topology, remote_tp)
+        names = _names(local)
+        in_order = {p: _names(remote[p]) == names for p in covered}
+        if not all(in_order.values()):  # the same names in the same order are the same layers: others compared as sets
+            _check_same_layers(local, {p: remote[p] for p in covered if not in_order[p]})
+        table, pairings = self._segment_table(local, [remote[p] for p in covered], covered, topology, remote_tp,
+                                              all(in_order.values()))
         return TransferPlan(
             local=local,
             remote={p: remote[p] for p in covered},
@@ -135,7 +146,8 @@ class Dispatcher:
         )
 
     def _segment_table(
-        self, local: RankGeometry, peers_geo: list[RankGeometry], covered: Sequence[int], topology: Topology, remote_tp: int
+        self, local: RankGeometry, peers_geo: list[RankGeometry], covered: Sequence[int], topology: Topology, remote_tp: int,
+        same_order: bool | None = None,
     ) -> tuple[SegmentTable, list[GroupPairing]]:
         """Every layer's segments as columns, asking strategies once per distinct layer geometry.
 
@@ -147,9 +159,10 @@ class Dispatcher:
         """
         regions = local.regions
         n = len(regions)
-        names = [r.name for r in regions]
+        names = _names(local)
         # peer region index per rank; None where every rank lists the layers in this rank's order
-        same_order = all([r.name for r in g.regions] == names for g in peers_geo)
+        if same_order is None:
+            same_order = all(_names(g) == names for g in peers_geo)
         pidx = [list(range(n))] * len(peers_geo) if same_order else [[g.index[name] for name in names] for g in peers_geo]
         lclass = local.geometry_classes
         if same_order:
@@ -158,35 +171,58 @@ class Dispatcher:
             per_rank = [[cls[i] for i in idx] for cls, idx in zip((g.geometry_classes for g in peers_geo), pidx)]
         keys = list(zip(lclass, *per_rank))
         pure: dict[str, bool] = {}
-        for r in dict(zip(lclass, regions)).values():  # one region per local class
+        for r in _class_regions(local):
             pure[r.strategy] = bool(getattr(self.registry.by_name(r.strategy), "segments_by_geometry", False))
         if not all(pure.values()):
             keys = [k if pure[regions[i].strategy] else (*k, -1 - i) for i, k in enumerate(keys)]
-        class_of: dict[tuple[int, ...], int] = {}
-        layer_class = [class_of.setdefault(k, len(class_of)) for k in keys]
-        first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> its first layer
-        first = dict(sorted(first.items()))  # classes in order of first appearance (ids are given so)
+        if len(set(keys)) == 1:  # one geometry on every side (a dense model)
+            layer_class, first = [0] * n, {0: 0}
+        else:
+            class_of: dict[tuple[int, ...], int] = {}
+            layer_class = [class_of.setdefault(k, len(class_of)) for k in keys]
+            first = {}  # class -> its first layer, classes in order of first appearance (ids are given so)
+            for i, c in enumerate(layer_class):
+                first.setdefault(c, i)
 
         def describe(i: int) -> tuple[np.ndarray, bool]:
             """Layer ``i``'s peers checked and its strategy asked: its segment rows (see _template)."""
             region = regions[i]
-            peers = {p: _check_peer(g, region, g.regions[pidx[j][i]]) for j, (p, g) in enumerate(zip(covered, peers_geo))}
+            peer_regions = [g.regions[pidx[j][i]] for j, g in enumerate(peers_geo)]
+            memo = None
+            if pure[region.strategy]:
+                memo = (region.strategy, _class_key(local, i), *(_class_key(g, pidx[j][i]) for j, g in enumerate(peers_geo)),
+                        tuple(covered), topology.tp_size, topology.tp_rank, remote_tp)
+                rows = self._templates.get(memo)
+                if rows is not None:
+                    # _check_peer and segments() read only what the key holds (strategy, page,
+                    # facts; geometry), so for equal keys they pass and give these rows again.
+                    return rows, True
+            peers = {p: _check_peer(g, region, peer) for p, g, peer in zip(covered, peers_geo, peer_regions)}
             segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
-            return _template(segs, local, peers_geo, covered, region, peers)
+            rows, own = _template(segs, local, peers_geo, covered, region, peers)
+            if memo is not None and own:  # rows naming other regions hold this geometry's indices: not kept
+                if len(self._templates) >= MEMO_CLASSES:  # bounded; clear() is one atomic step for threads
+                    self._templates.clear()
+                rows.flags.writeable = False
+                self._templates[memo] = rows
+            return rows, own
 
         layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
         # per class: rows (local idx or -1, rank pos, remote idx or -1, loff, roff, nbytes, phase), and
         # whether its segments name only its own layer's regions
         described = [describe(i) for i in first.values()]
         templates: list[np.ndarray] = [rows for rows, _ in described]
+        own = [o for _, o in described]
         # A class whose segments name regions other than its own layer's (never a built-in
         # strategy) cannot be shared: its other layers are asked one by one.
         for c, i in first.items():
             if not described[c][1]:
                 for j in [j for j in range(n) if layer_class[j] == c and j != i]:
                     layer_class[j] = len(templates)
-                    templates.append(describe(j)[0])
-        return SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered), pairings
+                    rows, o = describe(j)
+                    templates.append(rows)
+                    own.append(o)
+        return SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered, own), pairings
 
     def _pairings(
         self, local: RankGeometry, peers_geo: list[RankGeometry], pidx: list[list[int]], same_order: bool, covered: Sequence[int]
@@ -195,16 +231,24 @@ class Dispatcher:
         layer's groups are checked: one remote group on every remote rank, and the same
         one-to-one map of local to remote groups for all layers."""
         regions = local.regions
-        lgroup = local.columns[:, COL_GROUP]
-        rgroups = [g.columns[:, COL_GROUP] if same_order else g.columns[idx, COL_GROUP] for g, idx in zip(peers_geo, pidx)]
+        # Python lists: a model has tens of layers, where each numpy call costs as much as a pass
+        rcols = [g.columns if same_order else g.columns[idx] for g, idx in zip(peers_geo, pidx)]
+        lgroup = _column(local, COL_GROUP)
+        rgroups = [c[:, COL_GROUP].tolist() for c in rcols]
         for rg in rgroups[1:]:
-            if not np.array_equal(rg, rgroups[0]):
-                i = int(np.argmax(rg != rgroups[0]))
-                found = sorted({int(x[i]) for x in rgroups})
+            if rg != rgroups[0]:
+                i = next(i for i, (a, b) in enumerate(zip(rg, rgroups[0])) if a != b)
+                found = sorted({x[i] for x in rgroups})
                 raise IncompatibleGeometry(f"layer {regions[i].name!r} sits in different KV groups on different remote ranks {found}")
-        triples = list(zip(lgroup.tolist(), rgroups[0].tolist(), [r.strategy for r in regions]))
+        strategies = {r.strategy for r in _class_regions(local)}  # a region's strategy is part of its class
         pkeys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> pairing key
-        layer_key = [pkeys.setdefault(t, len(pkeys)) for t in triples]
+        if len(strategies) == 1 and len(set(lgroup)) == 1 and len(set(rgroups[0])) == 1:  # one pairing (no KV groups)
+            triples = [(lgroup[0], rgroups[0][0], strategies.pop())] if regions else []
+            pkeys = dict.fromkeys(triples, 0)
+            layer_key = [0] * len(regions)
+        else:
+            triples = list(zip(lgroup, rgroups[0], [r.strategy for r in regions]))
+            layer_key = [pkeys.setdefault(t, len(pkeys)) for t in triples]
         group_map: dict[int, int] = {}
         for (lg, rg, _), i in zip(pkeys, [triples.index(t) for t in pkeys]):
             if group_map.setdefault(lg, rg) != rg:
@@ -217,17 +261,22 @@ class Dispatcher:
                 f"several local KV groups read the same remote group (local -> remote: {group_map}): "
                 "both engines must group layers the same way"
             )
-        keys = np.asarray(layer_key, dtype=np.int64)
-        lblocks = local.columns[:, COL_BLOCKS]
-        rblocks = np.minimum.reduce([g.columns[:, COL_BLOCKS] if same_order else g.columns[idx, COL_BLOCKS]
-                                     for g, idx in zip(peers_geo, pidx)])
+        lblocks = _column(local, COL_BLOCKS)
         pairings = []
+        if len(pkeys) == 1:  # every layer: the least over all rows of every rank
+            rmin = min(min(c[:, COL_BLOCKS].tolist()) for c in rcols)
+        else:
+            rblocks = rcols[0][:, COL_BLOCKS].tolist()
+            for c in rcols[1:]:
+                rblocks = list(map(min, rblocks, c[:, COL_BLOCKS].tolist()))
         for (lg, rg, name), k in pkeys.items():
-            m = keys == k
-            i = int(np.argmax(m))
+            if len(pkeys) == 1:
+                i, lmin = 0, min(lblocks)
+            else:
+                mine = [j for j, x in enumerate(layer_key) if x == k]
+                i, lmin, rmin = mine[0], min(lblocks[j] for j in mine), min(rblocks[j] for j in mine)
             rep_peer = peers_geo[0].regions[pidx[0][i]]
-            pairings.append(GroupPairing(lg, rg, self.registry.by_name(name), int(lblocks[m].min()), int(rblocks[m].min()),
-                                         regions[i], rep_peer))
+            pairings.append(GroupPairing(lg, rg, self.registry.by_name(name), lmin, rmin, regions[i], rep_peer))
         return layer_key, pairings
 
 
@@ -269,6 +318,46 @@ def _template(
         raise PlanValidationError(f"segments of {region.name!r} are not integer offsets and sizes: {exc}") from None
 
 
+def _column(geometry: RankGeometry, col: int) -> list[int]:
+    """One of :attr:`RankGeometry.columns` as a list, made once per geometry (read-only)."""
+    cache = geometry.__dict__.setdefault("_column_lists", {})
+    out = cache.get(col)
+    if out is None:
+        out = cache[col] = geometry.columns[:, col].tolist()
+    return out
+
+
+def _class_regions(geometry: RankGeometry) -> list[Region]:
+    """One region of each geometry class, listed once per geometry."""
+    reps = geometry.__dict__.get("_class_regions")
+    if reps is None:
+        reps = geometry.__dict__["_class_regions"] = list(dict(zip(geometry.geometry_classes, geometry.regions)).values())
+    return reps
+
+
+def _names(geometry: RankGeometry) -> list[str]:
+    """The regions' names in order, listed once per geometry (a decode rank's is asked at every handshake)."""
+    names = geometry.__dict__.get("_names")
+    if names is None:
+        names = geometry.__dict__["_names"] = list(map(_NAME, geometry.regions))
+    return names
+
+
+_NAME = attrgetter("name")
+
+
+def _class_key(geometry: RankGeometry, i: int) -> tuple[Any, ...]:
+    """:func:`geometry_key` of region ``i`` of ``geometry``, computed once per geometry class."""
+    keys = geometry.__dict__.get("_class_keys")
+    if keys is None:
+        keys = geometry.__dict__["_class_keys"] = {}
+    c = geometry.geometry_classes[i]
+    key = keys.get(c)
+    if key is None:
+        key = keys[c] = geometry_key(geometry.regions[i])
+    return key
+
+
 def _with_spec(layer: LayerCache, spec: Any) -> LayerCache:
     if spec is layer.spec:
         return layer
@@ -300,6 +389,9 @@ def _check_peer(geometry: RankGeometry, region: Region, peer: Region) -> Region:
         if key not in peer.facts or mine is None:
             continue  # not advertised: the strategy derives it or does without
         theirs = peer.facts[key]
+        t = type(mine)
+        if type(theirs) is t and (t is int and 0 <= theirs < MAX_FACT_INT or t is str or t is bool or t is float):
+            continue  # the same plain type is the same kind (_kind reads only the type): the usual fact
         if _kind(theirs) != _kind(mine) or (_kind(mine) == "integer" and not 0 <= theirs < MAX_FACT_INT):
             raise MalformedRemoteFact(
                 f"layer {region.name!r}: remote rank {geometry.tp_rank} advertises {key}={_short(theirs)} "

@@ -828,6 +828,8 @@ def geometry_key(region: Region) -> tuple[Any, ...]:
 
 
 def _freeze(value: Any) -> Any:
+    if type(value) in _SCALARS:  # the usual fact: no ABC isinstance checks (the same result, faster)
+        return (type(value), value)
     if isinstance(value, Mapping):
         return ("map", tuple((k, _freeze(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):

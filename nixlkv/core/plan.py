@@ -95,6 +95,7 @@ class IdScratch:
 
 SMALL_CHECK = 64  # segments to check below which a loop beats numpy's per-call cost
 SMALL_IDS = 8  # paired ids per group below which bounds are checked in Python
+SMALL_REDUCE = 256  # regions up to which a min or max over a column is cheaper in Python than a numpy call
 
 
 @dataclass(frozen=True)
@@ -120,20 +121,27 @@ class SegmentTable:
     layer_class: np.ndarray | None = None
     layer_start: np.ndarray | None = None
     peer_idx: tuple[np.ndarray, ...] | None = None
+    every_layer: bool = False  # every layer has segments, naming its own region: all local regions are written
 
     @classmethod
     def assemble(
         cls, layer_class: Sequence[int], templates: Sequence[np.ndarray], layer_key: Sequence[int],
-        peer_idx: Sequence[Sequence[int]] | None, covered: Sequence[int],
+        peer_idx: Sequence[Sequence[int]] | None, covered: Sequence[int], own: Sequence[bool] | None = None,
     ) -> SegmentTable:
         """Layer ``i`` gets template ``layer_class[i]``, its own region where the template says -1
         (local) and its peer on each rank (``peer_idx[rank position][i]``, or ``i`` itself where
-        ``peer_idx`` is None) likewise; its segments belong to pairing ``layer_key[i]``."""
-        tlen = np.array([len(t) for t in templates], dtype=np.int64)
+        ``peer_idx`` is None) likewise; its segments belong to pairing ``layer_key[i]``. ``own``
+        (per template: every row names only its layer's regions) is derived where not given."""
+        if own is None:
+            own = [bool(t.size == 0 or ((t[:, 0] < 0) & (t[:, 2] < 0)).all()) for t in templates]
+        tlens = [len(t) for t in templates]
+        n = len(layer_class)
+        if n and all(own) and min(tlens) == max(tlens) > 0:
+            return cls._assemble_own(layer_class, templates, layer_key, peer_idx, covered, tlens[0])
+        tlen = np.array(tlens, dtype=np.int64)
         tstart = np.cumsum(tlen) - tlen
         table = np.concatenate(templates) if templates else np.zeros((0, 7), dtype=np.int64)
         lc = np.asarray(layer_class, dtype=np.int64)
-        n = lc.size
         if n and (tlen == tlen[0]).all():  # every class has k segments (one geometry, or alike)
             k = int(tlen[0])
             layer = np.repeat(np.arange(n, dtype=np.int64), k)
@@ -146,7 +154,6 @@ class SegmentTable:
             key = np.repeat(np.asarray(layer_key, dtype=np.int64), counts) if n else layer
         rows = table[row]
         rank_pos = rows[:, 1]
-        own = [bool(t.size == 0 or ((t[:, 0] < 0) & (t[:, 2] < 0)).all()) for t in templates]
         extra: dict[str, Any] = {}
         if n and all(own):
             first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> first layer
@@ -164,6 +171,37 @@ class SegmentTable:
             peers = np.asarray(peer_idx, dtype=np.int64).reshape(len(covered), -1)[rank_pos, layer]
         remote_idx = np.where(rows[:, 2] < 0, peers, rows[:, 2]) if (table[:, 2] >= 0).any() else peers
         return cls(local_idx, rank_pos, remote_idx, rows[:, 3], rows[:, 4], rows[:, 5], rows[:, 6], key, check_idx, **extra)
+
+    @classmethod
+    def _assemble_own(
+        cls, layer_class: Sequence[int], templates: Sequence[np.ndarray], layer_key: Sequence[int],
+        peer_idx: Sequence[Sequence[int]] | None, covered: Sequence[int], k: int,
+    ) -> SegmentTable:
+        """:meth:`assemble` where every template has ``k`` rows naming only its layer's regions
+        (every built-in strategy): the same table with a few whole-array operations."""
+        n = len(layer_class)
+        lc = np.fromiter(layer_class, dtype=np.int64, count=n)
+        rows = np.empty((n, k, 7), dtype=np.int64)
+        if len(templates) == 1:  # one geometry: the template repeated per layer
+            rows[:] = templates[0]
+            check_idx = np.arange(k, dtype=np.int64)
+        else:
+            rows[:] = np.stack(templates)[lc]
+            first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> first layer
+            check_idx = (np.fromiter(first.values(), dtype=np.int64)[:, None] * k + np.arange(k, dtype=np.int64)).ravel()
+        rows = rows.reshape(n * k, 7)
+        ar = np.arange(n, dtype=np.int64)
+        layer = ar.repeat(k)  # the method: np.repeat's wrapper costs more than the copy
+        seg_start = ar * k
+        rank_pos = rows[:, 1]
+        if peer_idx is None:
+            pidx, remote_idx = None, layer  # own rows: every index is the layer's own (-1)
+        else:
+            pidx = tuple(np.asarray(x, dtype=np.int64) for x in peer_idx)
+            remote_idx = np.asarray(peer_idx, dtype=np.int64).reshape(len(covered), -1)[rank_pos, layer]
+        return cls(layer, rank_pos, remote_idx, rows[:, 3], rows[:, 4], rows[:, 5], rows[:, 6],
+                   np.fromiter(layer_key, dtype=np.int64, count=n).repeat(k), check_idx,
+                   layer_class=lc, layer_start=seg_start, peer_idx=pidx, every_layer=True)
 
     def __len__(self) -> int:
         return int(self.local_idx.size)
@@ -222,13 +260,17 @@ class TransferPlan:
         for geometry in (self.local, *(self.remote[p] for p in self.covered)):
             _check_registered_all(geometry)
         # Pages of two written regions of one KV group must never share a byte (block IDs are shared).
-        written = np.unique(t.local_idx)
-        _check_groups_disjoint(self.local, None if written.size == len(self.local.regions) else written)
+        if t.every_layer:  # local_idx is every layer's own index, each at least once
+            written = None
+        else:
+            written = np.unique(t.local_idx)
+            written = None if written.size == len(self.local.regions) else written
+        _check_groups_disjoint(self.local, written)
 
     def _validate_few(self, idx: np.ndarray) -> None:
         t = self._table
-        rows = np.stack([t.local_idx[idx], t.rank_pos[idx], t.remote_idx[idx], t.local_offset[idx], t.remote_offset[idx],
-                         t.nbytes[idx], t.phase[idx], idx], axis=1).tolist()
+        cols = (t.local_idx, t.rank_pos, t.remote_idx, t.local_offset, t.remote_offset, t.nbytes, t.phase)
+        rows = [[c.item(i) for c in cols] + [i] for i in idx.tolist()]  # a few rows: scalar reads beat fancy indexing
         local, covered = self.local.regions, self.covered
         for li, j, ri, loff, roff, nb, phase, i in rows:
             self._check_segment(i, nb, loff, roff, phase, local[li].page.nbytes, self.remote[covered[j]].regions[ri].page.nbytes)
@@ -314,7 +356,7 @@ class TransferPlan:
         local_rows[:, 1] = nbytes
         self.local_descs = local_rows.astype(np.uint64)
         counts = local_rows[:, 4]
-        local_start = np.cumsum(counts)
+        local_start = np.add.accumulate(counts)  # np.cumsum's wrapper costs more than the sum here
         local_total = int(local_start[-1]) if local_start.size else 0
         local_start -= counts
         # Rows of each remote rank, in row order: one slice of a stable sort by rank.
@@ -322,20 +364,22 @@ class TransferPlan:
         if len(self.covered) == 1:
             by_rank = [np.arange(rank_pos.size, dtype=np.int64)]
         else:
-            order = np.argsort(rank_pos, kind="stable")
-            cuts = np.searchsorted(rank_pos[order], np.arange(len(self.covered) + 1)).tolist()
+            order = rank_pos.argsort(kind="stable")
+            cuts = rank_pos[order].searchsorted(np.arange(len(self.covered) + 1)).tolist()
             by_rank = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         remote_start = np.empty_like(local_start)
         self.remote_descs = {}
         totals = [local_total]
+        rank_bytes: dict[int, int] = {}  # bytes per block pair each remote rank's rows move
         for p, idx in zip(self.covered, by_rank):
             if not idx.size:
                 continue
             rows = self.remote[p].columns[remote_idx[idx], :5]
             rows[:, 0] += roff[idx]
-            rows[:, 1] = nbytes[idx]
+            rows[:, 1] = size = nbytes[idx]
+            rank_bytes[p] = sum(size.tolist())  # tens of rows: a Python sum beats a reduction's call
             self.remote_descs[p] = rows.astype(np.uint64)
-            starts = np.cumsum(rows[:, 4])
+            starts = np.add.accumulate(rows[:, 4])
             totals.append(int(starts[-1]))
             remote_start[idx] = starts - rows[:, 4]
         if shared is not None:
@@ -351,14 +395,15 @@ class TransferPlan:
         # precomputed so resolve() is one broadcast add per entry into a preallocated array.
         self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {}
         lstart, rstart = local_start.astype(self._id_dtype), remote_start.astype(self._id_dtype)
-        if n and len(self.pairings) == 1 and shared is None and not t.phase.any():
+        phased = bool(np.count_nonzero(t.phase))  # any pair not in phase 0 (count_nonzero: the cheapest call)
+        if n and len(self.pairings) == 1 and shared is None and not phased:
             for p, idx in zip(self.covered, by_rank):  # one pairing, one phase: an entry is a rank's rows
                 if idx.size:
-                    self._rank_keys[p] = [(0, 0, lstart[idx], rstart[idx], int(t.nbytes[idx].sum()))]
+                    self._rank_keys[p] = [(0, 0, lstart[idx], rstart[idx], rank_bytes[p])]  # rows are segments here
         elif n:
             # entries: runs of equal (rank, pairing, phase) in that order, layer order within
             sel = t.rank_pos * (len(self.pairings) + 1) + t.key
-            if t.phase.any():
+            if phased:
                 sel = sel * (int(t.phase.max()) + 1) + t.phase
             order = np.argsort(sel, kind="stable")
             sel = sel[order]
@@ -534,8 +579,9 @@ class TransferPlan:
 
 def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
     """Two ranks' resolve entries name the same (pairing, phase, remote row starts) in order."""
-    return len(a) == len(b) and all(
-        x[0] == y[0] and x[1] == y[1] and np.array_equal(x[3], y[3]) for x, y in zip(a, b)
+    return len(a) == len(b) and all(  # integer arrays of one dtype and shape: equal bytes are equal values
+        x[0] == y[0] and x[1] == y[1] and x[3].dtype == y[3].dtype and x[3].shape == y[3].shape
+        and x[3].tobytes() == y[3].tobytes() for x, y in zip(a, b)
     )
 
 
@@ -613,6 +659,12 @@ def _check_registered_all(geometry: RankGeometry) -> None:
         return
     col = geometry.columns
     base, end = col[:, COL_BASE], col[:, COL_END]
+    if len(geometry.memory) == 1:  # one range (the usual): inside it iff the lowest base and highest end are
+        addr, nbytes = geometry.memory[0]
+        lo, hi = (min(base.tolist()), max(end.tolist())) if base.size <= SMALL_REDUCE else (base.min(), end.max())
+        if lo >= min(addr, ADDRESS_LIMIT) and hi <= min(addr + nbytes, ADDRESS_LIMIT):
+            geometry.__dict__["_registered_ok"] = True
+            return
     inside = np.zeros(base.size, dtype=bool)
     for addr, nbytes in geometry.memory:
         # columns hold addresses below 2**62; a range reaching past that is clipped there
