@@ -140,11 +140,6 @@ def _check_mla(p: Mapping[str, Any]) -> list[str]:
     for key in ("kv_lora_rank", "qk_rope_head_dim"):
         if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < 1:
             errors.append(f"{key} must be a positive integer, got {p[key]!r}")
-    ratio, alignment = p.get("compress_ratio", 1), p.get("alignment")
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-        errors.append(f"compress_ratio must be a positive integer, got {ratio!r}")
-    if alignment is not None and (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1):
-        errors.append(f"alignment must be a positive integer (page bytes are padded to a multiple of it), got {alignment!r}")
     if p["cache_dtype"] not in MLA_CACHE_DTYPES:
         errors.append(f"cache_dtype must be one of {MLA_CACHE_DTYPES}, got {p['cache_dtype']!r}")
     elif p["cache_dtype"] != "auto" and (p["kv_lora_rank"], p["qk_rope_head_dim"]) != (512, 64):
