@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -130,8 +129,8 @@ class Dispatcher:
         missing = [p for p in covered if p not in remote]
         if missing:
             raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
-        names = _names(local)
-        in_order = {p: _names(remote[p]) == names for p in covered}
+        names = local.names
+        in_order = {p: remote[p].names == names for p in covered}
         if not all(in_order.values()):  # the same names in the same order are the same layers: others compared as sets
             _check_same_layers(local, {p: remote[p] for p in covered if not in_order[p]})
         table, pairings = self._segment_table(local, [remote[p] for p in covered], covered, topology, remote_tp,
@@ -159,10 +158,10 @@ class Dispatcher:
         """
         regions = local.regions
         n = len(regions)
-        names = _names(local)
+        names = local.names
         # peer region index per rank; None where every rank lists the layers in this rank's order
         if same_order is None:
-            same_order = all(_names(g) == names for g in peers_geo)
+            same_order = all(g.names == names for g in peers_geo)
         pidx = [list(range(n))] * len(peers_geo) if same_order else [[g.index[name] for name in names] for g in peers_geo]
         lclass = local.geometry_classes
         if same_order:
@@ -171,7 +170,7 @@ class Dispatcher:
             per_rank = [[cls[i] for i in idx] for cls, idx in zip((g.geometry_classes for g in peers_geo), pidx)]
         keys = list(zip(lclass, *per_rank))
         pure: dict[str, bool] = {}
-        for r in _class_regions(local):
+        for r in local.class_regions:
             pure[r.strategy] = bool(getattr(self.registry.by_name(r.strategy), "segments_by_geometry", False))
         if not all(pure.values()):
             keys = [k if pure[regions[i].strategy] else (*k, -1 - i) for i, k in enumerate(keys)]
@@ -190,7 +189,8 @@ class Dispatcher:
             peer_regions = [g.regions[pidx[j][i]] for j, g in enumerate(peers_geo)]
             memo = None
             if pure[region.strategy]:
-                memo = (region.strategy, _class_key(local, i), *(_class_key(g, pidx[j][i]) for j, g in enumerate(peers_geo)),
+                theirs = (g.class_keys[g.geometry_classes[pidx[j][i]]] for j, g in enumerate(peers_geo))
+                memo = (region.strategy, local.class_keys[lclass[i]], *theirs,
                         tuple(covered), topology.tp_size, topology.tp_rank, remote_tp)
                 rows = self._templates.get(memo)
                 if rows is not None:
@@ -233,14 +233,14 @@ class Dispatcher:
         regions = local.regions
         # Python lists: a model has tens of layers, where each numpy call costs as much as a pass
         rcols = [g.columns if same_order else g.columns[idx] for g, idx in zip(peers_geo, pidx)]
-        lgroup = _column(local, COL_GROUP)
+        lgroup = local.column_lists[COL_GROUP]
         rgroups = [c[:, COL_GROUP].tolist() for c in rcols]
         for rg in rgroups[1:]:
             if rg != rgroups[0]:
                 i = next(i for i, (a, b) in enumerate(zip(rg, rgroups[0])) if a != b)
                 found = sorted({x[i] for x in rgroups})
                 raise IncompatibleGeometry(f"layer {regions[i].name!r} sits in different KV groups on different remote ranks {found}")
-        strategies = {r.strategy for r in _class_regions(local)}  # a region's strategy is part of its class
+        strategies = {r.strategy for r in local.class_regions}  # a region's strategy is part of its class
         pkeys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> pairing key
         if len(strategies) == 1 and len(set(lgroup)) == 1 and len(set(rgroups[0])) == 1:  # one pairing (no KV groups)
             triples = [(lgroup[0], rgroups[0][0], strategies.pop())] if regions else []
@@ -261,7 +261,7 @@ class Dispatcher:
                 f"several local KV groups read the same remote group (local -> remote: {group_map}): "
                 "both engines must group layers the same way"
             )
-        lblocks = _column(local, COL_BLOCKS)
+        lblocks = local.column_lists[COL_BLOCKS]
         pairings = []
         if len(pkeys) == 1:  # every layer: the least over all rows of every rank
             rmin = min(min(c[:, COL_BLOCKS].tolist()) for c in rcols)
@@ -316,46 +316,6 @@ def _template(
         return np.array(rows, dtype=np.int64).reshape(-1, 7), all(r[0] == -1 and r[2] == -1 for r in rows)
     except (OverflowError, TypeError, ValueError) as exc:
         raise PlanValidationError(f"segments of {region.name!r} are not integer offsets and sizes: {exc}") from None
-
-
-def _column(geometry: RankGeometry, col: int) -> list[int]:
-    """One of :attr:`RankGeometry.columns` as a list, made once per geometry (read-only)."""
-    cache = geometry.__dict__.setdefault("_column_lists", {})
-    out = cache.get(col)
-    if out is None:
-        out = cache[col] = geometry.columns[:, col].tolist()
-    return out
-
-
-def _class_regions(geometry: RankGeometry) -> list[Region]:
-    """One region of each geometry class, listed once per geometry."""
-    reps = geometry.__dict__.get("_class_regions")
-    if reps is None:
-        reps = geometry.__dict__["_class_regions"] = list(dict(zip(geometry.geometry_classes, geometry.regions)).values())
-    return reps
-
-
-def _names(geometry: RankGeometry) -> list[str]:
-    """The regions' names in order, listed once per geometry (a decode rank's is asked at every handshake)."""
-    names = geometry.__dict__.get("_names")
-    if names is None:
-        names = geometry.__dict__["_names"] = list(map(_NAME, geometry.regions))
-    return names
-
-
-_NAME = attrgetter("name")
-
-
-def _class_key(geometry: RankGeometry, i: int) -> tuple[Any, ...]:
-    """:func:`geometry_key` of region ``i`` of ``geometry``, computed once per geometry class."""
-    keys = geometry.__dict__.get("_class_keys")
-    if keys is None:
-        keys = geometry.__dict__["_class_keys"] = {}
-    c = geometry.geometry_classes[i]
-    key = keys.get(c)
-    if key is None:
-        key = keys[c] = geometry_key(geometry.regions[i])
-    return key
 
 
 def _with_spec(layer: LayerCache, spec: Any) -> LayerCache:

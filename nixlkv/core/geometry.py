@@ -497,7 +497,28 @@ class RankGeometry:
     @cached_property
     def index(self) -> dict[str, int]:
         """Region name -> position in :attr:`regions` (for columnar planning)."""
-        return dict(zip([r.name for r in self.regions], range(len(self.regions))))
+        return dict(zip(self.names, range(len(self.regions))))
+
+    @cached_property
+    def names(self) -> list[str]:
+        """The regions' names in order (a decode rank's are compared at every handshake). Read-only."""
+        return [r.name for r in self.regions]
+
+    @cached_property
+    def class_regions(self) -> list[Region]:
+        """One region of each geometry class, in class order. Read-only."""
+        return list(dict(zip(self.geometry_classes, self.regions)).values())
+
+    @cached_property
+    def class_keys(self) -> dict[int, tuple[Any, ...]]:
+        """Geometry class -> :func:`geometry_key` of its regions (what a plan memo is keyed by)."""
+        return dict(zip(dict.fromkeys(self.geometry_classes), map(geometry_key, self.class_regions)))
+
+    @cached_property
+    def column_lists(self) -> list[list[int]]:
+        """:attr:`columns` as Python lists, one per ``COL_*`` index (cheaper than numpy at tens of
+        layers). Read-only."""
+        return self.columns.T.tolist()
 
     @cached_property
     def geometry_classes(self) -> tuple[int, ...]:
