@@ -284,17 +284,29 @@ def test_region_in_memory_check_matches_brute_force() -> None:
     from nixlkv.core.errors import HandshakeError
     from nixlkv.vllm.handshake import _check_regions_in_memory
 
+    import numpy as np
+
+    from nixlkv.core.geometry import COL_BASE, COL_END
+
+    def geometry(memory, spans):
+        columns = np.zeros((len(spans), 7), dtype=np.int64)
+        columns[:, COL_BASE] = [b for b, _ in spans]
+        columns[:, COL_END] = [b + n for b, n in spans]
+        regions = [types.SimpleNamespace(name=f"r{i}", base=b, end=b + n) for i, (b, n) in enumerate(spans)]
+        return types.SimpleNamespace(memory=memory, columns=columns, regions=regions)
+
     rng = random.Random(7)
-    for _ in range(300):
-        memory = [(rng.randrange(0, 1000), rng.randrange(1, 200)) for _ in range(rng.randrange(1, 6))]
-        base, size = rng.randrange(0, 1100), rng.randrange(1, 150)
-        geo = types.SimpleNamespace(memory=memory, regions=[types.SimpleNamespace(name="r", base=base, end=base + size)])
-        inside = any(a <= base and base + size <= a + n for a, n in memory)
-        if inside:
-            _check_regions_in_memory(geo, 0)
-        else:
-            with pytest.raises(HandshakeError, match="outside every memory range"):
+    for scale in (1, 1 << 53):  # small addresses, and ranges reaching past 2**63 (clipped, same answers)
+        for _ in range(300):
+            memory = [(rng.randrange(0, 1000) * scale, rng.randrange(1, 200) * scale) for _ in range(rng.randrange(1, 6))]
+            spans = [(rng.randrange(0, 1100) * min(scale, 1 << 51), rng.randrange(1, 150)) for _ in range(rng.randrange(1, 4))]
+            geo = geometry(memory, spans)
+            outside = [i for i, (b, n) in enumerate(spans) if not any(a <= b and b + n <= a + m for a, m in memory)]
+            if not outside:
                 _check_regions_in_memory(geo, 0)
+            else:
+                with pytest.raises(HandshakeError, match=f"region 'r{outside[0]}' .* outside every memory range"):
+                    _check_regions_in_memory(geo, 0)
 
 
 def test_a_renamed_page_axis_is_refused_naming_the_axis() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import pytest
 
 from nixlkv.testing import oracle
@@ -29,6 +30,7 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
             run_decode(d, old_params, {"a": 40})
             assert d.finished_recving == {"a"} and not d.failed_recving
             old_agent_names = [a for r in d.workers[0]._worker._remotes.values() for a in r.agents.values()]
+            (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
             old.kill()
             old.join(10)
             new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10)
@@ -49,6 +51,11 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         assert "nixlkv remote restarted engine=P" in caplog.text and "previous incarnation" in caplog.text
         expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
         assert oracle.compare(d.ranks[0], expected) is None  # b's blocks: never written (no READ)
+        # The new P is laid out like the old one at other addresses: D's plan for it is the first
+        # plan rebased (the same segment table), and c's bytes above came through it.
+        (live_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
+        assert live_plan is not first_plan and live_plan._table is first_plan._table
+        assert not all(np.array_equal(live_plan.remote_descs[p], first_plan.remote_descs[p]) for p in live_plan.remote_descs)
         assert new_pipe.poll(60)
         report = new_pipe.recv()
         assert report["finished_sending"] == ["c"] and report["requests"] == 0, report

@@ -282,3 +282,25 @@ def test_the_auto_loaded_plugin_imports_nothing_heavy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+class DeclaresButReverses(FullAttentionStrategy):
+    """Declares the owned-tail pairing for the core but pairs its blocks in reverse itself: the
+    plan (paired by the core) moves the right bytes, so only the comparison of the two answers
+    can see that the declaration is not the strategy's own pairing."""
+
+    name = "declares_but_reverses"
+    overrides = ("full_attention",)
+
+    def pair_blocks(self, local_ids, remote_ids, local, remote, num_tokens=None):
+        lp, rp, *_ = super().pair_blocks(local_ids, remote_ids, local, remote, num_tokens)
+        return lp, rp[::-1].copy()
+
+    def block_pairing(self, local, remote):
+        return super().block_pairing(local, remote)
+
+
+def test_a_declared_pairing_unlike_pair_blocks_fails_deterministic() -> None:
+    v = violation(DeclaresButReverses(), P4_D2)
+    assert v.invariant == contract.DETERMINISTIC
+    assert "block_pairing declares" in str(v) and "pairs otherwise than pair_blocks" in str(v)

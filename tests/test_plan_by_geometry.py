@@ -200,8 +200,12 @@ def test_group_floor_writes_one_id_per_descriptor_and_checks_when_asked() -> Non
     assert lo2.tolist() == [3, 4, 5] and ro2.tolist() == [1, 2, 6]
     checked = bench_run.group_id_floor(local, remote, reads, checked_limits=(8, 10))
     checked()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="out of bounds"):
         bench_run.group_id_floor(local, remote, reads, checked_limits=(6, 10))()
+    with pytest.raises(ValueError, match="out of bounds"):
+        bench_run.group_id_floor(local, remote, reads, checked_limits=(8, 9))()
+    with pytest.raises(ValueError, match="null"):
+        bench_run.group_id_floor([[3, 0, 5], [7]], remote, reads, checked_limits=(8, 10))()
     assert bench_run.group_id_floor([[1, 2]], [[1]], [[(0, 0, 1)]]) is None
 
 
@@ -210,6 +214,8 @@ def test_bench_reports_the_parse_and_the_checked_floor() -> None:
     row = bench_run.plan_case(Case(SMALL, 4, 2, 512, "contiguous"), d, budget=0.01)
     assert row["plan_floor_ratio"] is not None and row["plan_floor_checked_ratio"] is not None
     assert 0 < row["handshake_ms_parse_ours"] <= row["handshake_ms_ours"] * 2
+    # the first handshake of a layout (planned from scratch) is reported beside the rebased ones
+    assert row["handshake_ms_first_ours"] > 0 and row["handshake_first_ratio"] > 0
     hybrid = bench_run.plan_case(Case(NEMOTRON_H_8B, 4, 2, 1024, "contiguous"), d, budget=0.01)
     assert hybrid["plan_floor_ratio"] is not None  # hybrids have a floor too
     assert hybrid["registered_ours"] <= hybrid["registered_vllm"]

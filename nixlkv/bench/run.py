@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import platform
+import struct
 import time
+from itertools import chain
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,7 +15,8 @@ import torch
 
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
-from ..core.plan import expand_ids, list_ids
+from ..core.geometry import forget_described
+from ..core.plan import expand_ids
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer
@@ -53,25 +56,13 @@ def _reps(ids_per_request: int, budget: float) -> int:
 
 def id_floor(local: list[int], remote: list[int], ids_per_read: Sequence[int]) -> Callable[[], None] | None:
     """The least any planner handing NIXL prepped-list IDs does per request: convert both Python
-    block lists once (the fastest conversion known, :func:`list_ids`), and write one int32 ID per
-    descriptor on each side of every READ (no validation, no pairing). None where a READ's IDs
-    are not whole rows of the request's blocks."""
+    block lists in one step (the fastest conversion known: one ``struct`` pack of both), and write
+    one int32 ID per descriptor on each side of every READ (no validation, no pairing). None where
+    a READ's IDs are not whole rows of the request's blocks."""
     n = len(local)
     if n == 0 or len(remote) != n or any(k % n for k in ids_per_read):
         return None
-    stride = max(max(local), max(remote)) + 1  # rows as long as the block pool: IDs stay distinct
-    rows = [np.arange(k // n, dtype=np.int32)[:, None] * np.int32(stride) for k in ids_per_read]
-    out = [(np.empty(k, dtype=np.int32), np.empty(k, dtype=np.int32)) for k in ids_per_read]
-
-    def floor() -> None:
-        lids = list_ids(local, np.int32)
-        rids = list_ids(remote, np.int32)
-        for offsets, (lo, ro) in zip(rows, out):
-            np.add(offsets, lids, out=lo.reshape(offsets.shape[0], n))
-            np.add(offsets, rids, out=ro.reshape(offsets.shape[0], n))
-
-    floor.out = out  # type: ignore[attr-defined]  # what it wrote, per READ: (local IDs, remote IDs)
-    return floor
+    return group_id_floor([local], [remote], [[(0, 0, k // n)] for k in ids_per_read])
 
 
 def group_id_floor(
@@ -79,13 +70,14 @@ def group_id_floor(
     checked_limits: tuple[int, int] | None = None,
 ) -> Callable[[], None] | None:
     """:func:`id_floor` for a request with several KV groups (a hybrid): convert every group's
-    block lists once (:func:`list_ids`), and per READ write one int32 ID per descriptor on each side, ``rows`` IDs
-    per block for each ``(local group, remote group, rows)`` the READ reads. None where a group's
-    lists differ in length (pairing would be needed).
+    block lists in one step (one ``struct`` pack of them all), and per READ write one int32 ID per
+    descriptor on each side, ``rows`` IDs per block for each ``(local group, remote group, rows)``
+    the READ reads. None where a group's lists differ in length (pairing would be needed).
 
     ``checked_limits`` = (local, remote) block counts: the floor then also does the least a
-    planner that refuses bad ids must do, one unsigned max per list against its block count and
-    one count of null blocks (id 0) per list; it is the floor of validated planning."""
+    planner that refuses bad ids must do, over all the ids at once: one count of null blocks (id
+    0) and one unsigned max against the smaller block count (each side against its own where
+    that fails); it is the floor of validated planning."""
     if any(len(local[lg]) != len(remote[rg]) for read in reads for lg, rg, _ in read):
         return None
     stride = max([max(g) for g in (*local, *remote) if len(g)], default=0) + 1
@@ -94,16 +86,26 @@ def group_id_floor(
     for read in reads:
         n = sum(rows * len(local[lg]) for lg, _, rows in read)
         out.append((np.empty(n, dtype=np.int32), np.empty(n, dtype=np.int32)))
-    sizes_l, sizes_r = [len(g) for g in local], [len(g) for g in remote]
+    groups = [*local, *remote]
+    sizes = [len(g) for g in groups]
+    cuts = np.cumsum([0, *sizes]).tolist()
+    total = cuts[-1]
+    pack = struct.Struct(f"{total}i").pack
+    two = len(groups) == 2
+    limit = min(checked_limits) if checked_limits is not None else None
+    sizes_l, sizes_r = sizes[: len(local)], sizes[len(local) :]
 
     def floor() -> None:
-        lids = [list_ids(g, np.int32) for g in local]
-        rids = [list_ids(g, np.int32) for g in remote]
-        if checked_limits is not None:
-            for ids, limit in ((lids, checked_limits[0]), (rids, checked_limits[1])):
-                for a in ids:
-                    if a.size and (np.maximum.reduce(a.view(np.uint32)) >= limit or np.count_nonzero(a) != a.size):
-                        raise ValueError("a block id out of bounds or null")
+        ids = np.frombuffer(pack(*groups[0], *groups[1]) if two else pack(*chain.from_iterable(groups)), dtype=np.int32)
+        views = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        lids, rids = views[: len(local)], views[len(local) :]
+        if limit is not None and total:
+            if np.count_nonzero(ids) != total:
+                raise ValueError("a null block id")
+            if np.maximum.reduce(ids.view(np.uint32)) >= limit:  # then each side against its own count
+                for side, bound in ((lids, checked_limits[0]), (rids, checked_limits[1])):
+                    if any(a.size and np.maximum.reduce(a.view(np.uint32)) >= bound for a in side):
+                        raise ValueError("a block id out of bounds")
         for read, (lo, ro) in zip(reads, out):
             at = 0
             for lg, rg, rows in read:
@@ -112,7 +114,7 @@ def group_id_floor(
                 np.add(offsets[rows], rids[rg], out=ro[at : at + k].reshape(rows, sizes_r[rg]))
                 at += k
 
-    floor.out = out  # type: ignore[attr-defined]
+    floor.out = out  # type: ignore[attr-defined]  # what it wrote, per READ: (local IDs, remote IDs)
     return floor
 
 
@@ -145,18 +147,30 @@ def plan_case(
         vllm = VllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb,
                            [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()})
     # What arrives in a handshake: each covered rank's geometry as plain data, in the columnar form
-    # nixlkv sends (one description per distinct region geometry, the regions as columns).
+    # nixlkv sends (one description per distinct region geometry, the regions as columns). Every
+    # timed handshake is with another prefill engine (its own id and addresses), as a decode rank
+    # meets them: the dispatcher has planned the layout before (with the first engine), so it
+    # rebases that plan; the first handshake of a layout is timed on its own (a fresh dispatcher
+    # and no class description parsed before, each time; the decode geometry is the worker's own,
+    # prepared when it registered its caches).
     wire = {r: g.to_wire() for r, g in remote.items()}
+    hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
+    engines = iter([{r: other_engine(w, k) for r, w in wire.items()} for k in range(1, 3 * (hs_reps + 1) + 1)])
 
     def ours_handshake():
-        return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
+        return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
+
+    def ours_first():  # nothing of this layout planned, nor its descriptions parsed, on this decode rank
+        forget_described()
+        fresh = Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap)
+        return fresh.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
 
     def ours_parse():  # the wire alone: every covered rank's geometry parsed and checked
-        return {r: RankGeometry.from_dict(d) for r, d in wire.items()}
+        return {r: RankGeometry.from_dict(d) for r, d in next(engines).items()}
 
-    hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
-    hs_ours, hs_vllm, hs_parse = interleaved([ours_handshake, vllm.handshake, ours_parse], hs_reps, warmup=1)
-    plan = ours_handshake()
+    dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})  # the layout's first engine
+    hs_ours, hs_vllm, hs_parse, hs_first = interleaved([ours_handshake, vllm.handshake, ours_parse, ours_first], hs_reps, warmup=1)
+    plan = dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
 
     n = case.num_request_blocks
     if hybrid:  # per group: the attention group's prompt blocks, one running state per Mamba group
@@ -229,9 +243,25 @@ def plan_case(
         "handshake_ms_ours": hs_ours.p50 * 1e3,
         "handshake_ms_vllm": hs_vllm.p50 * 1e3,
         "handshake_ratio": hs_ours.p50 / hs_vllm.p50,
+        # of ours: the first handshake of this layout on a decode rank (planned from scratch)
+        "handshake_ms_first_ours": hs_first.p50 * 1e3,
+        "handshake_first_ratio": hs_first.p50 / hs_vllm.p50,
         # of ours: parsing and checking the covered ranks' geometry (RankGeometry.from_dict) alone
         "handshake_ms_parse_ours": hs_parse.p50 * 1e3,
         "handshake_parse_ratio": hs_parse.p50 / hs_vllm.p50,
+    }
+
+
+def other_engine(wire: dict[str, Any], k: int) -> dict[str, Any]:
+    """A columnar rank geometry (``RankGeometry.to_wire``) as the ``k``-th other engine of the same
+    layout would send it: its own engine id, its regions and memory ``k`` pages of 4 KiB higher."""
+    shift = k << 12
+    cols = wire["region_columns"]
+    return {
+        **wire,
+        "engine_id": f"{wire['engine_id']}-{k}",
+        "region_columns": {**cols, "base": [b + shift for b in cols["base"]]},
+        "memory": [[a + shift, n] for a, n in wire["memory"]],
     }
 
 
@@ -339,6 +369,8 @@ HETERO_KEYS = {  # P4->D2, contiguous
     "registered_ours_hetero": "registered_ours",
     "registered_vllm_hetero": "registered_vllm",
     "handshake_ratio_vs_vllm_hetero": "handshake_ratio",
+    "handshake_first_ratio_vs_vllm_hetero": "handshake_first_ratio",
+    "handshake_ms_first_ours_hetero": "handshake_ms_first_ours",
     "handshake_ms_ours_hetero": "handshake_ms_ours",
     "handshake_ms_vllm_hetero": "handshake_ms_vllm",
     "handshake_ms_parse_ours_hetero": "handshake_ms_parse_ours",
@@ -372,6 +404,7 @@ EQUAL_TP_KEYS = {  # P1->D1, contiguous
     "plan_floor_ratio_vs_vllm_equal_tp": "plan_floor_ratio",
     "plan_floor_checked_ratio_vs_vllm_equal_tp": "plan_floor_checked_ratio",
     "handshake_ratio_vs_vllm_equal_tp": "handshake_ratio",
+    "handshake_first_ratio_vs_vllm_equal_tp": "handshake_first_ratio",
     "descs_ratio_vs_vllm_equal_tp": "descs_ratio",
 }
 

@@ -13,12 +13,13 @@ from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanVa
 from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, geometry_key
 from .plan import GroupPairing, SegmentTable, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
-from .strategy import Strategy
+from .strategy import Strategy, declared_pairing
 from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks
 
 Unwrap = Callable[[Any, str], Any]
 MAX_UNWRAP_DEPTH = 8
 MEMO_CLASSES = 256  # class templates a dispatcher remembers (a deployment serves a handful of models)
+MEMO_PLANS = 64  # plans a dispatcher remembers, to rebase for other engines of the same layout
 
 
 class Dispatcher:
@@ -32,6 +33,13 @@ class Dispatcher:
         # alone for a segments_by_geometry strategy, so a later handshake with peers of a geometry
         # already planned (another prefill engine of the same model) skips the strategy call.
         self._templates: dict[tuple[Any, ...], np.ndarray] = {}
+        # (local geometry's id, layout key of every covered remote rank) -> a plan made with
+        # them: another engine of that layout (another prefill engine of the model, or one
+        # restarted) gets it rebased to its addresses. Only plans whose strategies are all
+        # segments_by_geometry (addresses never change their segments) and whose local regions do
+        # not alias. The plan holds its local geometry, so the id is not reused while the entry
+        # lives; a hit checks it is the same object.
+        self._plans: dict[tuple[Any, ...], TransferPlan] = {}
 
     @classmethod
     def from_plugins(cls, pm: pluggy.PluginManager | None = None, **registry_options: Any) -> Dispatcher:
@@ -98,7 +106,7 @@ class Dispatcher:
                         f"{region.group}, but the layer is in group {layer.group}"
                     )
                 regions.append(region)
-        return RankGeometry(
+        geometry = RankGeometry(
             engine_id=engine_id,
             tp_size=topology.tp_size,
             tp_rank=topology.tp_rank,
@@ -107,6 +115,8 @@ class Dispatcher:
             device_id=device_id,
             mem_type=mem_type,
         )
+        geometry.layout_key, geometry.columns  # what every handshake reads of this rank, made now, not at the first
+        return geometry
 
     # ---------------------------------------------------------------- pairing with a remote
     def plan(self, local: RankGeometry, remote: Mapping[int, RankGeometry]) -> TransferPlan:
@@ -129,13 +139,17 @@ class Dispatcher:
         missing = [p for p in covered if p not in remote]
         if missing:
             raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
+        key = (id(local), *(remote[p].layout_key for p in covered))
+        known = self._plans.get(key)
+        if known is not None and known.local is local:
+            return known.rebased(remote)
         names = local.names
         in_order = {p: remote[p].names == names for p in covered}
         if not all(in_order.values()):  # the same names in the same order are the same layers: others compared as sets
             _check_same_layers(local, {p: remote[p] for p in covered if not in_order[p]})
         table, pairings = self._segment_table(local, [remote[p] for p in covered], covered, topology, remote_tp,
                                               all(in_order.values()))
-        return TransferPlan(
+        plan = TransferPlan(
             local=local,
             remote={p: remote[p] for p in covered},
             covered=covered,
@@ -143,6 +157,11 @@ class Dispatcher:
             segments=table,
             pairings=pairings,
         )
+        if plan.rebasable:
+            if len(self._plans) >= MEMO_PLANS:  # bounded; clear() is one atomic step for threads
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def _segment_table(
         self, local: RankGeometry, peers_geo: list[RankGeometry], covered: Sequence[int], topology: Topology, remote_tp: int,
@@ -169,9 +188,7 @@ class Dispatcher:
         else:
             per_rank = [[cls[i] for i in idx] for cls, idx in zip((g.geometry_classes for g in peers_geo), pidx)]
         keys = list(zip(lclass, *per_rank))
-        pure: dict[str, bool] = {}
-        for r in local.class_regions:
-            pure[r.strategy] = bool(getattr(self.registry.by_name(r.strategy), "segments_by_geometry", False))
+        pure = {r.strategy: self._by_geometry(r.strategy) for r in local.class_regions}
         if not all(pure.values()):
             keys = [k if pure[regions[i].strategy] else (*k, -1 - i) for i, k in enumerate(keys)]
         if len(set(keys)) == 1:  # one geometry on every side (a dense model)
@@ -207,10 +224,11 @@ class Dispatcher:
                 self._templates[memo] = rows
             return rows, own
 
-        layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
         # per class: rows (local idx or -1, rank pos, remote idx or -1, loff, roff, nbytes, phase), and
         # whether its segments name only its own layer's regions
         described = [describe(i) for i in first.values()]
+        # after the peers are checked: a pairing's declaration (block_pairing) reads their facts
+        layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
         templates: list[np.ndarray] = [rows for rows, _ in described]
         own = [o for _, o in described]
         # A class whose segments name regions other than its own layer's (never a built-in
@@ -223,6 +241,11 @@ class Dispatcher:
                     templates.append(rows)
                     own.append(o)
         return SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered, own), pairings
+
+    def _by_geometry(self, strategy: str) -> bool:
+        """Whether the strategy's segments are a function of geometry and facts alone
+        (:attr:`Strategy.segments_by_geometry`): not of region names or addresses."""
+        return bool(getattr(self.registry.by_name(strategy), "segments_by_geometry", False))
 
     def _pairings(
         self, local: RankGeometry, peers_geo: list[RankGeometry], pidx: list[list[int]], same_order: bool, covered: Sequence[int]
@@ -276,7 +299,9 @@ class Dispatcher:
                 mine = [j for j, x in enumerate(layer_key) if x == k]
                 i, lmin, rmin = mine[0], min(lblocks[j] for j in mine), min(rblocks[j] for j in mine)
             rep_peer = peers_geo[0].regions[pidx[0][i]]
-            pairings.append(GroupPairing(lg, rg, self.registry.by_name(name), lmin, rmin, regions[i], rep_peer))
+            strategy = self.registry.by_name(name)
+            pairings.append(GroupPairing(lg, rg, strategy, lmin, rmin, regions[i], rep_peer,
+                                         declared_pairing(strategy, regions[i], rep_peer)))
         return layer_key, pairings
 
 

@@ -14,11 +14,12 @@ columns); :meth:`RankGeometry.from_dict` also reads the per-region form earlier 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 import functools
 from functools import cached_property
 import operator
+import struct
 from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any
@@ -469,6 +470,72 @@ class Segment:
         }
 
 
+class ColumnRegions(Sequence[Region]):
+    """The regions of a geometry parsed from the columnar wire: one validated description per
+    class plus each region's name, base and group, each :class:`Region` made on first access.
+
+    Planning reads the columns (:attr:`RankGeometry.columns`) and one region per class, so a
+    handshake does not build an object per layer it never looks at.
+    """
+
+    __slots__ = ("_protos", "_names", "_bases", "_groups", "_classes", "_keys", "_made")
+
+    def __init__(
+        self, protos: list[dict[str, Any]], names: list[str], bases: list[int], groups: list[int], classes: list[int],
+        keys: list[tuple[Any, ...]],
+    ) -> None:
+        self._protos, self._names, self._bases, self._groups, self._classes = protos, names, bases, groups, classes
+        self._keys = keys  # per class: geometry_key of its regions
+        self._made: list[Region | None] | None = None
+
+    def class_key(self, c: int) -> tuple[Any, ...]:
+        """:func:`geometry_key` of class ``c``'s regions, known from parsing."""
+        return self._keys[c]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @property
+    def names(self) -> list[str]:
+        """The regions' names in order, as the columns carried them (checked: unique, non-empty)."""
+        return self._names
+
+    def _make(self, i: int) -> Region:
+        region = _new(Region)  # a copy of its class's validated region: name, base and group its own
+        fields = self._protos[self._classes[i]].copy()
+        fields["name"], fields["base"], fields["group"] = self._names[i], self._bases[i], self._groups[i]
+        region.__dict__.update(fields)
+        return region
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        made = self._made
+        if made is None:
+            made = self._made = [None] * len(self._names)
+        region = made[i]
+        if region is None:
+            region = made[i] = self._make(range(len(made))[i])
+        return region
+
+    def __iter__(self) -> Iterator[Region]:
+        made = self._made
+        if made is None or None in made:
+            made = self._made = [r if r is not None else self._make(i) for i, r in enumerate(made or [None] * len(self))]
+        return iter(made)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (tuple, ColumnRegions)) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]  # like the regions' facts: not hashable
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+_new = object.__new__
+
+
 @dataclass(frozen=True)
 class RankGeometry:
     """What one rank advertises: who it is, its registered memory and its regions."""
@@ -476,13 +543,15 @@ class RankGeometry:
     engine_id: str
     tp_size: int
     tp_rank: int
-    regions: tuple[Region, ...]
+    regions: tuple[Region, ...] | ColumnRegions  # a tuple, or the columns a columnar handshake carried
     memory: tuple[tuple[int, int], ...]  # registered (address, nbytes) ranges
     device_id: int = 0
     mem_type: str = "DRAM"
 
     def __post_init__(self) -> None:
-        names = [r.name for r in self.regions]
+        regions = self.regions
+        names = regions.names if isinstance(regions, ColumnRegions) else [r.name for r in regions]
+        self.__dict__["names"] = names  # the cached property's slot
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise IncompatibleGeometry(f"engine {self.engine_id!r}: duplicate region names {dup}")
@@ -499,20 +568,40 @@ class RankGeometry:
         """Region name -> position in :attr:`regions` (for columnar planning)."""
         return dict(zip(self.names, range(len(self.regions))))
 
-    @cached_property
+    @property
     def names(self) -> list[str]:
-        """The regions' names in order (a decode rank's are compared at every handshake). Read-only."""
-        return [r.name for r in self.regions]
+        """The regions' names in order (a decode rank's are compared at every handshake), listed
+        once at construction. Read-only."""
+        return self.__dict__["names"]
+
+    @cached_property
+    def class_firsts(self) -> dict[int, int]:
+        """Geometry class -> index of its first region, classes in order of first appearance."""
+        classes = self.geometry_classes
+        first = dict(zip(reversed(classes), range(len(classes) - 1, -1, -1)))  # the last write is the first index
+        return {c: first[c] for c in dict.fromkeys(classes)}
 
     @cached_property
     def class_regions(self) -> list[Region]:
-        """One region of each geometry class, in class order. Read-only."""
-        return list(dict(zip(self.geometry_classes, self.regions)).values())
+        """The first region of each geometry class, in class order. Read-only."""
+        regions = self.regions
+        return [regions[i] for i in self.class_firsts.values()]
 
     @cached_property
     def class_keys(self) -> dict[int, tuple[Any, ...]]:
         """Geometry class -> :func:`geometry_key` of its regions (what a plan memo is keyed by)."""
-        return dict(zip(dict.fromkeys(self.geometry_classes), map(geometry_key, self.class_regions)))
+        if isinstance(self.regions, ColumnRegions):  # known from parsing
+            return {c: self.regions.class_key(c) for c in self.class_firsts}
+        return dict(zip(self.class_firsts, map(geometry_key, self.class_regions)))
+
+    @cached_property
+    def layout_key(self) -> tuple[Any, ...]:
+        """Everything a plan reads of this rank but where it lies (region bases, device,
+        registered memory) and whose it is (engine id): equal for the ranks of every engine that
+        serves one model with one configuration, so a plan made with one engine's rank is
+        rebased for another's (:meth:`TransferPlan.rebased`)."""
+        return (self.tp_size, self.tp_rank, tuple(self.names), tuple(self.columns[:, COL_GROUP].tolist()),
+                self.geometry_classes, tuple(self.class_keys.items()))
 
     @cached_property
     def column_lists(self) -> list[list[int]]:
@@ -548,13 +637,16 @@ class RankGeometry:
             raise IncompatibleGeometry(
                 f"engine {self.engine_id!r} rank {self.tp_rank}: a region base lies beyond 2**62; no engine maps memory there"
             )
-        try:
-            own = np.array((bases, groups), dtype=np.int64).reshape(2, n)
-        except OverflowError:
-            raise IncompatibleGeometry(f"engine {self.engine_id!r} rank {self.tp_rank}: a KV group id beyond 2**63") from None
+        try:  # struct packs Python ints in C, several times faster than np.array at tens of layers
+            own = np.frombuffer(struct.pack(f"{2 * n}q", *bases, *groups), dtype=np.int64).reshape(2, n)
+        except struct.error:
+            try:
+                own = np.array((bases, groups), dtype=np.int64).reshape(2, n)
+            except OverflowError:
+                raise IncompatibleGeometry(f"engine {self.engine_id!r} rank {self.tp_rank}: a KV group id beyond 2**63") from None
         if not n:
             return np.zeros((0, 7), dtype=np.int64)
-        reps = dict(zip(classes[::-1], self.regions[::-1]))  # class -> a region of it
+        reps = dict(zip(self.class_firsts, self.class_regions))  # class -> a region of it
         rows = [(0, 0, 0, 0, 0, 0, 0)] * (max(reps, default=-1) + 1)
         for c, r in reps.items():
             span = r.end - r.base
@@ -676,26 +768,18 @@ REGION_COLUMNS = ("name", "base", "group", "class")  # the columnar wire's per-r
 _REGION_OWN = frozenset(("name", "base", "group"))
 
 
-def _parse_columnar(d: Mapping[str, Any]) -> tuple[tuple[Region, ...], tuple[int, ...]]:
+def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region, ...], tuple[int, ...]]:
     """Regions of a columnar handshake (:meth:`RankGeometry.to_wire`): each class description
     parsed and checked once as a region, the columns checked in bulk (lengths, exact types, ranges,
-    unique names), and every region made as a copy of its class with its own name, base and group."""
+    unique names); a region is a copy of its class with its own name, base and group, made when
+    first read (:class:`ColumnRegions`)."""
     described, columns = d["region_classes"], d["region_columns"]
     if not isinstance(described, list):
         raise HandshakeError(f"region_classes must be a list of region descriptions, got {type(described).__name__}")
     if not isinstance(columns, Mapping):
         raise HandshakeError(f"region_columns must be a map of the columns {list(REGION_COLUMNS)}, got {type(columns).__name__}")
-    protos: list[dict[str, Any]] = []
-    for k, cd in enumerate(described):
-        if not isinstance(cd, Mapping):
-            raise HandshakeError(f"region_classes[{k}] must be a map, got {type(cd).__name__}")
-        own = sorted(_REGION_OWN & cd.keys())
-        if own:
-            raise HandshakeError(f"region_classes[{k}] holds {own}: a region's own fields belong in region_columns")
-        try:
-            protos.append(Region.from_dict({**cd, "name": f"region_classes[{k}]", "base": 0, "group": 0}).__dict__)
-        except HandshakeError as exc:
-            raise HandshakeError(f"region_classes[{k}]: {exc}") from None
+    known = [_described_class(k, cd) for k, cd in enumerate(described)]
+    protos = [fields for fields, _ in known]
     missing = [c for c in REGION_COLUMNS if c not in columns]
     if missing:
         raise HandshakeError(f"region_columns lacks the columns {missing}")
@@ -719,15 +803,67 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[tuple[Region, ...], tuple[int
         raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
     for key, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
         _check_int_column(key, col, limit)
-    new, set_fields = object.__new__, object.__setattr__
-    regions = []
-    for name, base, group, c in zip(names, bases, groups, classes):
-        region = new(Region)  # a copy of its class's validated region: name, base and group its own
-        fields = protos[c].copy()
-        fields["name"], fields["base"], fields["group"] = name, base, group
-        set_fields(region, "__dict__", fields)
-        regions.append(region)
-    return tuple(regions), tuple(classes)
+    return ColumnRegions(protos, list(names), list(bases), list(groups), list(classes), [key for _, key in known]), tuple(classes)
+
+
+MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)
+# repr of a plain class description -> (its validated region's fields, its geometry_key): the
+# ranks of every engine of a model send the same few descriptions.
+_DESCRIBED: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
+
+
+def forget_described() -> None:
+    """Empty the memo of class descriptions (a process that never parsed a handshake: benches)."""
+    _DESCRIBED.clear()
+
+
+def _described_class(k: int, cd: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """``region_classes[k]`` parsed and checked as a region (its name, base and group left to the
+    columns): the region's fields and its :func:`geometry_key`. A description made of plain data
+    only (what msgpack and JSON decode to) is its repr, types included, so one seen before is
+    not parsed again."""
+    key = repr(cd) if _plain(cd) else None
+    known = _DESCRIBED.get(key) if key is not None else None
+    if known is not None:
+        return known
+    if not isinstance(cd, Mapping):
+        raise HandshakeError(f"region_classes[{k}] must be a map, got {type(cd).__name__}")
+    own = sorted(_REGION_OWN & cd.keys())
+    if own:
+        raise HandshakeError(f"region_classes[{k}] holds {own}: a region's own fields belong in region_columns")
+    try:
+        region = Region.from_dict({**cd, "name": f"region_classes[{k}]", "base": 0, "group": 0})
+    except HandshakeError as exc:
+        raise HandshakeError(f"region_classes[{k}]: {exc}") from None
+    known = (region.__dict__, geometry_key(region))
+    if key is not None:
+        if len(_DESCRIBED) >= MEMO_DESCRIPTIONS:  # bounded; clear() is one atomic step for threads
+            _DESCRIBED.clear()
+        _DESCRIBED[key] = known
+    return known
+
+
+_PLAIN_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def _plain(value: Any) -> bool:
+    """Built of dicts with string keys, lists, strings, ints, floats, bools and None only: a value
+    whose repr names it exactly (types included), unlike an object with a repr of its own."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        t = type(v)
+        if t in _PLAIN_SCALARS:
+            continue
+        if t is dict:
+            if any(type(k) is not str for k in v):
+                return False
+            todo.extend(v.values())
+        elif t is list:
+            todo.extend(v)
+        else:
+            return False
+    return True
 
 
 def _check_int_column(key: str, col: list[Any] | tuple[Any, ...], limit: int) -> None:

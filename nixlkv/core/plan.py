@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
 
-from .errors import PlanValidationError, RequestError
+from .errors import PlanError, PlanValidationError, RequestError
 from .geometry import ADDRESS_LIMIT, COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment
-from .strategy import Strategy
+from .strategy import OwnedTail, Strategy, count_mismatch_message, null_block_message
 from .token_blocks import PHASE_ZERO
 
 
@@ -34,6 +34,7 @@ class GroupPairing:
     remote_num_blocks: int  # same over its remote regions on every rank read
     local_region: Region  # a representative region of the group on each side, for pair_blocks
     remote_region: Region
+    owned: OwnedTail | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
 
 
 @dataclass(frozen=True)
@@ -352,7 +353,12 @@ class TransferPlan:
         n = len(t)
         # One descriptor row per distinct (local row, remote rank, remote row): layers that alias
         # one KV tensor (a hybrid's groups) describe the same bytes, and register them once.
-        shared = self._shared_rows() if n > 1 and _regions_overlap(self.local) else None
+        aliased = n > 1 and _regions_overlap(self.local)
+        shared = self._shared_rows() if aliased else None
+        # Another engine's addresses change only each remote row's own address where every
+        # strategy's segments ignore addresses and no local layers alias (which rows are shared
+        # then depends on the remote bases too): see rebased().
+        self.rebasable = not aliased and all(getattr(g.strategy, "segments_by_geometry", False) for g in self.pairings)
         if shared is None:
             seg = None  # rows are the segments, in order
             self._row_segment = np.arange(n, dtype=np.int64)
@@ -364,9 +370,7 @@ class TransferPlan:
         pick = (lambda a: a) if seg is None else (lambda a: a[seg])
         loff, roff, nbytes, rank_pos = pick(t.local_offset), pick(t.remote_offset), pick(t.nbytes), pick(t.rank_pos)
         # Descriptor rows (address, length, device, stride, count) start as the regions' columns.
-        local_rows = self.local.columns[pick(t.local_idx), :5]
-        local_rows[:, 0] += loff
-        local_rows[:, 1] = nbytes
+        local_rows = _descriptor_rows(self.local, pick(t.local_idx), loff, nbytes)
         self.local_descs = local_rows.astype(np.uint64)
         counts = local_rows[:, 4]
         local_start = np.add.accumulate(counts)  # np.cumsum's wrapper costs more than the sum here
@@ -382,15 +386,15 @@ class TransferPlan:
             by_rank = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         remote_start = np.empty_like(local_start)
         self.remote_descs = {}
+        self._remote_segments: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # what rebased() needs
         totals = [local_total]
         rank_bytes: dict[int, int] = {}  # bytes per block pair each remote rank's rows move
         for p, idx in zip(self.covered, by_rank):
             if not idx.size:
                 continue
-            rows = self.remote[p].columns[remote_idx[idx], :5]
-            rows[:, 0] += roff[idx]
-            rows[:, 1] = size = nbytes[idx]
-            rank_bytes[p] = sum(size.tolist())  # tens of rows: a Python sum beats a reduction's call
+            self._remote_segments[p] = src = (remote_idx[idx], roff[idx], nbytes[idx])
+            rows = _descriptor_rows(self.remote[p], *src)
+            rank_bytes[p] = sum(src[2].tolist())  # tens of rows: a Python sum beats a reduction's call
             self.remote_descs[p] = rows.astype(np.uint64)
             starts = np.add.accumulate(rows[:, 4])
             totals.append(int(starts[-1]))
@@ -436,6 +440,40 @@ class TransferPlan:
                     self._remote_twin[p] = q
                     break
         self._rank_entries = [(p, self._rank_keys[p]) for p in self.read_ranks]
+        # One pairing the core applies itself (OwnedTail), in one phase, every covered rank read:
+        # per READ only (rank, row starts, bytes per block pair, the rank whose remote IDs it shares).
+        self._owned_reads = None
+        if len(self.pairings) == 1 and self.pairings[0].owned is not None and len(self.read_ranks) == len(self.covered) \
+                and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
+            self._owned_reads = [(p, e[0][2], e[0][3], e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries]
+
+    def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
+        """This plan, for another remote engine whose covered ranks have the same layout
+        (:attr:`RankGeometry.layout_key`) as this plan's: the same segments, checks and
+        descriptor IDs; the remote rows moved to the new ranks' addresses, whose regions are
+        checked against their registered memory. Only for a :attr:`rebasable` plan."""
+        if not self.rebasable:
+            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry, "
+                            "or local regions that alias): plan anew for every remote engine")
+        covered = self.covered
+        for p in covered:
+            if remote[p].layout_key != self.remote[p].layout_key:
+                raise PlanError(f"remote rank {p} is laid out unlike the rank this plan was made for")
+            _check_registered_all(remote[p])
+        plan = _new(TransferPlan)
+        fields = plan.__dict__
+        fields.update(self.__dict__)
+        fields.pop("segments", None)  # cached views naming the other engine's geometry
+        fields.pop("layer_segments", None)
+        fields["remote"] = {p: remote[p] for p in covered}
+        fields["remote_descs"] = {
+            p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()
+        }
+        peer = remote[covered[0]]
+        fields["pairings"] = tuple(
+            replace(g, remote_region=peer.regions[peer.index[g.remote_region.name]]) for g in self.pairings
+        )
+        return plan
 
     # ---------------------------------------------------------------- per request
     def resolve(
@@ -454,6 +492,10 @@ class TransferPlan:
         """
         if scratch is not None:
             scratch.reset()
+        if self._owned_reads is not None:
+            resolved = self._resolve_owned(local_block_ids, remote_block_ids, scratch)
+            if resolved is not None:
+                return resolved
         pairs = [self._pair(pairing, local_block_ids, remote_block_ids, num_tokens) for pairing in self.pairings]
         reads = []
         remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
@@ -500,12 +542,49 @@ class TransferPlan:
             notify_only = tuple(p for p in self.covered if p not in read)
         return _record(ResolvedRequest, reads=tuple(reads), notify_only=notify_only, consumers=self.consumers)
 
+    def _resolve_owned(
+        self, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], scratch: IdScratch | None
+    ) -> ResolvedRequest | None:
+        """:meth:`resolve` for a plan of one core-applied pairing in one phase (a dense model at
+        one block size): the same READs, with only the per-READ steps left. None where the ids
+        are not plain lists (the general path then converts and checks them)."""
+        pairing = self.pairings[0]
+        if pairing.owned is None:
+            return None
+        paired = self._pair_owned(pairing, pairing.owned, local_block_ids, remote_block_ids)
+        if paired is None:
+            return None
+        lp, rp, _ = paired
+        k = lp.size
+        take = np.empty if scratch is None else scratch.take
+        dtype, add = self._np_dtype, np.add
+        reads = []
+        written: dict[int, np.ndarray] = {}
+        for p, lstarts, rstarts, block_bytes, twin in self._owned_reads:
+            rows = lstarts.shape[0]
+            total = rows * k
+            if twin is None:
+                both = take(2 * total, dtype)
+                local_ids, remote_ids = both[:total], both[total:]
+                add(rstarts, rp, out=remote_ids.reshape(rows, k))
+            else:
+                local_ids, remote_ids = take(total, dtype), written[twin]
+            add(lstarts, lp, out=local_ids.reshape(rows, k))
+            written[p] = remote_ids
+            reads.append(_record(ReadOp, remote_rank=p, local_ids=local_ids, remote_ids=remote_ids, nbytes=block_bytes * k))
+        return _record(ResolvedRequest, reads=tuple(reads) if k else (), notify_only=() if k else self.covered,
+                       consumers=self.consumers)
+
     def _pair(
         self, pairing: GroupPairing, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], num_tokens: int | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The strategy's block pairs of one group as descriptor-id dtype arrays, bounds checked;
         phases only where some pair is not in phase 0."""
         dtype = self._np_dtype
+        if pairing.owned is not None:
+            paired = self._pair_owned(pairing, pairing.owned, local_block_ids, remote_block_ids)
+            if paired is not None:
+                return paired
         lids = _ids(local_block_ids, pairing.local_group, "local", dtype)
         rids = _ids(remote_block_ids, pairing.remote_group, "remote", dtype)
         paired = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens)
@@ -544,6 +623,40 @@ class TransferPlan:
         if phase is not None and not phase.any():
             phase = None
         return lp, rp, phase
+
+    def _pair_owned(
+        self, pairing: GroupPairing, owned: OwnedTail, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
+    ) -> tuple[np.ndarray, np.ndarray, None] | None:
+        """:meth:`_pair` for an :class:`OwnedTail` pairing, with both sides' id lists converted
+        and checked together (one conversion, one null count, one bound): the pairs, refusals and
+        messages of the strategy's own ``pair_blocks`` (:func:`check_owned`, then
+        :func:`tail_aligned`). None where the ids are not two plain lists of ints that fit:
+        then the general path converts them and names what is wrong."""
+        lg, rg = pairing.local_group, pairing.remote_group
+        if lg >= len(local_block_ids) or rg >= len(remote_block_ids):
+            return None
+        lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
+        if type(lraw) is not list or type(rraw) is not list:
+            return None
+        n, m = len(lraw), len(rraw)
+        dtype = self._np_dtype
+        try:
+            both = np.frombuffer(_packer(n + m, "i" if dtype == np.int32 else "q")(*lraw, *rraw), dtype=dtype)
+        except struct.error:
+            return None
+        if np.count_nonzero(both) != n + m:
+            raise RequestError(null_block_message(owned.kind))
+        if n > m:
+            raise RequestError(count_mismatch_message(n, m))
+        lp, rp = both[:n], both[m:]  # the local ids, and the last n remote ids
+        llim, rlim = pairing.local_num_blocks, pairing.remote_num_blocks
+        # one unsigned bound over both lists (negative ids wrap to huge values); where it fails,
+        # the paired ids are checked side by side, as the general path checks them
+        if both.size and np.maximum.reduce(both.view(self._unsigned)) >= min(llim, rlim):
+            if n:
+                _check_bounds(lp, llim, "local", lg)
+                _check_bounds(rp, rlim, "remote", rg)
+        return lp, rp, None
 
     def read_bytes(self, read: ReadOp) -> int:
         """Bytes one READ moves: what the planner recorded, else summed over its local descriptors."""
@@ -681,6 +794,15 @@ def expand_ids(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarra
     block = ids - starts[row]
     addr = rows[row, 0].astype(np.int64) + block * rows[row, 3].astype(np.int64)
     return addr, rows[row, 1].astype(np.int64)
+
+
+def _descriptor_rows(geometry: RankGeometry, idx: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """int64 descriptor rows ``(address, length, device, stride, count)`` of segments of
+    ``nbytes`` at ``offset`` in pages of ``geometry``'s regions ``idx``."""
+    rows = geometry.columns[idx, :5]
+    rows[:, 0] += offset
+    rows[:, 1] = nbytes
+    return rows
 
 
 def _check_registered_all(geometry: RankGeometry) -> None:

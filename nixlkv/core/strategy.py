@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import RequestError
+from .errors import PlanError, RequestError
 from .geometry import LayerCache, Region, Segment
 from .topology import Topology
 
@@ -84,6 +85,14 @@ class Strategy:
         """
         return tail_aligned(local_ids, remote_ids)
 
+    def block_pairing(self, local: Region, remote: Region) -> OwnedTail | None:
+        """A pairing the core applies itself for this group, asked once per plan (``local`` /
+        ``remote``: a region of the group on each side, as for :meth:`pair_blocks`), or None
+        (the default): :meth:`pair_blocks` is called per request. The answer must pair exactly
+        as :meth:`pair_blocks` would for every request; the core then converts and checks both
+        sides' ids in one step, without a call per request (the contract kit compares them)."""
+        return None
+
     def decode_recomputes(self, spec: Any) -> int:
         """Trailing prompt tokens the decode engine must compute itself, from a cache that holds
         everything before them (``spec``: the layer's own spec). Default 0.
@@ -100,11 +109,51 @@ class Strategy:
         return f"<strategy {self.name} for {', '.join(t.__name__ for t in self.spec_types)}>"
 
 
+@dataclass(frozen=True)
+class OwnedTail:
+    """The pairing of blocks a request owns outright (:meth:`Strategy.block_pairing`): no id is
+    vLLM's null block 0, both sides hold the same tokens per block, and the local blocks pair in
+    order with the last as many remote blocks (:func:`check_owned`, then :func:`tail_aligned`)."""
+
+    kind: str  # what the group holds, as refusals name it ("full-attention")
+
+
+def declared_pairing(strategy: Any, local: Region, remote: Region) -> OwnedTail | None:
+    """``strategy.block_pairing(local, remote)``, trusted only where the class that answers it also
+    pairs: a subclass that overrides ``pair_blocks`` below that class pairs its own way."""
+    mro = type(strategy).__mro__
+    declares = next((c for c in mro if "block_pairing" in c.__dict__), None)
+    pairs = next((c for c in mro if "pair_blocks" in c.__dict__), None)
+    if declares is None or pairs is None or mro.index(pairs) < mro.index(declares):
+        return None
+    found = strategy.block_pairing(local, remote)
+    if found is not None and not isinstance(found, OwnedTail):
+        raise PlanError(f"strategy {strategy.name!r}: block_pairing must return an OwnedTail or None, got {found!r}")
+    return found
+
+
+def check_owned(local_ids: np.ndarray, remote_ids: np.ndarray, kind: str) -> None:
+    """Refuse vLLM's null block (id 0) in a group whose requests own every block."""
+    if np.count_nonzero(local_ids) != local_ids.size or np.count_nonzero(remote_ids) != remote_ids.size:
+        raise RequestError(null_block_message(kind))
+
+
+def null_block_message(kind: str) -> str:
+    return (
+        f"block id 0 (vLLM's null block) in a {kind} group: such a request owns every one of "
+        "its blocks; a windowed cache needs its own strategy"
+    )
+
+
 def tail_aligned(local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pair the last ``len(local_ids)`` remote blocks with the local ones, position by position."""
     if len(local_ids) > len(remote_ids):
-        raise RequestError(
-            f"block count mismatch: {len(local_ids)} local blocks to fill but the remote engine "
-            f"sent only {len(remote_ids)} block ids; the remote must send at least as many"
-        )
+        raise RequestError(count_mismatch_message(len(local_ids), len(remote_ids)))
     return local_ids, remote_ids[len(remote_ids) - len(local_ids) :]
+
+
+def count_mismatch_message(local: int, remote: int) -> str:
+    return (
+        f"block count mismatch: {local} local blocks to fill but the remote engine "
+        f"sent only {remote} block ids; the remote must send at least as many"
+    )

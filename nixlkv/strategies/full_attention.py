@@ -23,14 +23,15 @@ from ..core import (
     HeadRun,
     IncompatibleGeometry,
     MalformedRemoteFact,
+    OwnedTail,
     PageLayout,
     LayerCache,
     Region,
-    RequestError,
     Segment,
     Strategy,
     Topology,
     box_copy_runs,
+    check_owned,
     head_sources,
     heads_held,
 )
@@ -149,6 +150,9 @@ class FullAttentionStrategy(Strategy):
     ) -> tuple[np.ndarray, ...]:
         return pair_owned_blocks(local_ids, remote_ids, local, remote, num_tokens, "full-attention")
 
+    def block_pairing(self, local: Region, remote: Region) -> OwnedTail | None:
+        return owned_tail(local, remote, "full-attention")
+
 
 def pair_owned_blocks(
     local_ids: np.ndarray, remote_ids: np.ndarray, local: Region, remote: Region, num_tokens: int | None, kind: str
@@ -159,12 +163,14 @@ def pair_owned_blocks(
     Shared by every strategy whose request keeps all its blocks, so regions of different kinds in
     one KV group (GQA + MLA draft) pair the group's block IDs the same way.
     """
-    if np.count_nonzero(local_ids) != local_ids.size or np.count_nonzero(remote_ids) != remote_ids.size:
-        raise RequestError(
-            f"block id 0 (vLLM's null block) in a {kind} group: such a request owns every one of "
-            "its blocks; a windowed cache needs its own strategy"
-        )
+    check_owned(local_ids, remote_ids, kind)
     return pair_by_tokens(local_ids, remote_ids, tokens_per_block(local), tokens_per_block(remote), num_tokens)
+
+
+def owned_tail(local: Region, remote: Region, kind: str) -> OwnedTail | None:
+    """What :func:`pair_owned_blocks` does where both sides hold the same tokens per block, as a
+    pairing the core applies itself; None where they differ (pairs by token range, with phases)."""
+    return OwnedTail(kind) if tokens_per_block(local) == tokens_per_block(remote) else None
 
 
 def refuse_token_split(local: Region, peer: Region) -> None:

@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from ..core import (
     IncompatibleGeometry,
     LayerCache,
+    OwnedTail,
     PageLayout,
     Region,
     Segment,
@@ -30,7 +31,7 @@ from ..core import (
     Topology,
     covered_remote_ranks,
 )
-from .full_attention import check_matching_facts, pair_owned_blocks
+from .full_attention import check_matching_facts, owned_tail, pair_owned_blocks
 
 # Facts both sides must agree on, with what a mismatch means for the operator.
 MATCHING_FACTS = {
@@ -117,6 +118,9 @@ class MLAStrategy(Strategy):
         num_tokens: int | None = None,
     ) -> tuple[np.ndarray, ...]:
         return pair_owned_blocks(local_ids, remote_ids, local, remote, num_tokens, "MLA")
+
+    def block_pairing(self, local: Region, remote: Region) -> OwnedTail | None:
+        return owned_tail(local, remote, "MLA")
 
 
 def _check_token_major(name: str, page: PageLayout, content_bytes: int, num_states: int | None) -> None:

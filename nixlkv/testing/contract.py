@@ -15,6 +15,7 @@ nixlkv's own tests call these functions; so can any other runner.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -564,7 +565,7 @@ def _resolved(run: PointRun):
     resolved = []
     for plan in run.plans:
         try:
-            resolved.append(plan.resolve([g.ids for g in d_blocks], [g.ids for g in p_blocks], run.scenario.request.num_tokens))
+            resolved.append(plan.resolve(_lists(d_blocks), _lists(p_blocks), run.scenario.request.num_tokens))
         except RequestError as exc:
             raise ContractViolation(
                 EVERY_BYTE_ONCE, f"{run.point.id}: a well-formed request was refused: RequestError: {exc}"
@@ -731,15 +732,37 @@ def check_deterministic(run: PointRun) -> None:
         replan = run.dispatcher.plan(geo, run.prefill_geometry)
         if replan.to_dict() != plan.to_dict():
             raise ContractViolation(DETERMINISTIC, f"{run.point.id}: decode rank {geo.tp_rank}: two plans from the same geometry differ")
-    _, _, first = _resolved(run)
+    p_blocks, d_blocks, first = _resolved(run)
     _, _, second = _resolved(run)
     for a, b in zip(first, second):
-        same = len(a.reads) == len(b.reads) and all(
-            x.remote_rank == y.remote_rank and np.array_equal(x.local_ids, y.local_ids) and np.array_equal(x.remote_ids, y.remote_ids)
-            for x, y in zip(a.reads, b.reads)
-        )
-        if not same or a.notify_only != b.notify_only:
+        if not _same_reads(a, b):
             raise ContractViolation(DETERMINISTIC, f"{run.point.id}: resolving the same request twice gave different descriptors")
+    # A pairing the strategy declared for the core to apply (Strategy.block_pairing) pairs as its
+    # own pair_blocks does.
+    for plan, a in zip(run.plans, first):
+        if all(g.owned is None for g in plan.pairings):
+            continue
+        own = copy.copy(plan)
+        own.pairings = tuple(dataclasses.replace(g, owned=None) for g in plan.pairings)
+        b = own.resolve(_lists(d_blocks), _lists(p_blocks), run.scenario.request.num_tokens)
+        if not _same_reads(a, b):
+            raise ContractViolation(
+                DETERMINISTIC,
+                f"{run.point.id}: decode rank {plan.local.tp_rank}: the pairing block_pairing declares "
+                f"({[g.owned for g in plan.pairings]}) pairs otherwise than pair_blocks",
+            )
+
+
+def _lists(blocks: Sequence[Any]) -> list[list[int]]:
+    """A request's block ids per group as Python lists: what vLLM hands a connector."""
+    return [g.ids.tolist() for g in blocks]
+
+
+def _same_reads(a: Any, b: Any) -> bool:
+    return a.notify_only == b.notify_only and len(a.reads) == len(b.reads) and all(
+        x.remote_rank == y.remote_rank and np.array_equal(x.local_ids, y.local_ids) and np.array_equal(x.remote_ids, y.remote_ids)
+        for x, y in zip(a.reads, b.reads)
+    )
 
 
 def check_serialisable(run: PointRun) -> None:

@@ -24,7 +24,6 @@ planned or transferred from a payload that did not pass.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import itertools
 import json
@@ -35,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ..core.errors import HandshakeError
-from ..core.geometry import RankGeometry
+from ..core.geometry import COL_BASE, COL_END, RankGeometry
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -177,22 +177,25 @@ def _validate(payload: EnginePayload, expected_engine_id: str | None) -> RemoteE
 
 
 def _check_regions_in_memory(geo: RankGeometry, rank: int) -> None:
-    """Every region inside one registered memory range, in O((regions + ranges) log ranges) so
-    that a reply with many of both cannot stall the handshake thread (was regions x ranges): a
-    range containing ``[base, end)`` exists iff, among the ranges starting at or before ``base``,
-    the furthest end reaches ``end``."""
+    """Every region inside one registered memory range, in O((regions + ranges) log ranges) and
+    over the geometry's columns, so that a reply with many of both cannot stall the handshake
+    thread: a range containing ``[base, end)`` exists iff, among the ranges starting at or before
+    ``base``, the furthest end reaches ``end``. (Region ends lie below 2**63: the geometry's own
+    checks; range bounds are clipped there, which keeps every comparison.)"""
+    cap = (1 << 63) - 1
     ranges = sorted(geo.memory)
-    starts = [a for a, _ in ranges]
-    reach = list(itertools.accumulate((a + n for a, n in ranges), max))
-    for region in geo.regions:
-        if region.end > ADDRESS_LIMIT:
-            raise HandshakeError(f"rank {rank}: region {region.name!r} ends past 2^64")
-        i = bisect.bisect_right(starts, region.base) - 1
-        if i < 0 or reach[i] < region.end:
-            raise HandshakeError(
-                f"rank {rank}: region {region.name!r} [{region.base:#x}, {region.end:#x}) lies "
-                "outside every memory range the rank registered"
-            )
+    starts = np.array([min(a, cap) for a, _ in ranges], dtype=np.int64)
+    reach = np.array([min(x, cap) for x in itertools.accumulate((a + n for a, n in ranges), max)], dtype=np.int64)
+    col = geo.columns
+    base, end = col[:, COL_BASE], col[:, COL_END]
+    i = np.searchsorted(starts, base, side="right") - 1
+    bad = (i < 0) | (reach[np.maximum(i, 0)] < end) if reach.size else np.ones(base.size, dtype=bool)
+    if bad.any():
+        region = geo.regions[int(np.argmax(bad))]
+        raise HandshakeError(
+            f"rank {rank}: region {region.name!r} [{region.base:#x}, {region.end:#x}) lies "
+            "outside every memory range the rank registered"
+        )
 
 
 def _check_shape(d: Mapping[str, Any], rank: int) -> None:

@@ -1,0 +1,124 @@
+"""The pairing a strategy declares for the core to apply (``Strategy.block_pairing``): it pairs,
+refuses and words its refusals exactly as the strategy's own ``pair_blocks``, and is trusted only
+where the class that declares it also pairs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from nixlkv.core import Dispatcher, OwnedTail, PlanError, RequestError
+from nixlkv.core.strategy import declared_pairing
+from nixlkv.strategies.full_attention import FullAttentionStrategy
+from nixlkv.strategies.sliding_window import SlidingWindowStrategy
+from test_faults import dispatcher_with
+from test_plan_by_geometry import SMALL, ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def undeclared(plan):
+    """The same plan resolving through the strategy's pair_blocks."""
+    other = copy.copy(plan)
+    other.pairings = tuple(dataclasses.replace(g, owned=None) for g in plan.pairings)
+    return other
+
+
+def outcome(plan, local, remote):
+    try:
+        r = plan.resolve(local, remote, 16 * 64)
+    except RequestError as exc:
+        return ("refused", str(exc))
+    return [(x.remote_rank, x.local_ids.tolist(), x.remote_ids.tolist(), x.nbytes) for x in r.reads], r.notify_only
+
+
+def requests(rng: np.random.Generator, num_blocks: int):
+    for _ in range(300):
+        m = int(rng.integers(0, 12))
+        n = int(rng.integers(0, m + 3))  # sometimes more local blocks than remote ones
+        lo, ro = rng.integers(1, num_blocks, n).tolist(), rng.integers(1, num_blocks, m).tolist()
+        fault = int(rng.integers(0, 8))
+        side = lo if fault % 2 else ro
+        if side and fault == 1:
+            side[int(rng.integers(len(side)))] = 0  # vLLM's null block
+        elif side and fault == 2:
+            side[int(rng.integers(len(side)))] = num_blocks + int(rng.integers(0, 3))  # out of bounds
+        elif side and fault == 3:
+            side[int(rng.integers(len(side)))] = -1
+        elif side and fault == 4:
+            side[int(rng.integers(len(side)))] = 1 << 40  # beyond the id type
+        elif side and fault == 5:
+            side[int(rng.integers(len(side)))] = 2.0  # not an integer
+        yield lo, ro
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (1, 1)])
+def test_the_core_pairs_and_refuses_as_pair_blocks_does(p_tp: int, d_tp: int) -> None:
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, p_tp, d_tp)
+    plan = d.plan(local, remote)
+    assert plan.pairings[0].owned == OwnedTail("full-attention")
+    slow = undeclared(plan)
+    refused = 0
+    for lo, ro in requests(np.random.default_rng(p_tp * 10 + d_tp), 40):
+        fast = outcome(plan, [lo], [ro])
+        assert fast == outcome(slow, [lo], [ro]), (lo, ro)
+        refused += fast[0] == "refused"
+    assert 50 < refused < 250  # both kinds of answer were compared
+
+
+def test_the_comparison_can_fail() -> None:
+    """Negative control: a core pairing that took the first remote blocks, not the last, differs."""
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 2, 1)
+    plan = d.plan(local, remote)
+    wrong = copy.copy(plan)
+    wrong._pair_owned = lambda pairing, owned, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32), None)
+    assert outcome(wrong, [[1, 2]], [[3, 4, 5]]) != outcome(undeclared(plan), [[1, 2]], [[3, 4, 5]])
+
+
+def test_a_subclass_that_pairs_otherwise_is_not_paired_by_the_core() -> None:
+    class Trims(FullAttentionStrategy):
+        name = "trims"
+        overrides = ("full_attention",)
+
+        def pair_blocks(self, local_ids, remote_ids, local, remote, num_tokens=None):
+            lp, rp, *_ = super().pair_blocks(local_ids, remote_ids, local, remote, num_tokens)
+            return lp[:-1], rp[:-1]
+
+    d = dispatcher_with(Trims())
+    local, remote = ranks(d, SMALL, 2, 1)
+    plan = d.plan(local, remote)
+    assert plan.pairings[0].owned is None
+    assert outcome(plan, [[1, 2, 3]], [[4, 5, 6]])[0][0][1][:2] == [1, 2]  # the trimmed pairs
+    region = local.regions[0]
+    assert declared_pairing(SlidingWindowStrategy(), region, region) is None  # Windowed pairs before FullAttention declares
+    assert declared_pairing(FullAttentionStrategy(), region, region) == OwnedTail("full-attention")
+
+
+def test_a_declaration_of_another_type_is_refused() -> None:
+    class Odd(FullAttentionStrategy):
+        name = "odd"
+        overrides = ("full_attention",)
+
+        def block_pairing(self, local, remote):
+            return "tail"
+
+    d = dispatcher_with(Odd())
+    local, remote = ranks(d, SMALL, 2, 1)
+    with pytest.raises(PlanError, match="block_pairing must return an OwnedTail or None"):
+        d.plan(local, remote)
+
+
+def test_blocks_of_other_sizes_are_paired_by_the_strategy() -> None:
+    from nixlkv.bench.shapes import fabricate_rank
+
+    d = Dispatcher.from_plugins()
+    big = dataclasses.replace(SMALL, block_size=32)
+    local = fabricate_rank(d, SMALL, "decode", 1, 0, 40)
+    remote = {0: fabricate_rank(d, big, "prefill", 1, 0, 40)}
+    plan = d.plan(local, remote)
+    assert plan.pairings[0].owned is None

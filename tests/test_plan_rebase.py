@@ -1,0 +1,201 @@
+"""Plans rebased for another engine of the same layout, and geometries whose regions stay columns.
+
+A decode rank that planned with one prefill engine gets, for another engine laid out the same
+(the same model and configuration, at other addresses: another prefill engine, or the same one
+restarted), that plan with its remote rows moved: the same plan a dispatcher that never saw the
+first engine makes, and the same refusals. Real bytes through a rebased plan:
+tests/test_connector_restart.py (a restarted prefill engine, every decode byte checked).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from nixlkv.bench.hybrid import NEMOTRON_H_8B, hybrid_setup
+from nixlkv.bench.run import other_engine
+from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, Case, block_ids
+from nixlkv.core import Dispatcher, IncompatibleGeometry, PlanError, PlanValidationError, RankGeometry
+from nixlkv.core import dispatcher as dispatcher_module
+from nixlkv.core.geometry import ColumnRegions
+from test_faults import dispatcher_with
+from test_plan_by_geometry import SMALL, Counting, CountingPerLayer, parsed, ranks
+from test_plan_memo import columnar, same_plan
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def engine(wire: dict[int, dict], k: int) -> dict[int, RankGeometry]:
+    """Engine ``k`` of the layout ``wire`` describes, as a decode rank parses its reply."""
+    return parsed({r: other_engine(w, k) for r, w in wire.items()})
+
+
+def same_moves_on_other_addresses(a, b, shift: int) -> None:
+    """``b`` reads what ``a`` reads, from remote addresses ``shift`` bytes higher."""
+    ids = block_ids("fragmented", 20, 40, np.random.default_rng(3))
+    ma, mb = a.byte_moves(a.resolve([ids], [ids])), b.byte_moves(b.resolve([ids], [ids]))
+    assert [(la, r, ra + shift, n) for la, r, ra, n in ma] == mb
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(4, 2), (2, 4), (1, 1), (8, 1)])
+def test_another_engine_of_the_layout_gets_the_plan_a_fresh_dispatcher_makes(p_tp: int, d_tp: int) -> None:
+    Counting.calls = 0
+    d = dispatcher_with(Counting())
+    local, remote = ranks(d, SMALL, p_tp, d_tp)
+    wire = columnar(remote)
+    first = d.plan(local, engine(wire, 1))
+    again = d.plan(local, engine(wire, 2))
+    assert Counting.calls == 1 and again._table is first._table  # rebased, not planned again
+    assert all(g.engine_id.endswith("-2") for g in again.remote.values())
+    fresh = dispatcher_with(Counting()).plan(local, engine(wire, 2))
+    assert again._table is not fresh._table
+    same_plan(again, fresh)
+    same_moves_on_other_addresses(first, again, (2 - 1) << 12)
+    # negative control: the first engine's plan is not a plan for the second
+    assert not all(np.array_equal(first.remote_descs[p], fresh.remote_descs[p]) for p in fresh.remote_descs)
+
+
+def test_mla_and_the_bench_shapes_rebase_like_fresh_plans() -> None:
+    for shape, p_tp, d_tp in ((DEEPSEEK_MLA, 8, 2), (LLAMA_8B, 4, 8)):
+        d = Dispatcher.from_plugins()
+        local, remote = ranks(d, shape, p_tp, d_tp)
+        wire = columnar(remote)
+        first = d.plan(local, engine(wire, 1))
+        again = d.plan(local, engine(wire, 5))
+        assert again._table is first._table
+        same_plan(again, Dispatcher.from_plugins().plan(local, engine(wire, 5)))
+
+
+def test_a_rebased_plan_still_checks_registered_memory() -> None:
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 2, 1)
+    wire = columnar(remote)
+    d.plan(local, engine(wire, 1))
+    bad = copy.deepcopy({r: other_engine(w, 2) for r, w in wire.items()})
+    bad[1]["memory"][0][1] -= 1  # its last region now ends one byte past what rank 1 registered
+    with pytest.raises(PlanValidationError, match="outside every registered memory range"):
+        d.plan(local, parsed(bad))
+    with pytest.raises(PlanValidationError, match="outside every registered memory range"):
+        Dispatcher.from_plugins().plan(local, parsed(bad))  # the same refusal, cold
+
+
+def test_a_layout_that_differs_is_planned_anew_and_refused_alike() -> None:
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 4, 2)
+    wire = columnar(remote)
+    first = d.plan(local, engine(wire, 1))
+    other = copy.deepcopy({r: other_engine(w, 2) for r, w in wire.items()})
+    other[1]["region_classes"][0]["num_blocks"] = 39  # fewer blocks: another layout, another plan
+    again = d.plan(local, parsed(other))
+    assert again._table is not first._table and again.pairings[0].remote_num_blocks == 39
+    bad = copy.deepcopy(other)
+    bad[0]["region_classes"][0]["facts"]["head_size"] = 128
+    with pytest.raises(IncompatibleGeometry) as warm:
+        d.plan(local, parsed(bad))
+    with pytest.raises(IncompatibleGeometry) as cold:
+        Dispatcher.from_plugins().plan(local, parsed(bad))
+    assert str(warm.value) == str(cold.value)
+
+
+def test_rebased_refuses_a_rank_laid_out_otherwise() -> None:
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 2, 1)
+    wire = columnar(remote)
+    plan = d.plan(local, engine(wire, 1))
+    other = copy.deepcopy(wire)
+    other[0]["region_columns"]["name"][0] = "renamed"
+    with pytest.raises(PlanError, match="remote rank 0 is laid out unlike"):
+        plan.rebased(parsed(other))
+
+
+def test_plans_whose_segments_may_read_addresses_are_never_rebased() -> None:
+    CountingPerLayer.calls = 0
+    d = dispatcher_with(CountingPerLayer())
+    local, remote = ranks(d, SMALL, 2, 1)
+    wire = columnar(remote)
+    first = d.plan(local, engine(wire, 1))
+    assert not first.rebasable
+    with pytest.raises(PlanError, match="plan anew"):
+        first.rebased(engine(wire, 2))
+    calls = CountingPerLayer.calls
+    again = d.plan(local, engine(wire, 2))
+    assert CountingPerLayer.calls == calls + len(local.regions) and again._table is not first._table
+
+
+def test_a_hybrid_whose_groups_alias_is_planned_anew() -> None:
+    case = Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous")
+    d = Dispatcher.from_plugins()
+    local, remote, _ = hybrid_setup(case, d)
+    wire = columnar(remote)
+    first = d.plan(local, engine(wire, 1))
+    assert not first.rebasable  # which rows are shared depends on the remote bases
+    again = d.plan(local, engine(wire, 2))
+    assert again._table is not first._table
+    fresh = Dispatcher.from_plugins().plan(local, engine(wire, 2))
+    assert np.array_equal(again.local_descs, fresh.local_descs) and again.to_dict() == fresh.to_dict()
+    assert all(np.array_equal(again.remote_descs[p], fresh.remote_descs[p]) for p in fresh.remote_descs)
+
+
+def test_the_plan_memo_is_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(dispatcher_module, "MEMO_PLANS", 2)
+    d = Dispatcher.from_plugins()
+    locals_ = []
+    for nb in (40, 41, 42):
+        local, remote = ranks(d, SMALL, 2, 1, nb=nb)
+        locals_.append(local)
+        d.plan(local, parsed(columnar(remote)))
+        assert 1 <= len(d._plans) <= 2
+
+
+def test_a_columnar_geometry_makes_only_the_regions_it_is_asked_for() -> None:
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 2, 1)
+    wire = columnar(remote)
+    g = RankGeometry.from_dict(wire[0])
+    assert isinstance(g.regions, ColumnRegions)
+    assert sum(r is not None for r in g.regions._made) == 1  # one class: its first region, for the columns
+    d.plan(local, {0: g, 1: RankGeometry.from_dict(wire[1])})
+    made = [r for r in g.regions._made if r is not None]
+    assert 1 <= len(made) < len(local.regions)  # the planner read one region per class
+    eager = remote[0]
+    assert g == eager and eager == g  # the same geometry as the per-region form's
+    assert g.regions == eager.regions and list(g.regions) == list(eager.regions)
+    assert g.regions[-1] == eager.regions[-1] and g.regions[1:3] == eager.regions[1:3]
+    assert g.names == eager.names and len(g.regions) == len(eager.regions)
+    assert repr(g.regions) == repr(eager.regions)
+    moved = RankGeometry.from_dict(other_engine(wire[0], 1))
+    assert moved != g and moved.regions != g.regions  # negative control: other bases differ
+    assert moved.layout_key == g.layout_key  # ... and the layout does not
+
+
+class LyingInt(int):
+    """An int subclass whose repr reads like another number: the parse memo must not trust it."""
+
+    def __repr__(self) -> str:
+        return "40"
+
+
+def test_a_remembered_class_description_is_matched_with_its_types() -> None:
+    from nixlkv.core import HandshakeError
+    from nixlkv.core import geometry as geometry_module
+
+    d = Dispatcher.from_plugins()
+    _, remote = ranks(d, SMALL, 1, 1)
+    wire = columnar(remote)[0]
+    RankGeometry.from_dict(wire)  # remembered now
+    assert repr(wire["region_classes"][0]) in geometry_module._DESCRIBED
+    for field, value in (("num_blocks", 40.0), ("num_blocks", True), ("block_stride", str(wire["region_classes"][0]["block_stride"]))):
+        bad = copy.deepcopy(wire)
+        bad["region_classes"][0][field] = value  # equal (or alike) to a remembered value, not the same type
+        with pytest.raises(HandshakeError, match=field):
+            RankGeometry.from_dict(bad)
+    odd = copy.deepcopy(wire)
+    odd["region_classes"][0]["num_blocks"] = LyingInt(39)  # repr "40": the remembered description's
+    g = RankGeometry.from_dict(odd)
+    assert g.regions[0].num_blocks == 39  # parsed, not taken from the memo
+    fine = copy.deepcopy(wire)
+    fine["region_classes"][0]["facts"]["head_size"] = 80  # another description: parsed, then remembered
+    assert RankGeometry.from_dict(fine).regions[0].facts["head_size"] == 80
+    assert RankGeometry.from_dict(wire).regions[0].facts["head_size"] == 64
