@@ -199,3 +199,21 @@ def test_a_remembered_class_description_is_matched_with_its_types() -> None:
     fine["region_classes"][0]["facts"]["head_size"] = 80  # another description: parsed, then remembered
     assert RankGeometry.from_dict(fine).regions[0].facts["head_size"] == 80
     assert RankGeometry.from_dict(wire).regions[0].facts["head_size"] == 64
+
+
+@pytest.mark.parametrize("num_classes", [3, 12])  # a handful (scanned per class), and many (one pass)
+def test_class_firsts_name_each_class_first_region(num_classes: int) -> None:
+    d = Dispatcher.from_plugins()
+    _, remote = ranks(d, SMALL, 1, 1)
+    wire = copy.deepcopy(columnar(remote)[0])
+    n = len(wire["region_columns"]["name"])
+    proto = wire["region_classes"][0]
+    wire["region_classes"] = [dict(copy.deepcopy(proto), facts={**proto["facts"], "tag": k}) for k in range(num_classes)]
+    order = [(7 * i + 3) % num_classes for i in range(n)]  # classes first met out of numeric order
+    wire["region_columns"]["class"] = order
+    g = RankGeometry.from_dict(wire)
+    expected = {}
+    for i, c in enumerate(order):
+        expected.setdefault(c, i)
+    assert g.class_firsts == expected and list(g.class_firsts) == list(expected)
+    assert [r.facts["tag"] for r in g.class_regions] == list(expected)

@@ -550,9 +550,10 @@ class RankGeometry:
 
     def __post_init__(self) -> None:
         regions = self.regions
-        names = regions.names if isinstance(regions, ColumnRegions) else [r.name for r in regions]
+        columnar = isinstance(regions, ColumnRegions)  # whose names were checked unique when parsed
+        names = regions.names if columnar else [r.name for r in regions]
         self.__dict__["names"] = names  # the cached property's slot
-        if len(set(names)) != len(names):
+        if not columnar and len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise IncompatibleGeometry(f"engine {self.engine_id!r}: duplicate region names {dup}")
 
@@ -578,8 +579,11 @@ class RankGeometry:
     def class_firsts(self) -> dict[int, int]:
         """Geometry class -> index of its first region, classes in order of first appearance."""
         classes = self.geometry_classes
+        distinct = dict.fromkeys(classes)
+        if len(distinct) <= 8:  # a handful of classes (a model's usual): a C-level scan each
+            return {c: classes.index(c) for c in distinct}
         first = dict(zip(reversed(classes), range(len(classes) - 1, -1, -1)))  # the last write is the first index
-        return {c: first[c] for c in dict.fromkeys(classes)}
+        return {c: first[c] for c in distinct}
 
     @cached_property
     def class_regions(self) -> list[Region]:
@@ -801,8 +805,9 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         seen: set[str] = set()
         dup = sorted({v for v in names if v in seen or seen.add(v)})
         raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
+    every_int = set(map(type, chain(bases, groups, classes))) == {int}  # one pass over the types of all three
     for key, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
-        _check_int_column(key, col, limit)
+        _check_int_column(key, col, limit, every_int)
     return ColumnRegions(protos, list(names), list(bases), list(groups), list(classes), [key for _, key in known]), tuple(classes)
 
 
@@ -844,33 +849,33 @@ def _described_class(k: int, cd: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
 
 
 _PLAIN_SCALARS = frozenset((str, int, float, bool, type(None)))
+_STR_ONLY = frozenset((str,))
 
 
 def _plain(value: Any) -> bool:
     """Built of dicts with string keys, lists, strings, ints, floats, bools and None only: a value
     whose repr names it exactly (types included), unlike an object with a repr of its own."""
     todo = [value]
+    scalars, keys = _PLAIN_SCALARS, _STR_ONLY
     while todo:
         v = todo.pop()
         t = type(v)
-        if t in _PLAIN_SCALARS:
-            continue
         if t is dict:
-            if any(type(k) is not str for k in v):
+            if not keys.issuperset(map(type, v)):
                 return False
-            todo.extend(v.values())
+            todo += v.values()
         elif t is list:
-            todo.extend(v)
-        else:
+            todo += v
+        elif t not in scalars:
             return False
     return True
 
 
-def _check_int_column(key: str, col: list[Any] | tuple[Any, ...], limit: int) -> None:
+def _check_int_column(key: str, col: list[Any] | tuple[Any, ...], limit: int, every_int: bool = False) -> None:
     """Every entry an int (not a bool, not a float) in ``[0, limit)``: one pass over the types
-    and one min and max, all in C (cheaper than numpy's per-call cost for a model's layers, as
-    fast beyond), the first bad entry named."""
-    if set(map(type, col)) != {int}:
+    (skipped where the caller saw ``every_int``) and one min and max, all in C (cheaper than
+    numpy's per-call cost for a model's layers, as fast beyond), the first bad entry named."""
+    if not every_int and set(map(type, col)) != {int}:
         i = next(i for i, v in enumerate(col) if type(v) is not int)
         raise HandshakeError(f"region_columns[{key!r}][{i}] must be a non-negative integer, got {col[i]!r}")
     low, high = min(col), max(col)

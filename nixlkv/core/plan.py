@@ -440,12 +440,13 @@ class TransferPlan:
                     self._remote_twin[p] = q
                     break
         self._rank_entries = [(p, self._rank_keys[p]) for p in self.read_ranks]
-        # One pairing the core applies itself (OwnedTail), in one phase, every covered rank read:
-        # per READ only (rank, row starts, bytes per block pair, the rank whose remote IDs it shares).
+        # One pairing the core applies itself (OwnedTail), in one phase: per READ only (rank, row
+        # starts, bytes per block pair, the rank whose remote IDs it shares), and the ranks only told.
         self._owned_reads = None
-        if len(self.pairings) == 1 and self.pairings[0].owned is not None and len(self.read_ranks) == len(self.covered) \
+        if len(self.pairings) == 1 and self.pairings[0].owned is not None \
                 and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
             self._owned_reads = [(p, e[0][2], e[0][3], e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries]
+            self._owned_notify = tuple(p for p in self.covered if p not in self.read_ranks)
 
     def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
         """This plan, for another remote engine whose covered ranks have the same layout
@@ -572,7 +573,7 @@ class TransferPlan:
             add(lstarts, lp, out=local_ids.reshape(rows, k))
             written[p] = remote_ids
             reads.append(_record(ReadOp, remote_rank=p, local_ids=local_ids, remote_ids=remote_ids, nbytes=block_bytes * k))
-        return _record(ResolvedRequest, reads=tuple(reads) if k else (), notify_only=() if k else self.covered,
+        return _record(ResolvedRequest, reads=tuple(reads) if k else (), notify_only=self._owned_notify if k else self.covered,
                        consumers=self.consumers)
 
     def _pair(
