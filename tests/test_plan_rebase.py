@@ -124,18 +124,36 @@ def test_plans_whose_segments_may_read_addresses_are_never_rebased() -> None:
     assert CountingPerLayer.calls == calls + len(local.regions) and again._table is not first._table
 
 
-def test_a_hybrid_whose_groups_alias_is_planned_anew() -> None:
+def same_rows(a, b) -> None:
+    assert np.array_equal(a.local_descs, b.local_descs) and a.to_dict() == b.to_dict()
+    assert list(a.remote_descs) == list(b.remote_descs)
+    assert all(np.array_equal(a.remote_descs[p], b.remote_descs[p]) for p in b.remote_descs)
+
+
+def test_a_hybrid_whose_groups_alias_is_rebased_where_the_engine_aliases_alike() -> None:
     case = Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous")
     d = Dispatcher.from_plugins()
     local, remote, _ = hybrid_setup(case, d)
     wire = columnar(remote)
     first = d.plan(local, engine(wire, 1))
-    assert not first.rebasable  # which rows are shared depends on the remote bases
+    assert first._aliased and first.rebasable  # groups share one tensor on both sides
     again = d.plan(local, engine(wire, 2))
-    assert again._table is not first._table
+    assert again._table is first._table  # rebased: the other engine shares rows between the same layers
     fresh = Dispatcher.from_plugins().plan(local, engine(wire, 2))
-    assert np.array_equal(again.local_descs, fresh.local_descs) and again.to_dict() == fresh.to_dict()
-    assert all(np.array_equal(again.remote_descs[p], fresh.remote_descs[p]) for p in fresh.remote_descs)
+    same_rows(again, fresh)
+    # An engine whose layers share memory otherwise is planned anew (rebasing would read wrong rows).
+    apart = copy.deepcopy({r: other_engine(w, 3) for r, w in wire.items()})
+    for w in apart.values():
+        bases = w["region_columns"]["base"]
+        i = next(i for i in range(len(bases)) if bases[i] in bases[:i])  # a layer on a tensor an earlier one uses
+        w["memory"][0][1] += 1 << 30
+        bases[i] = w["memory"][0][0] + w["memory"][0][1] - (1 << 30)  # moved to memory of its own
+    with pytest.raises(PlanError, match="share memory unlike"):
+        first.rebased(parsed(apart))
+    planned = d.plan(local, parsed(apart))
+    assert planned._table is not first._table
+    same_rows(planned, Dispatcher.from_plugins().plan(local, parsed(apart)))
+    assert sum(planned.registered_descriptors().values()) > sum(first.registered_descriptors().values())
 
 
 def test_the_plan_memo_is_bounded(monkeypatch) -> None:

@@ -36,9 +36,8 @@ class Dispatcher:
         # (local geometry's id, layout key of every covered remote rank) -> a plan made with
         # them: another engine of that layout (another prefill engine of the model, or one
         # restarted) gets it rebased to its addresses. Only plans whose strategies are all
-        # segments_by_geometry (addresses never change their segments) and whose local regions do
-        # not alias. The plan holds its local geometry, so the id is not reused while the entry
-        # lives; a hit checks it is the same object.
+        # segments_by_geometry (addresses never change their segments). The plan holds its local
+        # geometry, so the id is not reused while the entry lives; a hit checks it is the same object.
         self._plans: dict[tuple[Any, ...], TransferPlan] = {}
 
     @classmethod
@@ -142,7 +141,10 @@ class Dispatcher:
         key = (id(local), *(remote[p].layout_key for p in covered))
         known = self._plans.get(key)
         if known is not None and known.local is local:
-            return known.rebased(remote)
+            try:
+                return known.rebased(remote)
+            except PlanError:
+                pass  # its layers share memory otherwise (a hybrid's aliasing groups): planned anew below
         names = local.names
         in_order = {p: remote[p].names == names for p in covered}
         if not all(in_order.values()):  # the same names in the same order are the same layers: others compared as sets

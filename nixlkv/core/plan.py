@@ -330,16 +330,17 @@ class TransferPlan:
         a, b = self._segment(i), self._segment(j)
         raise PlanValidationError(f"two segments write the same bytes of local region {a.local_region!r}: {a} and {b}")
 
-    def _shared_rows(self) -> np.ndarray | None:
-        """Per segment, the first segment with the same descriptor rows on both sides, or None
-        where there is none: layers of one geometry class at the same local base and the same
-        peer bases (a hybrid's groups aliasing one KV tensor) have the same rows."""
+    def _shared_rows(self, remote: Mapping[int, RankGeometry]) -> np.ndarray | None:
+        """Per segment, the first segment with the same descriptor rows on both sides (reading
+        the ranks ``remote``), or None where there is none: layers of one geometry class at the
+        same local base and the same peer bases (a hybrid's groups aliasing one KV tensor) have
+        the same rows."""
         t = self._table
         if t.layer_class is None or t.layer_start is None:
             return None  # a strategy's segments name other regions: rows stay per segment
         keys = [t.layer_class.tolist(), self.local.columns[:, COL_BASE].tolist()]
         for j, p in enumerate(self.covered):
-            base = self.remote[p].columns[:, COL_BASE]
+            base = remote[p].columns[:, COL_BASE]
             keys.append((base if t.peer_idx is None else base[t.peer_idx[j]]).tolist())
         canon: dict[tuple[int, ...], int] = {}
         canon_of = [canon.setdefault(k, i) for i, k in enumerate(zip(*keys))]
@@ -354,11 +355,12 @@ class TransferPlan:
         # One descriptor row per distinct (local row, remote rank, remote row): layers that alias
         # one KV tensor (a hybrid's groups) describe the same bytes, and register them once.
         aliased = n > 1 and _regions_overlap(self.local)
-        shared = self._shared_rows() if aliased else None
+        self._shared = shared = self._shared_rows(self.remote) if aliased else None
+        self._aliased = aliased
         # Another engine's addresses change only each remote row's own address where every
-        # strategy's segments ignore addresses and no local layers alias (which rows are shared
-        # then depends on the remote bases too): see rebased().
-        self.rebasable = not aliased and all(getattr(g.strategy, "segments_by_geometry", False) for g in self.pairings)
+        # strategy's segments ignore addresses (and, where local layers alias, the new engine
+        # shares rows between the same layers): see rebased().
+        self.rebasable = all(getattr(g.strategy, "segments_by_geometry", False) for g in self.pairings)
         if shared is None:
             seg = None  # rows are the segments, in order
             self._row_segment = np.arange(n, dtype=np.int64)
@@ -452,14 +454,21 @@ class TransferPlan:
         """This plan, for another remote engine whose covered ranks have the same layout
         (:attr:`RankGeometry.layout_key`) as this plan's: the same segments, checks and
         descriptor IDs; the remote rows moved to the new ranks' addresses, whose regions are
-        checked against their registered memory. Only for a :attr:`rebasable` plan."""
+        checked against their registered memory. Only for a :attr:`rebasable` plan, and where
+        local layers alias, only for an engine that shares rows between the same layers
+        (PlanError otherwise: plan anew)."""
         if not self.rebasable:
-            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry, "
-                            "or local regions that alias): plan anew for every remote engine")
+            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
+                            "plan anew for every remote engine")
         covered = self.covered
         for p in covered:
             if remote[p].layout_key != self.remote[p].layout_key:
                 raise PlanError(f"remote rank {p} is laid out unlike the rank this plan was made for")
+        if self._aliased:  # which layers share rows depends on the remote bases too
+            shared = self._shared_rows(remote)
+            if (shared is None) != (self._shared is None) or (shared is not None and not np.array_equal(shared, self._shared)):
+                raise PlanError("the new engine's layers share memory unlike the engine this plan was made for")
+        for p in covered:
             _check_registered_all(remote[p])
         plan = _new(TransferPlan)
         fields = plan.__dict__
