@@ -442,13 +442,36 @@ class TransferPlan:
                     self._remote_twin[p] = q
                     break
         self._rank_entries = [(p, self._rank_keys[p]) for p in self.read_ranks]
-        # One pairing the core applies itself (OwnedTail), in one phase: per READ only (rank, row
-        # starts, bytes per block pair, the rank whose remote IDs it shares), and the ranks only told.
+        self._set_lanes()
+
+    def _set_lanes(self) -> None:
+        """What the per-request path of pairings the core applies itself reads, bound once:
+        per pairing its :func:`_owned_pairs` lane (None: the strategy's pair_blocks); and where
+        the plan is one such pairing in one phase, per READ (rank, row starts, bytes per block
+        pair, the rank whose remote IDs it shares) and the ranks only told."""
+        code = "i" if self._id_dtype is np.int32 else "q"
+        self._owned = [
+            None if g.owned is None else
+            (g.local_group, g.remote_group, code, self._np_dtype, self._unsigned, g.local_num_blocks, g.remote_num_blocks, g.owned.kind)
+            for g in self.pairings
+        ]
         self._owned_reads = None
-        if len(self.pairings) == 1 and self.pairings[0].owned is not None \
+        if len(self.pairings) == 1 and self._owned[0] is not None \
                 and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
-            self._owned_reads = [(p, e[0][2], e[0][3], e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries]
-            self._owned_notify = tuple(p for p in self.covered if p not in self.read_ranks)
+            self._owned_reads = (
+                self._owned[0],
+                tuple((p, e[0][2], e[0][3], e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries),
+                tuple(p for p in self.covered if p not in self.read_ranks),
+            )
+
+    def undeclared(self) -> TransferPlan:
+        """This plan with every group paired by its strategy's own ``pair_blocks``, none by the
+        core (what the contract kit compares a declared pairing with)."""
+        plan = _new(TransferPlan)
+        plan.__dict__.update(self.__dict__)
+        plan.pairings = tuple(replace(g, owned=None) for g in self.pairings)
+        plan._set_lanes()
+        return plan
 
     def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
         """This plan, for another remote engine whose covered ranks have the same layout
@@ -502,11 +525,36 @@ class TransferPlan:
         """
         if scratch is not None:
             scratch.reset()
-        if self._owned_reads is not None:
-            resolved = self._resolve_owned(local_block_ids, remote_block_ids, scratch)
-            if resolved is not None:
-                return resolved
-        pairs = [self._pair(pairing, local_block_ids, remote_block_ids, num_tokens) for pairing in self.pairings]
+        owned = self._owned_reads
+        if owned is not None:
+            # One pairing the core applies itself, in one phase (a dense model at one block size):
+            # only the per-READ steps (in this frame: a call costs here, next to the adds).
+            lane, reads_of, notify = owned
+            paired = _owned_pairs(lane, local_block_ids, remote_block_ids)
+            if paired is not None:
+                lp, rp = paired
+                k = lp.size
+                if not k:
+                    return _record(ResolvedRequest, reads=(), notify_only=self.covered, consumers=self.consumers)
+                take = np.empty if scratch is None else scratch.take
+                dtype, add = lane[3], np.add
+                reads = []
+                written = {}
+                for p, lstarts, rstarts, block_bytes, twin in reads_of:
+                    rows = lstarts.shape[0]
+                    total = rows * k
+                    if twin is None:
+                        both = take(2 * total, dtype)
+                        local_ids, remote_ids = both[:total], both[total:]
+                        add(rstarts, rp, out=remote_ids.reshape(rows, k))
+                    else:
+                        local_ids, remote_ids = take(total, dtype), written[twin]
+                    add(lstarts, lp, out=local_ids.reshape(rows, k))
+                    written[p] = remote_ids
+                    reads.append(_record(ReadOp, remote_rank=p, local_ids=local_ids, remote_ids=remote_ids, nbytes=block_bytes * k))
+                return _record(ResolvedRequest, reads=tuple(reads), notify_only=notify, consumers=self.consumers)
+        pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
+                 for pairing, lane in zip(self.pairings, self._owned)]
         reads = []
         remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
         dtype = self._np_dtype
@@ -552,49 +600,17 @@ class TransferPlan:
             notify_only = tuple(p for p in self.covered if p not in read)
         return _record(ResolvedRequest, reads=tuple(reads), notify_only=notify_only, consumers=self.consumers)
 
-    def _resolve_owned(
-        self, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], scratch: IdScratch | None
-    ) -> ResolvedRequest | None:
-        """:meth:`resolve` for a plan of one core-applied pairing in one phase (a dense model at
-        one block size): the same READs, with only the per-READ steps left. None where the ids
-        are not plain lists (the general path then converts and checks them)."""
-        pairing = self.pairings[0]
-        if pairing.owned is None:
-            return None
-        paired = self._pair_owned(pairing, pairing.owned, local_block_ids, remote_block_ids)
-        if paired is None:
-            return None
-        lp, rp, _ = paired
-        k = lp.size
-        take = np.empty if scratch is None else scratch.take
-        dtype, add = self._np_dtype, np.add
-        reads = []
-        written: dict[int, np.ndarray] = {}
-        for p, lstarts, rstarts, block_bytes, twin in self._owned_reads:
-            rows = lstarts.shape[0]
-            total = rows * k
-            if twin is None:
-                both = take(2 * total, dtype)
-                local_ids, remote_ids = both[:total], both[total:]
-                add(rstarts, rp, out=remote_ids.reshape(rows, k))
-            else:
-                local_ids, remote_ids = take(total, dtype), written[twin]
-            add(lstarts, lp, out=local_ids.reshape(rows, k))
-            written[p] = remote_ids
-            reads.append(_record(ReadOp, remote_rank=p, local_ids=local_ids, remote_ids=remote_ids, nbytes=block_bytes * k))
-        return _record(ResolvedRequest, reads=tuple(reads) if k else (), notify_only=self._owned_notify if k else self.covered,
-                       consumers=self.consumers)
-
     def _pair(
-        self, pairing: GroupPairing, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], num_tokens: int | None
+        self, pairing: GroupPairing, lane: tuple[Any, ...] | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],
+        num_tokens: int | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The strategy's block pairs of one group as descriptor-id dtype arrays, bounds checked;
-        phases only where some pair is not in phase 0."""
+        phases only where some pair is not in phase 0. ``lane``: the core applies the pairing."""
         dtype = self._np_dtype
-        if pairing.owned is not None:
-            paired = self._pair_owned(pairing, pairing.owned, local_block_ids, remote_block_ids)
+        if lane is not None:
+            paired = _owned_pairs(lane, local_block_ids, remote_block_ids)
             if paired is not None:
-                return paired
+                return paired[0], paired[1], None
         lids = _ids(local_block_ids, pairing.local_group, "local", dtype)
         rids = _ids(remote_block_ids, pairing.remote_group, "remote", dtype)
         paired = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens)
@@ -633,40 +649,6 @@ class TransferPlan:
         if phase is not None and not phase.any():
             phase = None
         return lp, rp, phase
-
-    def _pair_owned(
-        self, pairing: GroupPairing, owned: OwnedTail, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
-    ) -> tuple[np.ndarray, np.ndarray, None] | None:
-        """:meth:`_pair` for an :class:`OwnedTail` pairing, with both sides' id lists converted
-        and checked together (one conversion, one null count, one bound): the pairs, refusals and
-        messages of the strategy's own ``pair_blocks`` (:func:`check_owned`, then
-        :func:`tail_aligned`). None where the ids are not two plain lists of ints that fit:
-        then the general path converts them and names what is wrong."""
-        lg, rg = pairing.local_group, pairing.remote_group
-        if lg >= len(local_block_ids) or rg >= len(remote_block_ids):
-            return None
-        lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
-        if type(lraw) is not list or type(rraw) is not list:
-            return None
-        n, m = len(lraw), len(rraw)
-        dtype = self._np_dtype
-        try:
-            both = np.frombuffer(_packer(n + m, "i" if dtype == np.int32 else "q")(*lraw, *rraw), dtype=dtype)
-        except struct.error:
-            return None
-        if np.count_nonzero(both) != n + m:
-            raise RequestError(null_block_message(owned.kind))
-        if n > m:
-            raise RequestError(count_mismatch_message(n, m))
-        lp, rp = both[:n], both[m:]  # the local ids, and the last n remote ids
-        llim, rlim = pairing.local_num_blocks, pairing.remote_num_blocks
-        # one unsigned bound over both lists (negative ids wrap to huge values); where it fails,
-        # the paired ids are checked side by side, as the general path checks them
-        if both.size and np.maximum.reduce(both.view(self._unsigned)) >= min(llim, rlim):
-            if n:
-                _check_bounds(lp, llim, "local", lg)
-                _check_bounds(rp, rlim, "remote", rg)
-        return lp, rp, None
 
     def read_bytes(self, read: ReadOp) -> int:
         """Bytes one READ moves: what the planner recorded, else summed over its local descriptors."""
@@ -722,6 +704,38 @@ def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> boo
         x[0] == y[0] and x[1] == y[1] and x[3].dtype == y[3].dtype and x[3].shape == y[3].shape
         and x[3].tobytes() == y[3].tobytes() for x, y in zip(a, b)
     )
+
+
+def _owned_pairs(
+    lane: tuple[Any, ...], local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The pairs of an :class:`OwnedTail` group (``lane``: what TransferPlan bound for it), with
+    both sides' id lists converted and checked together (one conversion, one null count, one
+    bound): the pairs, refusals and messages of the strategy's own ``pair_blocks``
+    (:func:`check_owned`, then :func:`tail_aligned`). None where the ids are not two plain lists
+    of ints that fit: then the general path converts them and names what is wrong."""
+    lg, rg, code, dtype, unsigned, llim, rlim, kind = lane
+    if lg >= len(local_block_ids) or rg >= len(remote_block_ids):
+        return None
+    lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
+    if type(lraw) is not list or type(rraw) is not list:
+        return None
+    n, m = len(lraw), len(rraw)
+    try:
+        both = np.frombuffer(_packer(n + m, code)(*lraw, *rraw), dtype=dtype)
+    except struct.error:
+        return None
+    if np.count_nonzero(both) != n + m:
+        raise RequestError(null_block_message(kind))
+    if n > m:
+        raise RequestError(count_mismatch_message(n, m))
+    lp, rp = both[:n], both[m:]  # the local ids, and the last n remote ids
+    # one unsigned bound over both lists (negative ids wrap to huge values); where it fails, the
+    # paired ids are checked side by side, as the general path checks them
+    if n and np.maximum.reduce(both.view(unsigned)) >= min(llim, rlim):
+        _check_bounds(lp, llim, "local", lg)
+        _check_bounds(rp, rlim, "remote", rg)
+    return lp, rp
 
 
 def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np.ndarray:
