@@ -173,7 +173,8 @@ def test_a_columnar_geometry_makes_only_the_regions_it_is_asked_for() -> None:
     wire = columnar(remote)
     g = RankGeometry.from_dict(wire[0])
     assert isinstance(g.regions, ColumnRegions)
-    assert sum(r is not None for r in g.regions._made) == 1  # one class: its first region, for the columns
+    # at most its one class's first region, for the columns (none where the layout was seen before)
+    assert g.regions._made is None or sum(r is not None for r in g.regions._made) == 1
     d.plan(local, {0: g, 1: RankGeometry.from_dict(wire[1])})
     made = [r for r in g.regions._made if r is not None]
     assert 1 <= len(made) < len(local.regions)  # the planner read one region per class
@@ -235,3 +236,36 @@ def test_class_firsts_name_each_class_first_region(num_classes: int) -> None:
         expected.setdefault(c, i)
     assert g.class_firsts == expected and list(g.class_firsts) == list(expected)
     assert [r.facts["tag"] for r in g.class_regions] == list(expected)
+
+
+def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs() -> None:
+    from nixlkv.core import HandshakeError
+    from nixlkv.core import geometry as geometry_module
+
+    d = Dispatcher.from_plugins()
+    _, remote = ranks(d, SMALL, 2, 1)
+    wire = columnar(remote)[0]
+    geometry_module._LAYOUTS.clear()
+    first = RankGeometry.from_dict(other_engine(wire, 1))
+    assert len(geometry_module._LAYOUTS) == 1 and geometry_module._LAYOUTS[0].template is not None
+    moved = other_engine(wire, 2)
+    moved["device_id"] = 3
+    hit = RankGeometry.from_dict(moved)
+    cold_layouts = list(geometry_module._LAYOUTS)
+    geometry_module._LAYOUTS.clear()
+    cold = RankGeometry.from_dict(moved)  # the same reply, parsed as a first
+    geometry_module._LAYOUTS[:] = cold_layouts
+    assert hit == cold and np.array_equal(hit.columns, cold.columns) and hit.columns.dtype == cold.columns.dtype
+    assert hit.class_firsts == cold.class_firsts and hit.layout_key == cold.layout_key == first.layout_key
+    assert not np.array_equal(hit.columns, first.columns)  # negative control: other bases and device
+    assert (hit.columns[:, 2] == 3).all()
+    for column, value, match in (("base", 1 << 62, "beyond 2"), ("base", -1, "non-negative"), ("base", True, "non-negative"),
+                                 ("group", True, "non-negative"), ("class", 1.0, "non-negative"), ("name", 7, "non-empty string")):
+        bad = copy.deepcopy(moved)
+        bad["region_columns"][column][1] = value  # otherwise the remembered layout
+        with pytest.raises(HandshakeError, match=match):
+            RankGeometry.from_dict(bad)
+    dup = copy.deepcopy(moved)
+    dup["region_columns"]["name"][1] = dup["region_columns"]["name"][0]
+    with pytest.raises(HandshakeError, match="repeats region names"):
+        RankGeometry.from_dict(dup)

@@ -15,7 +15,7 @@ import torch
 
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
-from ..core.geometry import forget_described
+from ..core.geometry import forget_parsed
 from ..core.plan import expand_ids
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
@@ -151,7 +151,7 @@ def plan_case(
     # timed handshake is with another prefill engine (its own id and addresses), as a decode rank
     # meets them: the dispatcher has planned the layout before (with the first engine), so it
     # rebases that plan; the first handshake of a layout is timed on its own (a fresh dispatcher
-    # and no class description parsed before, each time; the decode geometry is the worker's own,
+    # and nothing parsed before, each time; the decode geometry is the worker's own,
     # prepared when it registered its caches).
     wire = {r: g.to_wire() for r, g in remote.items()}
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
@@ -160,8 +160,8 @@ def plan_case(
     def ours_handshake():
         return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
 
-    def ours_first():  # nothing of this layout planned, nor its descriptions parsed, on this decode rank
-        forget_described()
+    def ours_first():  # nothing of this layout planned, nor parsed, on this decode rank
+        forget_parsed()
         fresh = Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap)
         return fresh.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
 

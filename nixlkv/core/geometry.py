@@ -667,6 +667,28 @@ class RankGeometry:
         out[:, COL_END] += own[0]
         return out
 
+    def _columns_from(self, layout: _ColumnLayout, bases: list[int]) -> None:
+        """:attr:`columns` and :attr:`class_firsts` of a parsed columnar geometry: the first of its
+        layout builds them (:meth:`_columns_of`) and leaves a template of columns at base 0; a
+        later one copies the template and adds its bases and device."""
+        if layout.template is None or self.device_id >= ADDRESS_LIMIT:
+            columns = self._columns_of(bases, layout.groups)
+            if layout.template is None:
+                template = columns.copy()
+                template[:, COL_END] -= template[:, COL_BASE]
+                template[:, COL_BASE] = 0
+                layout.template, layout.firsts = template, self.class_firsts
+        else:
+            n = len(bases)
+            columns = layout.template.copy()
+            if n:
+                own = np.frombuffer(struct.pack(f"{n}q", *bases), dtype=np.int64)  # checked ints below 2**62
+                columns[:, COL_BASE] = own
+                columns[:, COL_END] += own
+            columns[:, COL_DEVICE] = self.device_id
+            self.__dict__["class_firsts"] = layout.firsts
+        self.__dict__["columns"] = columns
+
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
 
@@ -722,10 +744,11 @@ class RankGeometry:
             if not 0 <= tp_rank < tp_size:
                 raise HandshakeError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
             columnar = "region_classes" in d or "region_columns" in d
+            layout = None
             if columnar:
                 if "regions" in d:
                     raise HandshakeError("geometry holds both 'regions' and 'region_classes'/'region_columns': send one form")
-                regions, classes = _parse_columnar(d)
+                regions, classes, layout = _parse_columnar(d)
             else:
                 regions, classes = _parse_regions(d["regions"])
             geometry = cls(
@@ -739,9 +762,10 @@ class RankGeometry:
             )
             if classes is not None:
                 geometry.__dict__["geometry_classes"] = classes  # what parsing found (cached_property slot)
-            if columnar:  # the columns as they came, checked: no pass over the regions for them
-                cols = d["region_columns"]
-                geometry.__dict__["columns"] = geometry._columns_of(cols["base"], cols["group"])
+            if layout is not None:  # the columns as they came, checked: no pass over the regions for them
+                geometry._columns_from(layout, d["region_columns"]["base"])
+            elif columnar:
+                geometry.__dict__["columns"] = np.zeros((0, 7), dtype=np.int64)
         except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
             raise HandshakeError(f"malformed rank geometry: {exc}") from None
         return geometry
@@ -797,18 +821,57 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         sizes = ", ".join(f"{key} {len(col)}" for key, col in zip(REGION_COLUMNS, cols))
         raise HandshakeError(f"region_columns must be lists of one length, got {sizes}")
     if not n:
-        return (), ()
-    if set(map(type, names)) != {str} or "" in names:
-        i = next(i for i, v in enumerate(names) if type(v) is not str or not v)
-        raise HandshakeError(f"region_columns['name'][{i}] must be a non-empty string, got {names[i]!r}")
-    if len(set(names)) != n:
-        seen: set[str] = set()
-        dup = sorted({v for v in names if v in seen or seen.add(v)})
-        raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
+        return (), (), None
+    names_str = set(map(type, names)) == {str}
     every_int = set(map(type, chain(bases, groups, classes))) == {int}  # one pass over the types of all three
-    for key, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
-        _check_int_column(key, col, limit, every_int)
-    return ColumnRegions(protos, list(names), list(bases), list(groups), list(classes), [key for _, key in known]), tuple(classes)
+    layout = _known_layout(known, names, groups, classes) if names_str and every_int else None
+    if layout is None:
+        if not names_str or "" in names:
+            i = next(i for i, v in enumerate(names) if type(v) is not str or not v)
+            raise HandshakeError(f"region_columns['name'][{i}] must be a non-empty string, got {names[i]!r}")
+        if len(set(names)) != n:
+            seen: set[str] = set()
+            dup = sorted({v for v in names if v in seen or seen.add(v)})
+            raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
+        for key, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
+            _check_int_column(key, col, limit, every_int)
+        layout = _ColumnLayout(known, list(names), list(groups), list(classes))
+        _LAYOUTS.insert(0, layout)
+        del _LAYOUTS[MEMO_LAYOUTS:]
+    else:
+        _check_int_column("base", bases, ADDRESS_LIMIT, every_int)
+    regions = ColumnRegions(protos, layout.names, list(bases), layout.groups, layout.classes, [key for _, key in known])
+    return regions, layout.class_ids, layout
+
+
+class _ColumnLayout:
+    """A columnar geometry's per-region columns but its bases, checked (names unique and
+    non-empty, groups and class ids in range), with what the geometry derives from them alone:
+    every engine of one model sends the same, so a later rank of it skips those checks."""
+
+    __slots__ = ("known", "names", "groups", "classes", "class_ids", "firsts", "template")
+
+    def __init__(self, known: list[Any], names: list[str], groups: list[int], classes: list[int]) -> None:
+        self.known, self.names, self.groups, self.classes = known, names, groups, classes
+        self.class_ids = tuple(classes)
+        self.firsts: dict[int, int] | None = None  # RankGeometry.class_firsts, once made
+        self.template: np.ndarray | None = None  # columns with bases 0 (ends are spans), once made
+
+
+MEMO_LAYOUTS = 16  # column layouts remembered (newest first): a decode rank meets a handful
+_LAYOUTS: list[_ColumnLayout] = []
+
+
+def _known_layout(known: list[Any], names: list[Any], groups: list[Any], classes: list[Any]) -> _ColumnLayout | None:
+    """A remembered layout with these class descriptions (the same remembered entries) and equal
+    columns (the caller saw names all str and groups and classes all int, so equal is the same)."""
+    for layout in list(_LAYOUTS):
+        if len(layout.known) == len(known) and all(a is b for a, b in zip(layout.known, known)) \
+                and layout.classes == classes and layout.groups == groups and layout.names == names:
+            return layout
+    return None
+
+
 
 
 MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)
@@ -817,9 +880,11 @@ MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models
 _DESCRIBED: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
 
 
-def forget_described() -> None:
-    """Empty the memo of class descriptions (a process that never parsed a handshake: benches)."""
+def forget_parsed() -> None:
+    """Empty the memos of class descriptions and column layouts (a process that never parsed a
+    handshake: benches)."""
     _DESCRIBED.clear()
+    _LAYOUTS.clear()
 
 
 def _described_class(k: int, cd: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
