@@ -63,6 +63,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     from .core import NixlkvError
     from .core.dispatcher import Dispatcher
+    from .testing.oracle import id_lists
     from .testing.rehearsal import build, choose_blocks
 
     scenario = _load(args.scenario)
@@ -73,7 +74,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         p_blocks = choose_blocks(engines.prefill[0], req.num_tokens, 0, rng)
         d_blocks = choose_blocks(engines.decode[0], req.num_tokens, req.cached_blocks, rng, peer=engines.prefill[0])
         resolved_all = [
-            plan.resolve([g.ids.tolist() for g in d_blocks], [g.ids.tolist() for g in p_blocks], req.num_tokens) for plan in engines.plans
+            plan.resolve(id_lists(d_blocks), id_lists(p_blocks), req.num_tokens) for plan in engines.plans
         ]
     except (NixlkvError, NotImplementedError) as exc:
         print(f"rejected: {type(exc).__name__}: {exc}", file=sys.stderr)

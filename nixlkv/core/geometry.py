@@ -679,12 +679,10 @@ class RankGeometry:
                 template[:, COL_BASE] = 0
                 layout.template, layout.firsts = template, self.class_firsts
         else:
-            n = len(bases)
             columns = layout.template.copy()
-            if n:
-                own = np.frombuffer(struct.pack(f"{n}q", *bases), dtype=np.int64)  # checked ints below 2**62
-                columns[:, COL_BASE] = own
-                columns[:, COL_END] += own
+            own = np.frombuffer(struct.pack(f"{len(bases)}q", *bases), dtype=np.int64)  # checked ints below 2**62
+            columns[:, COL_BASE] = own
+            columns[:, COL_END] += own
             columns[:, COL_DEVICE] = self.device_id
             self.__dict__["class_firsts"] = layout.firsts
         self.__dict__["columns"] = columns
@@ -764,8 +762,6 @@ class RankGeometry:
                 geometry.__dict__["geometry_classes"] = classes  # what parsing found (cached_property slot)
             if layout is not None:  # the columns as they came, checked: no pass over the regions for them
                 geometry._columns_from(layout, d["region_columns"]["base"])
-            elif columnar:
-                geometry.__dict__["columns"] = np.zeros((0, 7), dtype=np.int64)
         except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
             raise HandshakeError(f"malformed rank geometry: {exc}") from None
         return geometry
@@ -870,8 +866,6 @@ def _known_layout(known: list[Any], names: list[Any], groups: list[Any], classes
                 and layout.classes == classes and layout.groups == groups and layout.names == names:
             return layout
     return None
-
-
 
 
 MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)

@@ -467,10 +467,17 @@ class TransferPlan:
     def undeclared(self) -> TransferPlan:
         """This plan with every group paired by its strategy's own ``pair_blocks``, none by the
         core (what the contract kit compares a declared pairing with)."""
+        plan = self._with(pairings=tuple(replace(g, owned=None) for g in self.pairings))
+        plan._set_lanes()
+        return plan
+
+    def _with(self, **fields: Any) -> TransferPlan:
+        """A copy of this plan with ``fields`` replaced (arrays shared: a plan never writes them)."""
         plan = _new(TransferPlan)
         plan.__dict__.update(self.__dict__)
-        plan.pairings = tuple(replace(g, owned=None) for g in self.pairings)
-        plan._set_lanes()
+        plan.__dict__.pop("segments", None)  # cached views of the geometry and pairings they were made from
+        plan.__dict__.pop("layer_segments", None)
+        plan.__dict__.update(fields)
         return plan
 
     def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
@@ -493,20 +500,12 @@ class TransferPlan:
                 raise PlanError("the new engine's layers share memory unlike the engine this plan was made for")
         for p in covered:
             _check_registered_all(remote[p])
-        plan = _new(TransferPlan)
-        fields = plan.__dict__
-        fields.update(self.__dict__)
-        fields.pop("segments", None)  # cached views naming the other engine's geometry
-        fields.pop("layer_segments", None)
-        fields["remote"] = {p: remote[p] for p in covered}
-        fields["remote_descs"] = {
-            p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()
-        }
         peer = remote[covered[0]]
-        fields["pairings"] = tuple(
-            replace(g, remote_region=peer.regions[peer.index[g.remote_region.name]]) for g in self.pairings
+        return self._with(
+            remote={p: remote[p] for p in covered},
+            remote_descs={p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()},
+            pairings=tuple(replace(g, remote_region=peer.regions[peer.index[g.remote_region.name]]) for g in self.pairings),
         )
-        return plan
 
     # ---------------------------------------------------------------- per request
     def resolve(

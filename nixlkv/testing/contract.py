@@ -558,13 +558,14 @@ def _check_disjoint_writes(run: PointRun, rank: int, name: str, segs: Sequence[S
 
 
 def _resolved(run: PointRun):
+    from .oracle import id_lists
     from .rehearsal import Engines, request_blocks
 
     p_blocks, d_blocks = request_blocks(run.scenario, Engines(run.prefill, run.decode, run.plans))
     resolved = []
     for plan in run.plans:
         try:
-            resolved.append(plan.resolve(_lists(d_blocks), _lists(p_blocks), run.scenario.request.num_tokens))
+            resolved.append(plan.resolve(id_lists(d_blocks), id_lists(p_blocks), run.scenario.request.num_tokens))
         except RequestError as exc:
             raise ContractViolation(
                 EVERY_BYTE_ONCE, f"{run.point.id}: a well-formed request was refused: RequestError: {exc}"
@@ -719,6 +720,7 @@ def check_reads_inside_request(run: PointRun) -> None:
 
 def check_deterministic(run: PointRun) -> None:
     """Same inputs, same answers: regions, segments, plans and resolved descriptor IDs."""
+    from .oracle import id_lists
     from .rehearsal import geometry
 
     _require_plan(run, DETERMINISTIC)
@@ -741,18 +743,13 @@ def check_deterministic(run: PointRun) -> None:
     for plan, a in zip(run.plans, first):
         if all(g.owned is None for g in plan.pairings):
             continue
-        b = plan.undeclared().resolve(_lists(d_blocks), _lists(p_blocks), run.scenario.request.num_tokens)
+        b = plan.undeclared().resolve(id_lists(d_blocks), id_lists(p_blocks), run.scenario.request.num_tokens)
         if not _same_reads(a, b):
             raise ContractViolation(
                 DETERMINISTIC,
                 f"{run.point.id}: decode rank {plan.local.tp_rank}: the pairing block_pairing declares "
                 f"({[g.owned for g in plan.pairings]}) pairs otherwise than pair_blocks",
             )
-
-
-def _lists(blocks: Sequence[Any]) -> list[list[int]]:
-    """A request's block ids per group as Python lists: what vLLM hands a connector."""
-    return [g.ids.tolist() for g in blocks]
 
 
 def _same_reads(a: Any, b: Any) -> bool:

@@ -167,6 +167,12 @@ class GroupBlocks:
         return self.layer_holds.get(layer, self.holds)
 
 
+def id_lists(blocks: Sequence[GroupBlocks]) -> list[list[int]]:
+    """A request's block ids per group as Python lists: what vLLM hands a connector (and what
+    ``TransferPlan.resolve`` converts on its fastest path)."""
+    return [g.ids.tolist() for g in blocks]
+
+
 def window_of(rank: FabricatedRank, group: int) -> int | None:
     """The sliding window of the group's block manager in tokens (what vLLM's scheduler frees
     below), or None (every block is kept)."""

@@ -307,7 +307,7 @@ def _transfer_and_check(
             readers.append(reader)
             names = {rank: agent.add_remote(p_nixl[rank].metadata()) for rank in plan.covered}
             prepared = reader.prepare(plan, names)
-            resolved = plan.resolve([g.ids.tolist() for g in d_blocks], [g.ids.tolist() for g in p_blocks], req.num_tokens)  # lists, as vLLM hands them
+            resolved = plan.resolve(oracle.id_lists(d_blocks), oracle.id_lists(p_blocks), req.num_tokens)
             if fault is not None:
                 resolved = fault(d.tp_rank, resolved)
             flight = reader.post(prepared, resolved, REQUEST_ID)
