@@ -121,3 +121,18 @@ def test_blocks_of_other_sizes_are_paired_by_the_strategy() -> None:
     remote = {0: fabricate_rank(d, big, "prefill", 1, 0, 40)}
     plan = d.plan(local, remote)
     assert plan.pairings[0].owned is None
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
+def test_largest_is_the_max_on_both_sides_of_its_switch(dtype):
+    """The per-request bound check's max (argmax below the switch, a reduce above) is the max,
+    including ids past 2**31 (a negative int32 id viewed unsigned) at any position."""
+    rng = np.random.default_rng(7)
+    switch = plan_module.LARGEST_BY_ARGMAX
+    for n in (1, 2, 63, switch - 1, switch, 3 * switch + 1):
+        ids = rng.integers(0, 1 << 20, n).astype(dtype)
+        for at in {0, n // 2, n - 1}:
+            case = ids.copy()
+            case[at] = np.iinfo(np.uint32).max - 1
+            assert plan_module.largest(case) == case.max()
+        assert plan_module.largest(ids) == ids.max()

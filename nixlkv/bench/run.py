@@ -16,7 +16,7 @@ import torch
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
 from ..core.geometry import forget_parsed
-from ..core.plan import expand_ids
+from ..core.plan import expand_ids, largest
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer
@@ -102,9 +102,9 @@ def group_id_floor(
         if limit is not None and total:
             if np.count_nonzero(ids) != total:
                 raise ValueError("a null block id")
-            if np.maximum.reduce(ids.view(np.uint32)) >= limit:  # then each side against its own count
+            if largest(ids.view(np.uint32)) >= limit:  # then each side against its own count
                 for side, bound in ((lids, checked_limits[0]), (rids, checked_limits[1])):
-                    if any(a.size and np.maximum.reduce(a.view(np.uint32)) >= bound for a in side):
+                    if any(a.size and largest(a.view(np.uint32)) >= bound for a in side):
                         raise ValueError("a block id out of bounds")
         for read, (lo, ro) in zip(reads, out):
             at = 0

@@ -635,9 +635,9 @@ class TransferPlan:
         elif lp.size > SMALL_IDS:
             # one unsigned comparison per side catches negative ids too (they wrap to huge values)
             unsigned = self._unsigned
-            if np.maximum.reduce(lp.view(unsigned)) >= pairing.local_num_blocks:
+            if largest(lp.view(unsigned)) >= pairing.local_num_blocks:
                 _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
-            if np.maximum.reduce(rp.view(unsigned)) >= pairing.remote_num_blocks:
+            if largest(rp.view(unsigned)) >= pairing.remote_num_blocks:
                 _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
         elif lp.size:  # a running state's one block: a Python comparison beats a ufunc call
             lv, rv = lp.tolist(), rp.tolist()
@@ -731,7 +731,7 @@ def _owned_pairs(
     lp, rp = both[:n], both[m:]  # the local ids, and the last n remote ids
     # one unsigned bound over both lists (negative ids wrap to huge values); where it fails, the
     # paired ids are checked side by side, as the general path checks them
-    if n and np.maximum.reduce(both.view(unsigned)) >= min(llim, rlim):
+    if n and largest(both.view(unsigned)) >= min(llim, rlim):
         _check_bounds(lp, llim, "local", lg)
         _check_bounds(rp, rlim, "remote", rg)
     return lp, rp
@@ -788,9 +788,18 @@ def _as_ids(ids: np.ndarray, dtype: np.dtype, limit: int, side: str, group: int)
 
 def _check_bounds(ids: np.ndarray, limit: int, side: str, group: int) -> None:
     # one unsigned comparison catches negative ids too (they wrap to huge values)
-    if np.maximum.reduce(ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64)) >= limit:
+    if largest(ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64)) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)][0]
         raise RequestError(f"{side} group {group}: block id {int(bad)} outside [0, {limit})")
+
+
+def largest(ids: np.ndarray) -> Any:
+    """The largest of non-empty ``ids``. ``argmax`` runs a SIMD loop without the ufunc reduce's
+    setup: about 3x faster than ``np.maximum.reduce`` for a request's ids, slower past ~32k."""
+    return ids[ids.argmax()] if ids.size < LARGEST_BY_ARGMAX else np.maximum.reduce(ids)
+
+
+LARGEST_BY_ARGMAX = 1 << 15
 
 
 def row_starts(rows: np.ndarray) -> np.ndarray:
