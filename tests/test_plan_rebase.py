@@ -10,6 +10,7 @@ tests/test_connector_restart.py (a restarted prefill engine, every decode byte c
 from __future__ import annotations
 
 import copy
+import marshal
 
 import numpy as np
 import pytest
@@ -156,6 +157,20 @@ def test_a_hybrid_whose_groups_alias_is_rebased_where_the_engine_aliases_alike()
     assert sum(planned.registered_descriptors().values()) > sum(first.registered_descriptors().values())
 
 
+def test_same_partition_means_equal_bases_in_the_same_places() -> None:
+    from nixlkv.core.plan import _same_partition
+
+    class Cols:
+        def __init__(self, bases):
+            self.columns = np.array([[b] + [0] * 6 for b in bases], dtype=np.int64)
+
+    assert _same_partition(Cols([10, 10, 30]), Cols([70, 70, 90]))
+    assert not _same_partition(Cols([10, 10, 30]), Cols([70, 80, 90]))  # split
+    assert not _same_partition(Cols([10, 20, 30]), Cols([70, 70, 90]))  # merged
+    assert not _same_partition(Cols([10, 10, 30, 30]), Cols([70, 80, 70, 80]))  # as many, elsewhere
+    assert not _same_partition(Cols([10, 20]), Cols([10, 20, 30]))
+
+
 def test_the_plan_memo_is_bounded(monkeypatch) -> None:
     monkeypatch.setattr(dispatcher_module, "MEMO_PLANS", 2)
     d = Dispatcher.from_plugins()
@@ -190,7 +205,8 @@ def test_a_columnar_geometry_makes_only_the_regions_it_is_asked_for() -> None:
 
 
 class LyingInt(int):
-    """An int subclass whose repr reads like another number: the parse memo must not trust it."""
+    """An int subclass whose repr reads like another number: the parse memo must not trust it
+    (marshal, which keys it, refuses subclasses)."""
 
     def __repr__(self) -> str:
         return "40"
@@ -204,7 +220,7 @@ def test_a_remembered_class_description_is_matched_with_its_types() -> None:
     _, remote = ranks(d, SMALL, 1, 1)
     wire = columnar(remote)[0]
     RankGeometry.from_dict(wire)  # remembered now
-    assert repr(wire["region_classes"][0]) in geometry_module._DESCRIBED
+    assert marshal.dumps(wire["region_classes"][0], 2) in geometry_module._DESCRIBED
     for field, value in (("num_blocks", 40.0), ("num_blocks", True), ("block_stride", str(wire["region_classes"][0]["block_stride"]))):
         bad = copy.deepcopy(wire)
         bad["region_classes"][0][field] = value  # equal (or alike) to a remembered value, not the same type

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 import functools
 from functools import cached_property
+import marshal
 import operator
 import struct
 from itertools import chain, repeat
@@ -869,9 +870,9 @@ def _known_layout(known: list[Any], names: list[Any], groups: list[Any], classes
 
 
 MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)
-# repr of a plain class description -> (its validated region's fields, its geometry_key): the
-# ranks of every engine of a model send the same few descriptions.
-_DESCRIBED: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
+# marshal bytes of a plain class description -> (its validated region's fields, its geometry_key):
+# the ranks of every engine of a model send the same few descriptions.
+_DESCRIBED: dict[bytes, tuple[dict[str, Any], tuple[Any, ...]]] = {}
 
 
 def forget_parsed() -> None:
@@ -884,9 +885,14 @@ def forget_parsed() -> None:
 def _described_class(k: int, cd: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """``region_classes[k]`` parsed and checked as a region (its name, base and group left to the
     columns): the region's fields and its :func:`geometry_key`. A description made of plain data
-    only (what msgpack and JSON decode to) is its repr, types included, so one seen before is
-    not parsed again."""
-    key = repr(cd) if _plain(cd) else None
+    only (what msgpack and JSON decode to) is remembered by its ``marshal`` bytes (version 2: no
+    references), which are exact: they name every value's type (``True``, ``1`` and ``1.0``
+    differ) and marshal refuses subclasses of the built-in types. So one seen before is not
+    parsed again, and only plain ones are remembered."""
+    try:
+        key: bytes | None = marshal.dumps(cd, 2)
+    except (ValueError, TypeError):  # holds a type marshal cannot write: never a remembered description
+        key = None
     known = _DESCRIBED.get(key) if key is not None else None
     if known is not None:
         return known
@@ -900,7 +906,7 @@ def _described_class(k: int, cd: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
     except HandshakeError as exc:
         raise HandshakeError(f"region_classes[{k}]: {exc}") from None
     known = (region.__dict__, geometry_key(region))
-    if key is not None:
+    if key is not None and _plain(cd):
         if len(_DESCRIBED) >= MEMO_DESCRIPTIONS:  # bounded; clear() is one atomic step for threads
             _DESCRIBED.clear()
         _DESCRIBED[key] = known
@@ -913,7 +919,7 @@ _STR_ONLY = frozenset((str,))
 
 def _plain(value: Any) -> bool:
     """Built of dicts with string keys, lists, strings, ints, floats, bools and None only: a value
-    whose repr names it exactly (types included), unlike an object with a repr of its own."""
+    that is what it says (no subclass, no object of its own), so it may be remembered."""
     todo = [value]
     scalars, keys = _PLAIN_SCALARS, _STR_ONLY
     while todo:

@@ -494,18 +494,26 @@ class TransferPlan:
         for p in covered:
             if remote[p].layout_key != self.remote[p].layout_key:
                 raise PlanError(f"remote rank {p} is laid out unlike the rank this plan was made for")
-        if self._aliased:  # which layers share rows depends on the remote bases too
+        if self._aliased and not all(_same_partition(self.remote[p], remote[p]) for p in covered):
+            # which layers share rows depends on the remote bases too
             shared = self._shared_rows(remote)
             if (shared is None) != (self._shared is None) or (shared is not None and not np.array_equal(shared, self._shared)):
                 raise PlanError("the new engine's layers share memory unlike the engine this plan was made for")
         for p in covered:
             _check_registered_all(remote[p])
-        peer = remote[covered[0]]
+        peer = remote[covered[0]].regions  # each pairing's representative: the region at the same place
         return self._with(
             remote={p: remote[p] for p in covered},
             remote_descs={p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()},
-            pairings=tuple(replace(g, remote_region=peer.regions[peer.index[g.remote_region.name]]) for g in self.pairings),
+            pairings=tuple(_record(GroupPairing, **{**vars(g), "remote_region": peer[i]})
+                           for g, i in zip(self.pairings, self._pairing_peers)),
         )
+
+    @cached_property
+    def _pairing_peers(self) -> list[int]:
+        """Where each pairing's representative remote region sits on the first covered rank."""
+        index = self.remote[self.covered[0]].index
+        return [index[g.remote_region.name] for g in self.pairings]
 
     # ---------------------------------------------------------------- per request
     def resolve(
@@ -695,6 +703,13 @@ class TransferPlan:
             "local": int(self.local_descs[:, 4].sum()) if len(self.local_descs) else 0,
             **{f"remote_rank_{p}": int(d[:, 4].sum()) for p, d in self.remote_descs.items()},
         }
+
+
+def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
+    """Whether two ranks' regions share bases between the same regions (equal bases in one
+    exactly where equal in the other): then any plan shares rows between the same layers for both."""
+    x, y = a.columns[:, COL_BASE].tolist(), b.columns[:, COL_BASE].tolist()
+    return len(x) == len(y) and len(set(x)) == len(set(y)) == len(set(zip(x, y)))
 
 
 def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
