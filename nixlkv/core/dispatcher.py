@@ -135,10 +135,11 @@ class Dispatcher:
                 raise IncompatibleGeometry(f"remote geometry keyed as rank {rank} says it is rank {g.tp_rank}")
         topology = Topology(local.tp_size, local.tp_rank)
         covered = covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp)
-        missing = [p for p in covered if p not in remote]
+        sources = self.source_ranks(local, topology, remote_tp, covered)
+        missing = [p for p in sources if p not in remote]
         if missing:
             raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
-        key = (id(local), *(remote[p].layout_key for p in covered))
+        key = (id(local), *(remote[p].layout_key for p in sources))
         known = self._plans.get(key)
         if known is not None and known.local is local:
             try:
@@ -146,24 +147,45 @@ class Dispatcher:
             except PlanError:
                 pass  # its layers share memory otherwise (a hybrid's aliasing groups): planned anew below
         names = local.names
-        in_order = {p: remote[p].names == names for p in covered}
+        in_order = {p: remote[p].names == names for p in sources}
         if not all(in_order.values()):  # the same names in the same order are the same layers: others compared as sets
-            _check_same_layers(local, {p: remote[p] for p in covered if not in_order[p]})
-        table, pairings = self._segment_table(local, [remote[p] for p in covered], covered, topology, remote_tp,
+            _check_same_layers(local, {p: remote[p] for p in sources if not in_order[p]})
+        table, pairings = self._segment_table(local, [remote[p] for p in sources], sources, topology, remote_tp,
                                               all(in_order.values()))
         plan = TransferPlan(
             local=local,
-            remote={p: remote[p] for p in covered},
+            remote={p: remote[p] for p in sources},
             covered=covered,
             consumers=consumers_per_remote_rank(local.tp_size, remote_tp),
             segments=table,
             pairings=pairings,
+            sources=sources,
         )
         if plan.rebasable:
             if len(self._plans) >= MEMO_PLANS:  # bounded; clear() is one atomic step for threads
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    def source_ranks(self, local: RankGeometry, topology: Topology, remote_tp: int, covered: Sequence[int]) -> tuple[int, ...]:
+        """The covered remote ranks whose geometry a plan for ``local`` needs: those the
+        strategies read from (:meth:`Strategy.source_ranks`, asked per geometry class), in
+        covered order; every covered rank where a strategy does not say."""
+        wanted: set[int] = set()
+        for region in local.class_regions:
+            strategy = self.registry.by_name(region.strategy)
+            ask = getattr(strategy, "source_ranks", None)
+            ranks = ask(region, topology, remote_tp) if ask is not None else None
+            if ranks is None:
+                return tuple(covered)
+            ranks = set(ranks)
+            if not ranks or not ranks <= set(covered):
+                raise PlanError(
+                    f"strategy {strategy.name!r} names remote ranks {sorted(ranks)} to read layer {region.name!r} from; "
+                    f"they must be some of the ranks local rank {topology.tp_rank} covers {list(covered)}"
+                )
+            wanted |= ranks
+        return tuple(p for p in covered if p in wanted) or tuple(covered)
 
     def _segment_table(
         self, local: RankGeometry, peers_geo: list[RankGeometry], covered: Sequence[int], topology: Topology, remote_tp: int,
@@ -327,8 +349,8 @@ def _template(
         if j is None:
             raise PlanValidationError(
                 f"segment of {seg.local_region!r} reads remote rank {seg.remote_rank}, outside the "
-                f"ranks this local rank covers {list(covered)}: that rank could free the "
-                "blocks before the read"
+                f"ranks this local rank reads {list(covered)} (the ranks it covers, or those its strategies' "
+                "source_ranks name): another rank could free the blocks before the read"
             )
         if seg.remote_region == peers[seg.remote_rank].name:
             ri = -1

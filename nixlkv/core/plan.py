@@ -119,7 +119,7 @@ class SegmentTable:
     layers in Python to check or lay out its descriptors."""
 
     local_idx: np.ndarray  # index into the local geometry's regions
-    rank_pos: np.ndarray  # index into the plan's covered remote ranks
+    rank_pos: np.ndarray  # index into the plan's source ranks (TransferPlan.sources)
     remote_idx: np.ndarray  # index into that remote rank's regions
     local_offset: np.ndarray
     remote_offset: np.ndarray
@@ -232,10 +232,14 @@ class TransferPlan:
         consumers: int,
         segments: SegmentTable,
         pairings: Sequence[GroupPairing],
+        sources: Sequence[int] | None = None,
     ) -> None:
         self.local = local
         self.remote = dict(remote)
-        self.covered = tuple(covered)
+        self.covered = tuple(covered)  # every rank told when a request is done
+        # the covered ranks whose geometry the plan holds (segments name them by position): all
+        # covered, or those the strategies read from (Strategy.source_ranks)
+        self.sources = self.covered if sources is None else tuple(sources)
         self.consumers = consumers
         self.pairings = tuple(pairings)
         self._table = segments
@@ -246,7 +250,7 @@ class TransferPlan:
     # ---------------------------------------------------------------- construction
     def _segment(self, i: int) -> Segment:
         t = self._table
-        p = self.covered[int(t.rank_pos[i])]
+        p = self.sources[int(t.rank_pos[i])]
         return Segment(
             self.local.regions[int(t.local_idx[i])].name, int(t.local_offset[i]), p,
             self.remote[p].regions[int(t.remote_idx[i])].name, int(t.remote_offset[i]), int(t.nbytes[i]), int(t.phase[i]),
@@ -271,7 +275,7 @@ class TransferPlan:
             self._validate_few(idx)
         else:
             self._validate_many(idx)
-        for geometry in (self.local, *(self.remote[p] for p in self.covered)):
+        for geometry in (self.local, *(self.remote[p] for p in self.sources)):
             _check_registered_all(geometry)
         # Pages of two written regions of one KV group must never share a byte (block IDs are shared).
         if t.every_layer:  # local_idx is every layer's own index, each at least once
@@ -285,7 +289,7 @@ class TransferPlan:
         t = self._table
         cols = (t.local_idx, t.rank_pos, t.remote_idx, t.local_offset, t.remote_offset, t.nbytes, t.phase)
         rows = [[c.item(i) for c in cols] + [i] for i in idx.tolist()]  # a few rows: scalar reads beat fancy indexing
-        local, covered = self.local.regions, self.covered
+        local, covered = self.local.regions, self.sources
         for li, j, ri, loff, roff, nb, phase, i in rows:
             self._check_segment(i, nb, loff, roff, phase, local[li].page.nbytes, self.remote[covered[j]].regions[ri].page.nbytes)
         rows.sort(key=lambda r: (r[0], r[6], r[3]))  # by local region, phase, offset
@@ -299,7 +303,7 @@ class TransferPlan:
         loff, roff, nb, phase = t.local_offset[idx], t.remote_offset[idx], t.nbytes[idx], t.phase[idx]
         lpage = self.local.columns[li, COL_PAGE]
         rpage = np.zeros(idx.size, dtype=np.int64)
-        for j, p in enumerate(self.covered):
+        for j, p in enumerate(self.sources):
             m = rk == j
             rpage[m] = self.remote[p].columns[ri[m], COL_PAGE]
         bad = (nb <= 0) | (loff < 0) | (roff < 0) | (phase < 0) | (loff + nb > lpage) | (roff + nb > rpage)
@@ -339,7 +343,7 @@ class TransferPlan:
         if t.layer_class is None or t.layer_start is None:
             return None  # a strategy's segments name other regions: rows stay per segment
         keys = [t.layer_class.tolist(), self.local.columns[:, COL_BASE].tolist()]
-        for j, p in enumerate(self.covered):
+        for j, p in enumerate(self.sources):
             base = remote[p].columns[:, COL_BASE]
             keys.append((base if t.peer_idx is None else base[t.peer_idx[j]]).tolist())
         canon: dict[tuple[int, ...], int] = {}
@@ -380,18 +384,18 @@ class TransferPlan:
         local_start -= counts
         # Rows of each remote rank, in row order: one slice of a stable sort by rank.
         remote_idx = pick(t.remote_idx)
-        if len(self.covered) == 1:
+        if len(self.sources) == 1:
             by_rank = [np.arange(rank_pos.size, dtype=np.int64)]
         else:
             order = rank_pos.argsort(kind="stable")
-            cuts = rank_pos[order].searchsorted(np.arange(len(self.covered) + 1)).tolist()
+            cuts = rank_pos[order].searchsorted(np.arange(len(self.sources) + 1)).tolist()
             by_rank = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         remote_start = np.empty_like(local_start)
         self.remote_descs = {}
         self._remote_segments: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # what rebased() needs
         totals = [local_total]
         rank_bytes: dict[int, int] = {}  # bytes per block pair each remote rank's rows move
-        for p, idx in zip(self.covered, by_rank):
+        for p, idx in zip(self.sources, by_rank):
             if not idx.size:
                 continue
             self._remote_segments[p] = src = (remote_idx[idx], roff[idx], nbytes[idx])
@@ -416,7 +420,7 @@ class TransferPlan:
         lstart, rstart = local_start.astype(self._id_dtype), remote_start.astype(self._id_dtype)
         phased = bool(np.count_nonzero(t.phase))  # any pair not in phase 0 (count_nonzero: the cheapest call)
         if n and len(self.pairings) == 1 and shared is None and not phased:
-            for p, idx in zip(self.covered, by_rank):  # one pairing, one phase: an entry is a rank's rows
+            for p, idx in zip(self.sources, by_rank):  # one pairing, one phase: an entry is a rank's rows
                 if idx.size:
                     self._rank_keys[p] = [(0, 0, lstart[idx, None], rstart[idx, None], rank_bytes[p])]  # rows are segments here
         elif n:
@@ -432,7 +436,7 @@ class TransferPlan:
             for j, key, phase, a, b, nb in zip(t.rank_pos[heads].tolist(), t.key[heads].tolist(), t.phase[heads].tolist(),
                                                 bounds[:-1], bounds[1:], sizes):
                 idx = order[a:b]
-                self._rank_keys.setdefault(self.covered[j], []).append((key, phase, lstart[idx, None], rstart[idx, None], nb))
+                self._rank_keys.setdefault(self.sources[j], []).append((key, phase, lstart[idx, None], rstart[idx, None], nb))
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
         # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
         self._remote_twin: dict[int, int] = {}
@@ -481,7 +485,7 @@ class TransferPlan:
         return plan
 
     def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
-        """This plan, for another remote engine whose covered ranks have the same layout
+        """This plan, for another remote engine whose source ranks have the same layout
         (:attr:`RankGeometry.layout_key`) as this plan's: the same segments, checks and
         descriptor IDs; the remote rows moved to the new ranks' addresses, whose regions are
         checked against their registered memory. Only for a :attr:`rebasable` plan, and where
@@ -490,7 +494,7 @@ class TransferPlan:
         if not self.rebasable:
             raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
                             "plan anew for every remote engine")
-        covered = self.covered
+        covered = self.sources
         for p in covered:
             if remote[p].layout_key != self.remote[p].layout_key:
                 raise PlanError(f"remote rank {p} is laid out unlike the rank this plan was made for")
@@ -511,8 +515,8 @@ class TransferPlan:
 
     @cached_property
     def _pairing_peers(self) -> list[int]:
-        """Where each pairing's representative remote region sits on the first covered rank."""
-        index = self.remote[self.covered[0]].index
+        """Where each pairing's representative remote region sits on the first source rank."""
+        index = self.remote[self.sources[0]].index
         return [index[g.remote_region.name] for g in self.pairings]
 
     # ---------------------------------------------------------------- per request

@@ -60,11 +60,19 @@ class Strategy:
     ) -> list[Segment]:
         """Which bytes of ``local``'s page come from which remote rank's page.
 
-        ``remote`` holds the same-named region on every remote rank this local rank covers.
+        ``remote`` holds the same-named region on every remote rank this local rank covers
+        (only those :meth:`source_ranks` names, where it names some).
         Raise :class:`IncompatibleGeometry` / :class:`IncompatibleTopology` for what cannot be
         served; never assert.
         """
         raise NotImplementedError(f"strategy {self.name!r} does not implement segments")
+
+    def source_ranks(self, local: Region, local_topology: Topology, remote_tp: int) -> Sequence[int] | None:
+        """The covered remote ranks whose regions :meth:`segments` reads for ``local``, where it
+        reads from fewer than all (a replicated cache is read from one): the dispatcher then
+        plans with those ranks' geometry only, and the other covered ranks are only told when a
+        request's blocks may be freed. None (the default): every covered rank."""
+        return None
 
     def pair_blocks(
         self,

@@ -109,6 +109,10 @@ class MLAStrategy(Strategy):
         peer = remote[source]
         return [Segment(local.name, 0, source, peer.name, 0, local.page.nbytes)]
 
+    def source_ranks(self, local: Region, local_topology: Topology, remote_tp: int) -> list[int]:
+        """One rank: every rank holds the same latent bytes."""
+        return [covered_remote_ranks(local_topology.tp_rank, local_topology.tp_size, remote_tp)[0]]
+
     def pair_blocks(
         self,
         local_ids: np.ndarray,
