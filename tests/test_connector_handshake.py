@@ -396,3 +396,32 @@ def test_hostile_remote_facts_are_malformed_replies_naming_the_fact(fact: str, v
     with pytest.raises(MalformedRemoteFact, match=fact) as info:
         dispatcher.plan(local, prefill)
     assert isinstance(info.value, HandshakeError)
+
+
+def test_a_reader_parses_only_the_ranks_it_plans_with() -> None:
+    """A decode rank reads some of the prefill ranks (Dispatcher.needed_ranks): only their geometry
+    is parsed and checked; every rank's envelope and agent metadata is, for the ranks only told."""
+    asked = []
+
+    def rank_one(tp: int) -> list[int]:
+        asked.append(tp)
+        return [1]
+
+    engine = hs.decode_reply(valid(), HASH, expected_engine_id="P", ranks=rank_one)
+    assert asked == [2] and list(engine.geometry) == [1] and engine.geometry[1] == geometry(1)
+    assert engine.agent_metadata == {0: b"agent-0", 1: b"agent-1"}
+    broken = payload_dict()
+    broken[2][0][2]["region_columns"]["base"] = "junk"  # rank 0's geometry: never read by this reader
+    assert list(hs.decode_reply(rewrap(broken), HASH, ranks=rank_one).geometry) == [1]
+    with pytest.raises(HandshakeError, match="region_columns"):  # negative control: read, it is refused
+        hs.decode_reply(rewrap(broken), HASH, ranks=lambda tp: [0, 1])
+    with pytest.raises(HandshakeError, match="region_columns"):  # and by default every rank is read
+        hs.decode_reply(rewrap(broken), HASH)
+    twice = payload_dict()
+    twice[2][0][0] = 1
+    with pytest.raises(HandshakeError, match="rank 1 twice"):
+        hs.decode_reply(rewrap(twice), HASH, ranks=lambda tp: [])
+    no_agent = payload_dict()
+    no_agent[2][0][1] = b""
+    with pytest.raises(HandshakeError, match="rank 0: empty NIXL agent metadata"):
+        hs.decode_reply(rewrap(no_agent), HASH, ranks=rank_one)

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from nixlkv.core import RankGeometry
 from pd_harness import PDCase, run_pd
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
@@ -17,10 +18,21 @@ PROMPTS = {"k-0": 150, "k-1": 40, "k-2": 17}
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
-def test_mla_latent_is_byte_exact(p_tp: int, d_tp: int) -> None:
+def test_mla_latent_is_byte_exact(p_tp: int, d_tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSeek-V2-like MLA: each D rank reads every latent page once, from one P rank; every
-    other P rank it covers gets a notification alone, and P frees all of them."""
+    other P rank it covers gets a notification alone, and P frees all of them. D parses the
+    geometry of the P rank it reads only (Strategy.source_ranks), never that of a rank only told."""
+    parsed: list[tuple[str, int]] = []
+    from_dict = RankGeometry.from_dict.__func__
+
+    def counting(cls, d):  # type: ignore[no-untyped-def]
+        geo = from_dict(cls, d)
+        parsed.append((geo.engine_id, geo.tp_rank))
+        return geo
+
+    monkeypatch.setattr(RankGeometry, "from_dict", classmethod(counting))
     run = run_pd(PDCase("deepseek-mla", p_tp, d_tp), PROMPTS)
+    assert sorted({r for e, r in parsed if e == "P"}) == [0]  # P1 (P2->D1) is only told
     assert run.transfers["transfers"] == len(PROMPTS) * d_tp and run.transfers["failed_transfers"] == 0
     latent_page = 16 * (64 + 32) * 2  # 16 tokens x (kv_lora_rank + qk_rope_head_dim) x bfloat16
     once = sum(-(-n // 16) for n in PROMPTS.values()) * 4 * latent_page  # 4 layers

@@ -146,14 +146,16 @@ def plan_case(
         remote = {r: fabricate_rank(dispatcher, case.shape, "prefill", case.p_tp, r, nb) for r in covered}
         vllm = VllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb,
                            [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()})
-    # What arrives in a handshake: each covered rank's geometry as plain data, in the columnar form
-    # nixlkv sends (one description per distinct region geometry, the regions as columns). Every
+    # What a decode rank parses of a handshake: the geometry of each remote rank it plans with
+    # (Dispatcher.needed_ranks: the covered ranks its strategies read; one of the four at MLA
+    # P8->D2, as the connector parses) as plain data, in the columnar form nixlkv sends (one
+    # description per distinct region geometry, the regions as columns). Every
     # timed handshake is with another prefill engine (its own id and addresses), as a decode rank
     # meets them: the dispatcher has planned the layout before (with the first engine), so it
     # rebases that plan; the first handshake of a layout is timed on its own (a fresh dispatcher
     # and nothing parsed before, each time; the decode geometry is the worker's own,
     # prepared when it registered its caches).
-    wire = {r: g.to_wire() for r, g in remote.items()}
+    wire = {r: remote[r].to_wire() for r in dispatcher.needed_ranks(local, case.p_tp)}
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
     engines = iter([{r: other_engine(w, k) for r, w in wire.items()} for k in range(1, 3 * (hs_reps + 1) + 1)])
 

@@ -167,6 +167,13 @@ class Dispatcher:
             self._plans[key] = plan
         return plan
 
+    def needed_ranks(self, local: RankGeometry, remote_tp: int) -> tuple[int, ...]:
+        """The remote ranks whose geometry a plan for ``local`` needs, reading an engine of
+        ``remote_tp`` ranks (:meth:`source_ranks` among the ranks it covers): a handshake parses
+        only theirs."""
+        topology = Topology(local.tp_size, local.tp_rank)
+        return self.source_ranks(local, topology, remote_tp, covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp))
+
     def source_ranks(self, local: RankGeometry, topology: Topology, remote_tp: int, covered: Sequence[int]) -> tuple[int, ...]:
         """The covered remote ranks whose geometry a plan for ``local`` needs: those the
         strategies read from (:meth:`Strategy.source_ranks`, asked per geometry class), in

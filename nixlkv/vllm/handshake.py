@@ -16,7 +16,9 @@ description per region, ``RankGeometry.to_dict``) is still accepted and checked 
 
 The reader decodes ``[schema_version, compat_hash]`` first and refuses a different schema or
 compatibility hash before it looks at the payload. Then every field is checked: types (msgspec),
-then each rank's geometry (``RankGeometry.from_dict``), then the cross-field facts (engine id and
+then each rank's geometry the reader plans with (``RankGeometry.from_dict``; a decode rank reads
+only some ranks, ``Dispatcher.needed_ranks``, and the others' geometry is never parsed: their
+agent metadata is all it uses, to tell them a request is done), then the cross-field facts (engine id and
 TP size agree on every rank, every rank present once, regions inside registered memory, counts
 and sizes bounded). Anything wrong raises :class:`HandshakeError` naming the field; nothing is
 planned or transferred from a payload that did not pass.
@@ -29,7 +31,7 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +81,8 @@ class Request(msgspec.Struct, array_like=True):
 
 @dataclass(frozen=True)
 class RemoteEngine:
-    """A validated remote engine: each rank's geometry and NIXL agent metadata."""
+    """A validated remote engine: every rank's NIXL agent metadata, and the geometry of the ranks
+    the reader asked for (every rank's by default; see :func:`decode_reply`)."""
 
     engine_id: str
     tp_size: int
@@ -108,8 +111,14 @@ def decode_reply(
     enforce_hash: bool = True,
     max_bytes: int = 64 << 20,
     expected_engine_id: str | None = None,
+    ranks: Callable[[int], Iterable[int]] | None = None,
 ) -> RemoteEngine:
-    """Validate a handshake reply completely, or raise HandshakeError naming what is wrong."""
+    """Validate a handshake reply completely, or raise HandshakeError naming what is wrong.
+
+    ``ranks``: given the remote TP size, the ranks whose geometry the reader plans with
+    (``Dispatcher.needed_ranks``); only theirs is parsed and checked, and only theirs is in
+    :attr:`RemoteEngine.geometry`. Every rank's envelope and agent metadata is checked. Default:
+    every rank's geometry."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise HandshakeError(f"handshake reply must be bytes, got {type(raw).__name__}")
     if len(raw) > max_bytes:
@@ -136,10 +145,12 @@ def decode_reply(
         payload = msgspec.msgpack.decode(reply.payload, type=EnginePayload)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise HandshakeError(f"handshake payload malformed: {exc}") from None
-    return _validate(payload, expected_engine_id)
+    return _validate(payload, expected_engine_id, ranks)
 
 
-def _validate(payload: EnginePayload, expected_engine_id: str | None) -> RemoteEngine:
+def _validate(
+    payload: EnginePayload, expected_engine_id: str | None, ranks: Callable[[int], Iterable[int]] | None = None
+) -> RemoteEngine:
     if not payload.engine_id:
         raise HandshakeError("handshake engine_id is empty")
     if expected_engine_id is not None and payload.engine_id != expected_engine_id:
@@ -153,13 +164,17 @@ def _validate(payload: EnginePayload, expected_engine_id: str | None) -> RemoteE
         raise HandshakeError(f"handshake lists {len(payload.ranks)} ranks for tp_size={payload.tp_size}")
     geometry: dict[int, RankGeometry] = {}
     agents: dict[int, bytes] = {}
+    wanted = None if ranks is None else frozenset(ranks(payload.tp_size))
     for rp in payload.ranks:
         if not 0 <= rp.tp_rank < payload.tp_size:
             raise HandshakeError(f"handshake rank {rp.tp_rank} outside [0, {payload.tp_size})")
-        if rp.tp_rank in geometry:
+        if rp.tp_rank in agents:
             raise HandshakeError(f"handshake lists rank {rp.tp_rank} twice")
         if not rp.agent_metadata:
             raise HandshakeError(f"rank {rp.tp_rank}: empty NIXL agent metadata")
+        if wanted is not None and rp.tp_rank not in wanted:  # never read: its agent is all we keep
+            agents[rp.tp_rank] = bytes(rp.agent_metadata)
+            continue
         _check_shape(rp.geometry, rp.tp_rank)
         geo = RankGeometry.from_dict(rp.geometry)
         if geo.engine_id != payload.engine_id or geo.tp_size != payload.tp_size or geo.tp_rank != rp.tp_rank:

@@ -247,7 +247,8 @@ class NixlkvWorker:
         it: fetch and check the reply, plan, add the remote agents, prepare the descriptor lists."""
         raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
         engine = handshake.decode_reply(
-            raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id
+            raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id,
+            ranks=lambda remote_tp: self.dispatcher.needed_ranks(self.geometry, remote_tp),  # the others are only told
         )
         plan = self.dispatcher.plan(self.geometry, engine.geometry)
         t0 = time.perf_counter()
@@ -292,7 +293,7 @@ class NixlkvWorker:
                 continue
             logger.info(
                 "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s nixl_ms=%.1f",
-                key[0], next(iter(engine.geometry.values())).tp_size, list(plan.covered), list(plan.read_ranks),
+                key[0], engine.tp_size, list(plan.covered), list(plan.read_ranks),
                 plan.registered_descriptors(), 1e3 * remote.nixl_seconds,
             )
             for rid in [rid for rid, req in self._waiting.items() if req.key == key]:
