@@ -134,6 +134,19 @@ def test_interleaved_times_every_function_alike() -> None:
     assert calls == {"a": 8, "b": 8} and ta.reps == tb.reps == 7 and ta.p50 <= ta.p99
 
 
+def test_interleaved_gives_every_function_every_predecessor() -> None:
+    """Each function runs after each other one about as often (an alternating order would give
+    ``c`` only ``b`` and itself before it)."""
+    log: list[str] = []
+    fns = [lambda k=k: log.append(k) for k in "abcd"]
+    interleaved(fns, reps=400, warmup=0)
+    after = {(x, y): 0 for x in "abcd" for y in "abcd" if x != y}
+    for prev, cur in zip(log, log[1:]):
+        if prev != cur:
+            after[(prev, cur)] += 1
+    assert len(log) == 1600 and min(after.values()) > 0.6 * max(after.values()), after
+
+
 def test_headline_ok_names_bad_values() -> None:
     good = {"plan_time_ratio_vs_vllm": 0.9, "descs_ratio_vs_vllm_hetero": 1.0, "descs_ratio_vs_vllm_fragmented": 1.0}
     assert bench_run.headline_ok(good) == []

@@ -25,16 +25,18 @@ class Timing:
         return cls(float(np.median(a)), float(np.percentile(a, 99)), int(a.size))
 
 
-def interleaved(fns: Sequence[Callable[[], object]], reps: int, warmup: int = 2) -> list[Timing]:
-    """Time each function ``reps`` times, alternating between them (and which goes first) so
-    that load from the rest of a shared machine hits all of them alike."""
+def interleaved(fns: Sequence[Callable[[], object]], reps: int, warmup: int = 2, seed: int = 0) -> list[Timing]:
+    """Time each function ``reps`` times, taking turns in an order shuffled every repetition
+    (seeded): load from the rest of a shared machine hits all of them alike, and each runs
+    after each other one as often (what ran before warms or evicts the caches a call starts
+    with; an order that only alternates gives every function fixed predecessors)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     samples: list[list[float]] = [[] for _ in fns]
-    order = list(range(len(fns)))
-    for rep in range(reps):
-        for i in order if rep % 2 == 0 else reversed(order):
+    orders = np.random.default_rng(seed).permuted(np.tile(np.arange(len(fns)), (reps, 1)), axis=1).tolist()
+    for order in orders:
+        for i in order:
             t0 = time.perf_counter()
             fns[i]()
             samples[i].append(time.perf_counter() - t0)

@@ -503,9 +503,7 @@ class ColumnRegions(Sequence[Region]):
 
     def _make(self, i: int) -> Region:
         region = _new(Region)  # a copy of its class's validated region: name, base and group its own
-        fields = self._protos[self._classes[i]].copy()
-        fields["name"], fields["base"], fields["group"] = self._names[i], self._bases[i], self._groups[i]
-        region.__dict__.update(fields)
+        region.__dict__.update(self._protos[self._classes[i]], name=self._names[i], base=self._bases[i], group=self._groups[i])
         return region
 
     def __getitem__(self, i: Any) -> Any:
@@ -605,8 +603,14 @@ class RankGeometry:
         registered memory) and whose it is (engine id): equal for the ranks of every engine that
         serves one model with one configuration, so a plan made with one engine's rank is
         rebased for another's (:meth:`TransferPlan.rebased`)."""
-        return (self.tp_size, self.tp_rank, tuple(self.names), tuple(self.columns[:, COL_GROUP].tolist()),
-                self.geometry_classes, tuple(self.class_keys.items()))
+        return (self.tp_size, self.tp_rank, *self._layout_tail)
+
+    @cached_property
+    def _layout_tail(self) -> tuple[Any, ...]:
+        """:attr:`layout_key` but TP size and rank: the same object for every rank parsed with one
+        remembered column layout (so comparing two such keys is mostly identity)."""
+        return (tuple(self.names), tuple(self.columns[:, COL_GROUP].tolist()), self.geometry_classes,
+                tuple(self.class_keys.items()))
 
     @cached_property
     def column_lists(self) -> list[list[int]]:
@@ -687,6 +691,9 @@ class RankGeometry:
             columns[:, COL_DEVICE] = self.device_id
             self.__dict__["class_firsts"] = layout.firsts
         self.__dict__["columns"] = columns
+        if layout.tail is None:
+            layout.tail = self._layout_tail
+        self.__dict__["_layout_tail"] = layout.tail
 
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
@@ -846,13 +853,14 @@ class _ColumnLayout:
     non-empty, groups and class ids in range), with what the geometry derives from them alone:
     every engine of one model sends the same, so a later rank of it skips those checks."""
 
-    __slots__ = ("known", "names", "groups", "classes", "class_ids", "firsts", "template")
+    __slots__ = ("known", "names", "groups", "classes", "class_ids", "firsts", "template", "tail")
 
     def __init__(self, known: list[Any], names: list[str], groups: list[int], classes: list[int]) -> None:
         self.known, self.names, self.groups, self.classes = known, names, groups, classes
         self.class_ids = tuple(classes)
         self.firsts: dict[int, int] | None = None  # RankGeometry.class_firsts, once made
         self.template: np.ndarray | None = None  # columns with bases 0 (ends are spans), once made
+        self.tail: tuple[Any, ...] | None = None  # RankGeometry._layout_tail, once made
 
 
 MEMO_LAYOUTS = 16  # column layouts remembered (newest first): a decode rank meets a handful

@@ -712,8 +712,16 @@ class TransferPlan:
 def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
     """Whether two ranks' regions share bases between the same regions (equal bases in one
     exactly where equal in the other): then any plan shares rows between the same layers for both."""
-    x, y = a.columns[:, COL_BASE].tolist(), b.columns[:, COL_BASE].tolist()
-    return len(x) == len(y) and len(set(x)) == len(set(y)) == len(set(zip(x, y)))
+    return _base_partition(a) == _base_partition(b)
+
+
+def _base_partition(geometry: RankGeometry) -> list[int]:
+    """Per region, the index of the first region at its base (once per geometry)."""
+    found = geometry.__dict__.get("_base_partition")
+    if found is None:
+        first: dict[int, int] = {}
+        found = geometry.__dict__["_base_partition"] = [first.setdefault(b, i) for i, b in enumerate(geometry.columns[:, COL_BASE].tolist())]
+    return found
 
 
 def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
