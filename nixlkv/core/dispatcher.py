@@ -296,6 +296,7 @@ class Dispatcher:
                 raise IncompatibleGeometry(f"layer {regions[i].name!r} sits in different KV groups on different remote ranks {found}")
         strategies = {r.strategy for r in local.class_regions}  # a region's strategy is part of its class
         pkeys: dict[tuple[int, int, str], int] = {}  # (local group, remote group, strategy) -> pairing key
+        members: dict[int, list[int]] = {}  # pairing key -> its layers, where there are several pairings
         if len(strategies) == 1 and len(set(lgroup)) == 1 and len(set(rgroups[0])) == 1:  # one pairing (no KV groups)
             triples = [(lgroup[0], rgroups[0][0], strategies.pop())] if regions else []
             pkeys = dict.fromkeys(triples, 0)
@@ -303,8 +304,11 @@ class Dispatcher:
         else:
             triples = list(zip(lgroup, rgroups[0], [r.strategy for r in regions]))
             layer_key = [pkeys.setdefault(t, len(pkeys)) for t in triples]
+            for j, k in enumerate(layer_key):
+                members.setdefault(k, []).append(j)
         group_map: dict[int, int] = {}
-        for (lg, rg, _), i in zip(pkeys, [triples.index(t) for t in pkeys]):
+        for (lg, rg, _), k in pkeys.items():
+            i = members[k][0] if members else 0
             if group_map.setdefault(lg, rg) != rg:
                 raise IncompatibleGeometry(
                     f"local KV group {lg} holds layers of remote groups {group_map[lg]} and {rg} "
@@ -327,8 +331,8 @@ class Dispatcher:
             if len(pkeys) == 1:
                 i, lmin = 0, min(lblocks)
             else:
-                mine = [j for j, x in enumerate(layer_key) if x == k]
-                i, lmin, rmin = mine[0], min(lblocks[j] for j in mine), min(rblocks[j] for j in mine)
+                mine = members[k]
+                i, lmin, rmin = mine[0], min([lblocks[j] for j in mine]), min([rblocks[j] for j in mine])
             rep_peer = peers_geo[0].regions[pidx[0][i]]
             strategy = self.registry.by_name(name)
             pairings.append(GroupPairing(lg, rg, strategy, lmin, rmin, regions[i], rep_peer,
