@@ -21,7 +21,7 @@ from functools import cached_property
 import marshal
 import operator
 import struct
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from operator import itemgetter
 from typing import Any
 
@@ -1055,6 +1055,40 @@ def _same_types(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return all(_same_types(v, b[k]) for k, v in a.items())
     return True
+
+
+SMALL_REDUCE = 256  # regions up to which a min or max over a column is cheaper in Python than a numpy call
+
+
+def first_outside_memory(geometry: Any) -> int | None:
+    """The index of the first region of ``geometry`` that lies inside none of its registered
+    memory ranges, or None (remembered: a geometry is immutable). One range (the usual) is one
+    min and max; many are O((regions + ranges) log ranges) over the columns, so that a peer with
+    many of both cannot stall a handshake: a range holding ``[base, end)`` exists iff, among the
+    ranges starting at or before ``base``, the furthest end reaches ``end``. (Region ends lie
+    below 2**63, the geometry's own checks; range bounds are clipped there, which keeps every
+    comparison.)"""
+    if geometry.__dict__.get("_registered_ok") or not len(geometry.regions):
+        return None
+    cap = (1 << 63) - 1
+    col = geometry.columns
+    base, end = col[:, COL_BASE], col[:, COL_END]
+    if len(geometry.memory) == 1:
+        addr, nbytes = geometry.memory[0]
+        small = base.size <= SMALL_REDUCE
+        lo, hi = (min(base.tolist()), max(end.tolist())) if small else (int(base.min()), int(end.max()))
+        if lo >= min(addr, cap) and hi <= min(addr + nbytes, cap):
+            geometry.__dict__["_registered_ok"] = True
+            return None
+    ranges = sorted(geometry.memory)
+    starts = np.array([min(a, cap) for a, _ in ranges], dtype=np.int64)
+    reach = np.array([min(x, cap) for x in accumulate((a + n for a, n in ranges), max)], dtype=np.int64)
+    i = np.searchsorted(starts, base, side="right") - 1
+    bad = (i < 0) | (reach[np.maximum(i, 0)] < end) if reach.size else np.ones(base.size, dtype=bool)
+    if bad.any():
+        return int(np.argmax(bad))
+    geometry.__dict__["_registered_ok"] = True
+    return None
 
 
 def geometry_key(region: Region) -> tuple[Any, ...]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PlanError, PlanValidationError, RequestError
-from .geometry import ADDRESS_LIMIT, COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment
+from .geometry import COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
 from .strategy import OwnedTail, Strategy, count_mismatch_message, null_block_message
 from .token_blocks import PHASE_ZERO
 
@@ -109,7 +109,6 @@ class IdScratch:
 
 SMALL_CHECK = 64  # segments to check below which a loop beats numpy's per-call cost
 SMALL_IDS = 8  # paired ids per group below which bounds are checked in Python
-SMALL_REDUCE = 256  # regions up to which a min or max over a column is cheaper in Python than a numpy call
 
 
 @dataclass(frozen=True)
@@ -866,24 +865,14 @@ def _descriptor_rows(geometry: RankGeometry, idx: np.ndarray, offset: np.ndarray
 
 def _check_registered_all(geometry: RankGeometry) -> None:
     """Every region of ``geometry`` lies inside one of its registered memory ranges (checked once
-    per geometry: a geometry is immutable)."""
-    if geometry.__dict__.get("_registered_ok") or not geometry.regions:
-        return
-    col = geometry.columns
-    base, end = col[:, COL_BASE], col[:, COL_END]
-    if len(geometry.memory) == 1:  # one range (the usual): inside it iff the lowest base and highest end are
-        addr, nbytes = geometry.memory[0]
-        lo, hi = (min(base.tolist()), max(end.tolist())) if base.size <= SMALL_REDUCE else (base.min(), end.max())
-        if lo >= min(addr, ADDRESS_LIMIT) and hi <= min(addr + nbytes, ADDRESS_LIMIT):
-            geometry.__dict__["_registered_ok"] = True
-            return
-    inside = np.zeros(base.size, dtype=bool)
-    for addr, nbytes in geometry.memory:
-        # columns hold addresses below 2**62; a range reaching past that is clipped there
-        inside |= (base >= min(addr, ADDRESS_LIMIT)) & (end <= min(addr + nbytes, ADDRESS_LIMIT))
-    if not inside.all():
-        _check_registered(geometry.regions[int(np.argmin(inside))], geometry)
-    geometry.__dict__["_registered_ok"] = True
+    per geometry: a geometry is immutable; a handshake's check counts)."""
+    i = first_outside_memory(geometry)
+    if i is not None:
+        region = geometry.regions[i]
+        raise PlanValidationError(
+            f"region {region.name!r} of engine {geometry.engine_id!r} rank {geometry.tp_rank} spans "
+            f"[{region.base:#x}, {region.end:#x}), outside every registered memory range"
+        )
 
 
 def _regions_overlap(geometry: RankGeometry) -> bool:
@@ -921,16 +910,6 @@ def _check_groups_disjoint(geometry: RankGeometry, written: np.ndarray | None) -
                         _check_disjoint(a, other)
     if written is None:
         geometry.__dict__["_disjoint_ok"] = True
-
-
-def _check_registered(region: Region, geometry: RankGeometry) -> None:
-    for addr, nbytes in geometry.memory:
-        if addr <= region.base and region.end <= addr + nbytes:
-            return
-    raise PlanValidationError(
-        f"region {region.name!r} of engine {geometry.engine_id!r} rank {geometry.tp_rank} spans "
-        f"[{region.base:#x}, {region.end:#x}), outside every registered memory range"
-    )
 
 
 def _check_disjoint(a: Region, b: Region) -> None:

@@ -27,7 +27,6 @@ planned or transferred from a payload that did not pass.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import threading
@@ -36,10 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from ..core.errors import HandshakeError
-from ..core.geometry import COL_BASE, COL_END, RankGeometry
+from ..core.geometry import RankGeometry, first_outside_memory
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -192,21 +190,11 @@ def _validate(
 
 
 def _check_regions_in_memory(geo: RankGeometry, rank: int) -> None:
-    """Every region inside one registered memory range, in O((regions + ranges) log ranges) and
-    over the geometry's columns, so that a reply with many of both cannot stall the handshake
-    thread: a range containing ``[base, end)`` exists iff, among the ranges starting at or before
-    ``base``, the furthest end reaches ``end``. (Region ends lie below 2**63: the geometry's own
-    checks; range bounds are clipped there, which keeps every comparison.)"""
-    cap = (1 << 63) - 1
-    ranges = sorted(geo.memory)
-    starts = np.array([min(a, cap) for a, _ in ranges], dtype=np.int64)
-    reach = np.array([min(x, cap) for x in itertools.accumulate((a + n for a, n in ranges), max)], dtype=np.int64)
-    col = geo.columns
-    base, end = col[:, COL_BASE], col[:, COL_END]
-    i = np.searchsorted(starts, base, side="right") - 1
-    bad = (i < 0) | (reach[np.maximum(i, 0)] < end) if reach.size else np.ones(base.size, dtype=bool)
-    if bad.any():
-        region = geo.regions[int(np.argmax(bad))]
+    """Every region inside one registered memory range (``first_outside_memory``, the check the
+    plan makes too: done once per geometry)."""
+    i = first_outside_memory(geo)
+    if i is not None:
+        region = geo.regions[i]
         raise HandshakeError(
             f"rank {rank}: region {region.name!r} [{region.base:#x}, {region.end:#x}) lies "
             "outside every memory range the rank registered"
