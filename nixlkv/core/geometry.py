@@ -1060,7 +1060,7 @@ def _same_types(a: Any, b: Any) -> bool:
 SMALL_REDUCE = 256  # regions up to which a min or max over a column is cheaper in Python than a numpy call
 
 
-def first_outside_memory(geometry: Any) -> int | None:
+def first_outside_memory(geometry: RankGeometry) -> int | None:
     """The index of the first region of ``geometry`` that lies inside none of its registered
     memory ranges, or None (remembered: a geometry is immutable). One range (the usual) is one
     min and max; many are O((regions + ranges) log ranges) over the columns, so that a peer with
