@@ -75,7 +75,7 @@ def test_the_comparison_can_fail(monkeypatch) -> None:
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, 2, 1)
     plan = d.plan(local, remote)
-    monkeypatch.setattr(plan_module, "_owned_pairs", lambda lane, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32)))
+    monkeypatch.setattr(plan_module, "_owned_pairs", lambda lane, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32), None))
     assert outcome(plan, [[1, 2]], [[3, 4, 5]]) != outcome(undeclared(plan), [[1, 2]], [[3, 4, 5]])
 
 

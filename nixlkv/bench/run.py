@@ -73,6 +73,8 @@ def group_id_floor(
     block lists in one step (one ``struct`` pack of them all), and per READ write one int32 ID per
     descriptor on each side, ``rows`` IDs per block for each ``(local group, remote group, rows)``
     the READ reads. None where a group's lists differ in length (pairing would be needed).
+    Where the request is one group on each side, one broadcast add writes a READ's IDs on both
+    sides at once (the two lists lie side by side after the one conversion), as nixlkv does.
 
     ``checked_limits`` = (local, remote) block counts: the floor then also does the least a
     planner that refuses bad ids must do, over all the ids at once: one count of null blocks (id
@@ -82,30 +84,42 @@ def group_id_floor(
         return None
     stride = max([max(g) for g in (*local, *remote) if len(g)], default=0) + 1
     offsets = {rows: np.arange(rows, dtype=np.int32)[:, None] * np.int32(stride) for read in reads for _, _, rows in read}
-    out = []
-    for read in reads:
-        n = sum(rows * len(local[lg]) for lg, _, rows in read)
-        out.append((np.empty(n, dtype=np.int32), np.empty(n, dtype=np.int32)))
     groups = [*local, *remote]
     sizes = [len(g) for g in groups]
     cuts = np.cumsum([0, *sizes]).tolist()
     total = cuts[-1]
     pack = struct.Struct(f"{total}i").pack
     two = len(groups) == 2
+    paired = two and all(len(read) == 1 for read in reads)  # one add per READ writes both sides
+    out = []
+    both_out = []  # where paired: per READ, both sides' row starts and IDs as (2, rows, ...) arrays
+    for read in reads:
+        n = sum(rows * len(local[lg]) for lg, _, rows in read)
+        buf = np.empty(2 * n, dtype=np.int32)
+        out.append((buf[:n], buf[n:]))
+        if paired:
+            ((_, _, rows),) = read
+            both_out.append((np.stack((offsets[rows], offsets[rows])), buf.reshape(2, rows, sizes[0])))
     limit = min(checked_limits) if checked_limits is not None else None
     sizes_l, sizes_r = sizes[: len(local)], sizes[len(local) :]
 
     def floor() -> None:
         ids = np.frombuffer(pack(*groups[0], *groups[1]) if two else pack(*chain.from_iterable(groups)), dtype=np.int32)
-        views = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-        lids, rids = views[: len(local)], views[len(local) :]
         if limit is not None and total:
             if np.count_nonzero(ids) != total:
                 raise ValueError("a null block id")
             if largest(ids.view(np.uint32)) >= limit:  # then each side against its own count
-                for side, bound in ((lids, checked_limits[0]), (rids, checked_limits[1])):
+                views = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+                for side, bound in ((views[: len(local)], checked_limits[0]), (views[len(local) :], checked_limits[1])):
                     if any(a.size and largest(a.view(np.uint32)) >= bound for a in side):
                         raise ValueError("a block id out of bounds")
+        if paired:
+            both = ids.reshape(2, 1, sizes[0])
+            for starts, dst in both_out:
+                np.add(starts, both, out=dst)
+            return
+        views = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        lids, rids = views[: len(local)], views[len(local) :]
         for read, (lo, ro) in zip(reads, out):
             at = 0
             for lg, rg, rows in read:
