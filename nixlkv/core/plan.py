@@ -451,10 +451,10 @@ class TransferPlan:
             bounds = [0, *(np.flatnonzero(sel[1:] != sel[:-1]) + 1).tolist(), n]
             sizes = np.add.reduceat(t.nbytes[order], bounds[:-1]).tolist()
             heads = order[bounds[:-1]]
+            lsorted, rsorted = lstart[order, None], rstart[order, None]  # each entry: a slice of these
             for j, key, phase, a, b, nb in zip(t.rank_pos[heads].tolist(), t.key[heads].tolist(), t.phase[heads].tolist(),
                                                 bounds[:-1], bounds[1:], sizes):
-                idx = order[a:b]
-                self._rank_keys.setdefault(self.sources[j], []).append((key, phase, lstart[idx, None], rstart[idx, None], nb))
+                self._rank_keys.setdefault(self.sources[j], []).append((key, phase, lsorted[a:b], rsorted[a:b], nb))
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
         # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
         self._remote_twin: dict[int, int] = {}
@@ -482,7 +482,7 @@ class TransferPlan:
                 and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
             self._owned_reads = (
                 self._owned[0],
-                tuple((p, e[0][2], e[0][3], np.stack((e[0][2], e[0][3])), e[0][4], self._remote_twin.get(p))
+                tuple((p, e[0][2], e[0][3], np.array((e[0][2], e[0][3])), e[0][4], self._remote_twin.get(p))
                       for p, e in self._rank_entries),
                 tuple(p for p in self.covered if p not in self.read_ranks),
             )
