@@ -973,3 +973,19 @@ def test_plan_survives_handshake_round_trip() -> None:
     direct, via_wire = disp.plan(local, {0: remote}), disp.plan(local, {0: wired})
     assert direct.to_dict() == via_wire.to_dict()
     assert np.array_equal(direct.remote_descs[0], via_wire.remote_descs[0])
+
+
+def test_a_local_geometry_is_checked_when_registered_and_a_failed_check_is_left_to_every_plan() -> None:
+    """local_geometry() makes what every plan reads and checks of the rank alone (prepare_local),
+    so a worker's first handshake does not; a check that fails is not remembered as passed."""
+    disp = Dispatcher(registry(WholePage()))
+    good = [_layer("L0", 0, 0x1000), _layer("L1", 0, 0x1000 + 128)]
+    g = disp.local_geometry("d", Topology(1, 0), good, [(0x1000, 8 * 256)])
+    assert {"_registered_ok", "_overlap", "_disjoint_ok", "column_lists", "class_regions"} <= g.__dict__.keys()
+    bad = [_layer("L0", 0, 0x1000), _layer("L1", 0, 0x1000 + 64)]  # one group's pages overlap
+    g = disp.local_geometry("d", Topology(1, 0), bad, [(0x1000, 8 * 256 + 64)])
+    assert "_disjoint_ok" not in g.__dict__
+    short = disp.local_geometry("d", Topology(1, 0), good, [(0x1000, 100)])  # outside its registered memory
+    assert "_registered_ok" not in short.__dict__
+    with pytest.raises(PlanValidationError, match="outside every registered memory range"):
+        disp.plan(short, {0: disp.local_geometry("p", Topology(1, 0), good, [(0x1000, 8 * 256)])})

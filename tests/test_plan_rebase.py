@@ -285,3 +285,22 @@ def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs
     dup["region_columns"]["name"][1] = dup["region_columns"]["name"][0]
     with pytest.raises(HandshakeError, match="repeats region names"):
         RankGeometry.from_dict(dup)
+
+
+def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -> None:
+    """The bench times a layout's first handshake after forget_handshakes(): every memo a parse
+    or a plan fills in the process (not only the dispatcher's) must be empty then, or the
+    first handshake it reports would be a warm one."""
+    from nixlkv.core import geometry, topology
+    from nixlkv.core.dispatcher import forget_handshakes
+
+    memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS),  # noqa: E731
+                     geometry._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 4, 2)
+    forget_handshakes()
+    wire = {r: g.to_wire() for r, g in remote.items()}
+    Dispatcher(d.registry, unwrap=d._unwrap).plan(local, {r: RankGeometry.from_dict(w) for r, w in wire.items()})
+    assert all(memos())  # negative control: one handshake fills each of them
+    forget_handshakes()
+    assert memos() == (0, 0, 0, 0)

@@ -300,3 +300,39 @@ def test_single_group_replicated_only_where_allowed() -> None:
         check_units_shardable(4, 1, "n_groups", replicate_single=False)
     with pytest.raises(IncompatibleTopology, match=r"n_groups=2 cannot be sharded over tp=4.*or n_groups == 1"):
         check_units_shardable(4, 2, "n_groups", replicate_single=True)
+
+
+def _head_sources_per_head(local_rank: int, local_tp: int, remote_tp: int, num_heads: int, last_holder: bool = False):
+    """The definition, head by head: each local slot from the first covered rank holding its
+    head (``last_holder``: the last one, a wrong variant), neighbours merged into runs."""
+    check_heads_shardable(local_tp, num_heads)
+    check_heads_shardable(remote_tp, num_heads)
+    covered = list(covered_remote_ranks(local_rank, local_tp, remote_tp))
+    runs: list[HeadRun] = []
+    for slot, head in enumerate(heads_held(local_rank, local_tp, num_heads)):
+        holders = [p for p in covered if head in heads_held(p, remote_tp, num_heads)]
+        holder = holders[-1] if last_holder else holders[0]
+        remote_slot = heads_held(holder, remote_tp, num_heads).index(head)
+        last = runs[-1] if runs else None
+        if last and last.remote_rank == holder and last.remote_slot + last.count == remote_slot and last.local_slot + last.count == slot:
+            runs[-1] = HeadRun(holder, last.remote_slot, last.local_slot, last.count + 1)
+        else:
+            runs.append(HeadRun(holder, remote_slot, slot, 1))
+    return tuple(runs)
+
+
+def test_head_sources_is_the_head_by_head_definition_on_every_small_case() -> None:
+    """head_sources works a stretch of heads at a time: exactly the head-by-head definition on
+    every TP pair and head count up to 64 ranks and 128 heads that vLLM can shard."""
+    sizes, compared, differs = (1, 2, 4, 8, 16, 32, 64), 0, 0
+    for local_tp in sizes:
+        for remote_tp in sizes:
+            for heads in (1, 2, 4, 8, 16, 32, 64, 128):
+                if (local_tp <= heads and heads % local_tp) or (remote_tp <= heads and heads % remote_tp):
+                    continue
+                for rank in range(local_tp):
+                    want = _head_sources_per_head(rank, local_tp, remote_tp, heads)
+                    assert head_sources(rank, local_tp, remote_tp, heads) == want, (rank, local_tp, remote_tp, heads)
+                    differs += _head_sources_per_head(rank, local_tp, remote_tp, heads, last_holder=True) != want
+                    compared += 1
+    assert compared > 1000 and differs > 0  # negative control: another choice of holder is told apart

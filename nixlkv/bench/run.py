@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import struct
@@ -15,8 +16,8 @@ import torch
 
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
-from ..core.geometry import forget_parsed
-from ..core.plan import expand_ids, largest
+from ..core.dispatcher import forget_handshakes
+from ..core.plan import expand_ids, largest, prepare_local
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer
@@ -167,19 +168,21 @@ def plan_case(
     # timed handshake is with another prefill engine (its own id and addresses), as a decode rank
     # meets them: the dispatcher has planned the layout before (with the first engine), so it
     # rebases that plan; the first handshake of a layout is timed on its own (a fresh dispatcher
-    # and nothing parsed before, each time; the decode geometry is the worker's own,
-    # prepared when it registered its caches).
+    # and no process-wide memo of parsing or planning, each time; the decode geometry is the worker's own,
+    # as registering its caches prepared it, and a new one each time: nothing a plan left on it).
     wire = {r: remote[r].to_wire() for r in dispatcher.needed_ranks(local, case.p_tp)}
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
     engines = iter([{r: other_engine(w, k) for r, w in wire.items()} for k in range(1, 3 * (hs_reps + 1) + 1)])
+    # the decode geometry as each first handshake meets it: as registering the caches made it
+    registered = iter([prepare_local(dataclasses.replace(local)) for _ in range(hs_reps + 1)])
 
     def ours_handshake():
         return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
 
-    def ours_first():  # nothing of this layout planned, nor parsed, on this decode rank
-        forget_parsed()
+    def ours_first():  # nothing of this layout planned, nor parsed, in this decode worker
+        forget_handshakes()
         fresh = Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap)
-        return fresh.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
+        return fresh.plan(next(registered), {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
 
     def ours_parse():  # the wire alone: every covered rank's geometry parsed and checked
         return {r: RankGeometry.from_dict(d) for r, d in next(engines).items()}

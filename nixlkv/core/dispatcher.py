@@ -10,16 +10,27 @@ import numpy as np
 import pluggy
 
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
-from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, geometry_key
-from .plan import GroupPairing, SegmentTable, TransferPlan
+from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, forget_parsed, geometry_key
+from .geometry import _box_copy_runs_cached
+from .plan import GroupPairing, SegmentTable, TransferPlan, prepare_local
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy, declared_pairing
-from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks
+from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks, head_sources
 
 Unwrap = Callable[[Any, str], Any]
 MAX_UNWRAP_DEPTH = 8
 MEMO_CLASSES = 256  # class templates a dispatcher remembers (a deployment serves a handful of models)
 MEMO_PLANS = 64  # plans a dispatcher remembers, to rebase for other engines of the same layout
+
+
+def forget_handshakes() -> None:
+    """Empty every process-wide memo that parsing and planning a handshake fill (class
+    descriptions, column layouts, copy runs between pages, head sources): with a fresh
+    :class:`Dispatcher`, a process that never met a remote engine, as the bench times a
+    layout's first handshake."""
+    forget_parsed()
+    _box_copy_runs_cached.cache_clear()
+    head_sources.cache_clear()
 
 
 class Dispatcher:
@@ -114,8 +125,7 @@ class Dispatcher:
             device_id=device_id,
             mem_type=mem_type,
         )
-        geometry.layout_key, geometry.columns  # what every handshake reads of this rank, made now, not at the first
-        return geometry
+        return prepare_local(geometry)  # what every handshake reads and checks of this rank alone, made now
 
     # ---------------------------------------------------------------- pairing with a remote
     def plan(self, local: RankGeometry, remote: Mapping[int, RankGeometry]) -> TransferPlan:

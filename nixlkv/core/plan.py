@@ -891,6 +891,22 @@ def _descriptor_rows(geometry: RankGeometry, idx: np.ndarray, offset: np.ndarray
     return rows
 
 
+def prepare_local(geometry: RankGeometry) -> RankGeometry:
+    """What every plan reads or checks of a local geometry alone, made once when the worker
+    registers its caches rather than at its first handshake: its layout key, columns and class
+    regions, whether its regions lie in its registered memory, alias one another, and keep each
+    KV group's pages apart. A check that fails is not remembered: each plan makes it again, and
+    refuses what it writes, naming the regions."""
+    geometry.layout_key, geometry.columns, geometry.column_lists, geometry.class_regions
+    first_outside_memory(geometry)
+    _regions_overlap(geometry)
+    try:
+        _check_groups_disjoint(geometry, None)
+    except PlanValidationError:
+        pass  # a plan writes only some regions: it checks those, and refuses an overlap among them
+    return geometry
+
+
 def _check_registered_all(geometry: RankGeometry) -> None:
     """Every region of ``geometry`` lies inside one of its registered memory ranges (checked once
     per geometry: a geometry is immutable; a handshake's check counts)."""

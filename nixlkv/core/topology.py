@@ -108,25 +108,21 @@ def head_sources(local_rank: int, local_tp: int, remote_tp: int, num_heads: int)
     check_heads_shardable(local_tp, num_heads)
     check_heads_shardable(remote_tp, num_heads)
     covered = covered_remote_ranks(local_rank, local_tp, remote_tp)
+    held = {p: heads_held(p, remote_tp, num_heads) for p in covered}  # each a range of consecutive heads
+    mine = heads_held(local_rank, local_tp, num_heads)
     runs: list[HeadRun] = []
-    for slot, head in enumerate(heads_held(local_rank, local_tp, num_heads)):
-        holder = next((p for p in covered if head in heads_held(p, remote_tp, num_heads)), None)
+    head = mine.start
+    while head < mine.stop:  # one run per stretch of heads one remote rank holds: O(runs), not O(heads)
+        holder = next((p for p in covered if head in held[p]), None)
         if holder is None:  # unreachable for divisible pairs; kept as a clear failure, not a guess
             raise IncompatibleTopology(
                 f"no remote rank among {list(covered)} holds KV head {head} "
                 f"(local tp={local_tp}, remote tp={remote_tp}, num_kv_heads={num_heads})"
             )
-        remote_slot = heads_held(holder, remote_tp, num_heads).index(head)
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and last.remote_rank == holder
-            and last.remote_slot + last.count == remote_slot
-            and last.local_slot + last.count == slot
-        ):
-            runs[-1] = HeadRun(holder, last.remote_slot, last.local_slot, last.count + 1)
-        else:
-            runs.append(HeadRun(holder, remote_slot, slot, 1))
+        theirs = held[holder]
+        count = min(mine.stop, theirs.stop) - head  # every head of it has this holder first: ranks' ranges
+        runs.append(HeadRun(holder, head - theirs.start, head - mine.start, count))  # are disjoint or one head
+        head += count
     return tuple(runs)
 
 
