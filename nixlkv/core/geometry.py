@@ -219,8 +219,9 @@ def _box_copy_runs(
             f"pages order their axes differently ({dst.describe()} vs {src.describe()}): "
             "bytes would need a permute, not a copy"
         )
+    ssizes = src._sizes  # the same names (checked above): each is there
     for name, dsize in dst.axes:
-        ssize = src.size(name)
+        ssize = ssizes[name]
         n = extent.get(name)
         if n is None:
             if dsize != ssize:
@@ -241,10 +242,10 @@ def _box_copy_runs(
             f"pages lay out their bytes differently ({dst.describe()} vs {src.describe()}): "
             "bytes would need a permute, not a copy"
         )
-    boxed = {n for n in (*extent, *dst_start, *src_start)}
+    boxed = {*extent, *dst_start, *src_start}
     chunks = []
     for dpart, spart in zip(dparts, sparts):
-        missing = sorted(a for a in boxed if a not in dpart.names and (
+        missing = [] if boxed.issubset(dpart.names) else sorted(a for a in boxed if a not in dpart.names and (
             extent.get(a, dst.size(a)) != dst.size(a) or dst_start.get(a, 0) or src_start.get(a, 0)))
         if missing:
             raise IncompatibleGeometry(
@@ -262,10 +263,13 @@ def _part_runs(
 ) -> np.ndarray:
     """Runs ``[n, 3]`` (dst, src, nbytes) of one part pair: innermost axes merge into one run
     while they step exactly over what is already contiguous on both sides."""
+    names = dst.names
+    d0s = [dst_start.get(name, 0) for name in names]
+    s0s = [src_start.get(name, 0) for name in names]
     ext = []
-    for (name, dsize, _), (_, ssize, _) in zip(dst.axes, src.axes):
+    for (name, dsize, _), (_, ssize, _), d0, s0 in zip(dst.axes, src.axes, d0s, s0s):
         n = extent.get(name, dsize)
-        if n > dsize or n > ssize or dst_start.get(name, 0) + n > dsize or src_start.get(name, 0) + n > ssize:
+        if n > dsize or n > ssize or d0 + n > dsize or s0 + n > ssize:
             raise IncompatibleGeometry(f"box on axis {name!r} exceeds page part sizes {dsize} / {ssize}")
         ext.append(n)
     run, k = 1, len(ext)
@@ -284,21 +288,18 @@ def _part_runs(
     if count > MAX_RUNS_PER_BOX:
         raise IncompatibleGeometry(f"copy would need {count} runs per page (> {MAX_RUNS_PER_BOX})")
     if count <= SMALL_BOX:  # a head slice is a few runs: plain Python beats numpy's per-call cost
-        ds, ss = [dst.offset], [src.offset]
-        for i, name in enumerate(dst.names):
-            d0, s0, dstep, sstep = dst_start.get(name, 0), src_start.get(name, 0), dst.axes[i][2], src.axes[i][2]
-            if i < k:
-                ds = [d + (d0 + j) * dstep for d in ds for j in range(ext[i])]
-                ss = [x + (s0 + j) * sstep for x in ss for j in range(ext[i])]
-            else:
-                ds = [d + d0 * dstep for d in ds]
-                ss = [x + s0 * sstep for x in ss]
+        # the merged inner axes (from k) only move the start; each outer axis repeats the runs
+        ds = [dst.offset + sum(d0 * axis[2] for d0, axis in zip(d0s[k:], dst.axes[k:]))]
+        ss = [src.offset + sum(s0 * axis[2] for s0, axis in zip(s0s[k:], src.axes[k:]))]
+        for i in range(k):
+            d0, s0, dstep, sstep = d0s[i], s0s[i], dst.axes[i][2], src.axes[i][2]
+            ds = [d + (d0 + j) * dstep for d in ds for j in range(ext[i])]
+            ss = [x + (s0 + j) * sstep for x in ss for j in range(ext[i])]
         return [(d, x, run) for d, x in zip(ds, ss)]
     d = np.full(count, dst.offset, dtype=np.int64)
     s = np.full(count, src.offset, dtype=np.int64)
     for i in range(len(ext)):
-        name = dst.names[i]
-        d0, s0 = dst_start.get(name, 0), src_start.get(name, 0)
+        d0, s0 = d0s[i], s0s[i]
         if i < k:
             inner = 1
             for n in ext[i + 1 : k]:
