@@ -253,8 +253,9 @@ def head_token_runs(
             runs = _head_box(lpage, rpage, run, lin, rin, n)
             # A head slice costs a fixed number of runs (one per head on a head-outer page, one
             # per head and channel where keys are channel-major); runs that grow with the tokens
-            # copied mean tokens are outer to heads: that copy is a permute, refused.
-            if n > 1 and len(runs) > len(_head_box(lpage, rpage, run, lin, rin, 1)):
+            # copied mean tokens are outer to heads: that copy is a permute, refused (a single run,
+            # the whole slice contiguous, has not grown: no second box to compare it with).
+            if n > 1 and len(runs) > 1 and len(runs) > len(_head_box(lpage, rpage, run, lin, rin, 1)):
                 raise IncompatibleGeometry("a head slice is one run per token")
         except IncompatibleGeometry as exc:
             raise IncompatibleGeometry(f"layer {local.name!r}: {layout_advice(local, peer)} ({exc})") from None
