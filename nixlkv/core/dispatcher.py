@@ -10,8 +10,7 @@ import numpy as np
 import pluggy
 
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
-from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, forget_parsed, geometry_key
-from .geometry import _box_copy_runs_cached
+from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, forget_copy_runs, forget_parsed, geometry_key
 from .plan import GroupPairing, SegmentTable, TransferPlan, prepare_local
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy, declared_pairing
@@ -29,7 +28,7 @@ def forget_handshakes() -> None:
     :class:`Dispatcher`, a process that never met a remote engine, as the bench times a
     layout's first handshake."""
     forget_parsed()
-    _box_copy_runs_cached.cache_clear()
+    forget_copy_runs()
     head_sources.cache_clear()
 
 

@@ -198,6 +198,11 @@ def box_copy_runs(
     return list(_box_copy_runs_cached(*key))
 
 
+def forget_copy_runs() -> None:
+    """Empty the memo of copy runs between pages (a process that never planned: benches)."""
+    _box_copy_runs_cached.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def _box_copy_runs_cached(
     dst: PageLayout, dst_start: tuple[tuple[str, int], ...], src: PageLayout, src_start: tuple[tuple[str, int], ...],

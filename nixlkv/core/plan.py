@@ -88,15 +88,20 @@ _RESOLVED_SLOTS = tuple(getattr(ResolvedRequest, f).__set__ for f in ResolvedReq
 
 def _read_op(remote_rank: int, local_ids: np.ndarray, remote_ids: np.ndarray, nbytes: int | None) -> ReadOp:
     op = _new(ReadOp)
-    a, b, c, d = _READ_SLOTS
-    a(op, remote_rank), b(op, local_ids), c(op, remote_ids), d(op, nbytes)
+    set_rank, set_local, set_remote, set_nbytes = _READ_SLOTS
+    set_rank(op, remote_rank)
+    set_local(op, local_ids)
+    set_remote(op, remote_ids)
+    set_nbytes(op, nbytes)
     return op
 
 
 def _resolved(reads: tuple[ReadOp, ...], notify_only: tuple[int, ...], consumers: int) -> ResolvedRequest:
     out = _new(ResolvedRequest)
-    a, b, c = _RESOLVED_SLOTS
-    a(out, reads), b(out, notify_only), c(out, consumers)
+    set_reads, set_notify, set_consumers = _RESOLVED_SLOTS
+    set_reads(out, reads)
+    set_notify(out, notify_only)
+    set_consumers(out, consumers)
     return out
 
 
