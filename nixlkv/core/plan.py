@@ -474,8 +474,9 @@ class TransferPlan:
     def _set_lanes(self) -> None:
         """What the per-request path of pairings the core applies itself reads, bound once:
         per pairing its :func:`_owned_pairs` lane (None: the strategy's pair_blocks); and where
-        the plan is one such pairing in one phase, per READ (rank, each side's row starts and both
-        stacked, bytes per block pair, the rank whose remote IDs it shares) and the ranks only told."""
+        the plan is one such pairing in one phase, per READ (rank, both sides' row starts stacked
+        ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it shares) and the ranks
+        only told."""
         code = "i" if self._id_dtype is np.int32 else "q"
         self._owned = [
             None if g.owned is None else
@@ -487,8 +488,7 @@ class TransferPlan:
                 and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
             self._owned_reads = (
                 self._owned[0],
-                tuple((p, e[0][2], e[0][3], np.array((e[0][2], e[0][3])), e[0][4], self._remote_twin.get(p))
-                      for p, e in self._rank_entries),
+                tuple((p, np.array((e[0][2], e[0][3])), e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries),
                 tuple(p for p in self.covered if p not in self.read_ranks),
             )
 
@@ -575,21 +575,20 @@ class TransferPlan:
                 dtype, add = lane[3], np.add
                 reads = []
                 written = {}
-                for p, lstarts, rstarts, starts, block_bytes, twin in reads_of:
-                    rows = lstarts.shape[0]
+                for p, starts, block_bytes, twin in reads_of:  # starts: (local, remote) row starts as columns
+                    rows = starts.shape[1]
                     total = rows * k
                     if twin is None:
                         both = take(2 * total, dtype)
                         local_ids, remote_ids = both[:total], both[total:]
                         if side_by_side is not None:  # one broadcast add writes both sides' IDs
                             add(starts, side_by_side, out=both.reshape(2, rows, k))
-                            written[p] = remote_ids
-                            reads.append(_read_op(p, local_ids, remote_ids, block_bytes * k))
-                            continue
-                        add(rstarts, rp, out=remote_ids.reshape(rows, k))
+                        else:
+                            add(starts[1], rp, out=remote_ids.reshape(rows, k))
+                            add(starts[0], lp, out=local_ids.reshape(rows, k))
                     else:
                         local_ids, remote_ids = take(total, dtype), written[twin]
-                    add(lstarts, lp, out=local_ids.reshape(rows, k))
+                        add(starts[0], lp, out=local_ids.reshape(rows, k))
                     written[p] = remote_ids
                     reads.append(_read_op(p, local_ids, remote_ids, block_bytes * k))
                 return _resolved(tuple(reads), notify, self.consumers)
