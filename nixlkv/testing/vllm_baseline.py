@@ -499,6 +499,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# After D is done, how long P keeps stepping for the release notifications D already sent (they
+# arrive asynchronously; on a loaded machine the last one can trail D's answer by a few steps).
+RELEASE_GRACE_SECONDS = 10.0
+
+
 def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
     _stdout_to_stderr()
     _environment()
@@ -524,10 +529,14 @@ def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, 
     deadline = time.monotonic() + SETUP_SECONDS + timeout  # D may still be building its workers
     done: dict[int, set[str]] = {r.tp_rank: set() for r in engine.ranks}
     try:
+        stopping = None  # when D is done: the notifications it sent may still be on their way
         while time.monotonic() < deadline:
             for rank, res in zip(engine.ranks, engine.step(engine.scheduler.build_connector_meta(None))):
                 done[rank.tp_rank] |= set(res.finished_sending)
-            if conn.poll(0.002) and conn.recv() in ("stop", "bye"):
+            if stopping is None and conn.poll(0.002) and conn.recv() in ("stop", "bye"):
+                stopping = time.monotonic()
+            if stopping is not None and (all(len(s) >= requests for s in done.values())
+                                         or time.monotonic() > stopping + RELEASE_GRACE_SECONDS):
                 break
         conn.send({"done_sending": {f"P{r}": len(s) for r, s in done.items()}, "log": logs.lines[-5:]})
         while conn.poll(15) and conn.recv() != "bye":
