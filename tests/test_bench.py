@@ -204,6 +204,45 @@ def test_vllm_planner_needs_its_handshake_first() -> None:
         vllm.desc_ids([[1, 2]], [[1, 2]])
 
 
+def _tiny_vllm(p_tp: int, d_tp: int) -> VllmPlanner:
+    remote = {r: [10_000 * (r + 1) + 1000 * i for i in range(3)] for r in range(max(p_tp // d_tp, 1))}
+    return VllmPlanner(TINY, p_tp, d_tp, 0, 20, [0, 1000, 2000], remote)
+
+
+def test_vllm_handshake_is_vllms_add_remote_agent_with_its_checks() -> None:
+    """The timed baseline handshake runs vLLM's own add_remote_agent, checks included: a prefill
+    rank advertising a block length that does not fit the TP ratio is refused by vLLM's code
+    (negative control: the same handshake with the right length passes)."""
+    import dataclasses
+
+    vllm = _tiny_vllm(4, 2)
+    vllm.handshake()
+    assert vllm.worker.tp_mappings[vllm.engine_id] is vllm.mapping
+    good = vllm._metadata
+    vllm._metadata = lambda engine, rank: dataclasses.replace(good(engine, rank), block_lens=[1] * 3)
+    with pytest.raises(AssertionError, match="SPLIT region"):
+        vllm.handshake()
+    vllm._metadata = good
+    vllm.handshake()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "splits", "remote"), [(4, 2, 2, 2), (1, 1, 0, 1), (2, 4, 0, 1)])
+def test_vllm_handshake_prepares_what_vllm_does_per_engine(p_tp, d_tp, splits, remote) -> None:
+    """Registration prepares the local rows once; each handshake prepares the remote rows of every
+    rank it handshakes with; the split local handles (P_TP > D_TP) are built by the first
+    handshake of the TP size only, as vLLM keeps them, and again by a first one."""
+    vllm = _tiny_vllm(p_tp, d_tp)
+    lists = vllm.worker.nixl_wrapper.lists
+    assert len(lists) == 1 and lists[0] is vllm.local_rows  # the local handle, at registration
+    vllm.handshake()
+    assert len(lists) == 1 + splits + remote and len(vllm.split_rows) == splits
+    vllm.handshake()  # another engine of the same TP size: its remote rows only
+    assert len(lists) == 1 + splits + 2 * remote
+    vllm.handshake_first()
+    assert len(lists) == 1 + 2 * splits + 3 * remote
+    assert sorted(vllm.remote_rows) == list(range(remote))
+
+
 # ---------------------------------------------------------------- hybrid (Nemotron-H-like)
 def _nemotron_like(pattern: str, n_groups: int = 8):
     import dataclasses

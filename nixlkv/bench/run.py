@@ -188,7 +188,9 @@ def plan_case(
         return {r: RankGeometry.from_dict(d) for r, d in next(engines).items()}
 
     dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})  # the layout's first engine
-    hs_ours, hs_vllm, hs_parse, hs_first = interleaved([ours_handshake, vllm.handshake, ours_parse, ours_first], hs_reps, warmup=1)
+    vllm.handshake()  # vLLM's first engine of this TP size: its split local handles are kept for later ones
+    hs_ours, hs_vllm, hs_parse, hs_first, hs_first_vllm = interleaved(
+        [ours_handshake, vllm.handshake, ours_parse, ours_first, vllm.handshake_first], hs_reps, warmup=1)
     plan = dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
 
     n = case.num_request_blocks
@@ -262,9 +264,11 @@ def plan_case(
         "handshake_ms_ours": hs_ours.p50 * 1e3,
         "handshake_ms_vllm": hs_vllm.p50 * 1e3,
         "handshake_ratio": hs_ours.p50 / hs_vllm.p50,
-        # of ours: the first handshake of this layout on a decode rank (planned from scratch)
+        # the first handshake of this layout on a decode rank: ours planned from scratch, vLLM's
+        # building its split local handles (which it keeps for later engines of this TP size)
         "handshake_ms_first_ours": hs_first.p50 * 1e3,
-        "handshake_first_ratio": hs_first.p50 / hs_vllm.p50,
+        "handshake_ms_first_vllm": hs_first_vllm.p50 * 1e3,
+        "handshake_first_ratio": hs_first.p50 / hs_first_vllm.p50,
         # of ours: parsing and checking the covered ranks' geometry (RankGeometry.from_dict) alone
         "handshake_ms_parse_ours": hs_parse.p50 * 1e3,
         "handshake_parse_ratio": hs_parse.p50 / hs_vllm.p50,
@@ -390,6 +394,7 @@ HETERO_KEYS = {  # P4->D2, contiguous
     "handshake_ratio_vs_vllm_hetero": "handshake_ratio",
     "handshake_first_ratio_vs_vllm_hetero": "handshake_first_ratio",
     "handshake_ms_first_ours_hetero": "handshake_ms_first_ours",
+    "handshake_ms_first_vllm_hetero": "handshake_ms_first_vllm",
     "handshake_ms_ours_hetero": "handshake_ms_ours",
     "handshake_ms_vllm_hetero": "handshake_ms_vllm",
     "handshake_ms_parse_ours_hetero": "handshake_ms_parse_ours",

@@ -1,13 +1,19 @@
 """vLLM 0.33's own NIXL planner code, called on a stand-in worker: the baseline, never a copy.
 
 ``NixlBaseConnectorWorker`` needs a GPU engine to construct, but the functions that turn a
-handshake into descriptor lists and block ids into descriptor ids only read a handful of plain
-attributes. :class:`VllmPlanner` sets exactly those (what ``register_kv_caches`` and
-``add_remote_agent`` would have set for an unpadded, single-group, attention-only LBHNC cache)
-on a :class:`types.SimpleNamespace` and calls vLLM's unbound methods on it:
+handshake into descriptor lists and block ids into descriptor ids only read plain attributes.
+:class:`VllmPlanner` sets those (what ``register_kv_caches`` would have set for an unpadded,
+single-group, attention-only LBHNC cache) on a :class:`types.SimpleNamespace` and calls vLLM's
+unbound methods on it:
 
-- handshake: ``compute_tp_mapping``, ``_build_fa_local``, ``_build_fa_remote`` (one per source
-  rank) and, for P_TP > D_TP, ``_build_local_splits_from_plan`` (one local handle per source rank);
+- registration (not timed as a handshake): the local descriptor rows, ``_build_fa_local``, as
+  ``register_kv_caches`` makes them once;
+- handshake: per remote rank vLLM handshakes with (``handshake_target_ranks``),
+  ``_validate_remote_parallel_config`` and vLLM's whole ``add_remote_agent``: the TP mapping,
+  the engine registration, the checks, the split local handles (built once per TP ratio and
+  block size, as vLLM keeps them) and ``_build_fa_remote``. NIXL's own two calls in it (adding
+  the agent, preparing a descriptor list) are left out, as nixlkv's handshake is timed without
+  NIXL: they return at once (:class:`NixlCallsLeftOut`);
 - per request: what ``pull_worker._read_blocks`` does per READ, ``_compute_desc_ids`` for the
   remote and the local side, once per source rank (``plan.all_source_ranks``).
 
@@ -48,6 +54,79 @@ def _worker_class() -> type:
     return NixlBaseConnectorWorker
 
 
+class NixlCallsLeftOut:
+    """The stand-in worker's ``nixl_wrapper``: NIXL's own calls in ``add_remote_agent`` return at
+    once (nixlkv's handshake is timed without NIXL too); each descriptor list vLLM prepares is
+    kept, so the counts read vLLM's own rows."""
+
+    def __init__(self) -> None:
+        self.lists: list[np.ndarray] = []
+
+    def add_remote_agent(self, agent_metadata: bytes) -> str:
+        return "remote-agent"
+
+    def prep_xfer_dlist(self, agent_name: str, descs: np.ndarray, mem_type: str | None = None) -> int:
+        self.lists.append(descs)
+        return len(self.lists) - 1
+
+
+# The worker methods a handshake and a request run (bound to the stand-in), and its static helpers.
+_METHODS = ("_compute_desc_ids", "_build_fa_local", "_build_fa_remote", "_build_local_splits_from_plan",
+            "_fa_desc_replicated", "_is_region_replicated", "_needs_split_local_xfer_handles",
+            "add_remote_agent", "_validate_remote_agent_handshake", "_validate_remote_parallel_config")
+_STATIC = ("_block_strided_descs", "_strided_desc_starts", "_pack_strided_descs")
+
+
+def _bind(ns: types.SimpleNamespace, extra: Sequence[str] = ()) -> None:
+    W = _worker_class()
+    for name in (*_METHODS, *extra):
+        setattr(ns, name, types.MethodType(getattr(W, name), ns))
+    for name in _STATIC:
+        setattr(ns, name, getattr(W, name))
+
+
+def _handshake_state(ns: types.SimpleNamespace, block_size: int, local_rows: np.ndarray) -> None:
+    """What ``add_remote_agent`` reads and fills beside the geometry: the worker's state after
+    ``register_kv_caches`` (its local handle and rows) and before any handshake."""
+    from collections import defaultdict
+
+    ns.nixl_wrapper = NixlCallsLeftOut()
+    ns.src_blocks_data = local_rows
+    ns.src_xfer_handles_by_block_size = {block_size: ns.nixl_wrapper.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows)}
+    ns.src_blocks_data_by_block_size = {}
+    ns.src_xfer_handles_by_tp_ratio = {}
+    ns._dram_src_handles_by_tp_ratio = {}
+    ns._remote_agents = {}
+    ns.tp_mappings = {}
+    ns.dst_num_blocks, ns.dst_region_num_blocks, ns.dst_region_group_ids = {}, {}, {}
+    ns.dst_uses_region_group_mapping, ns.dst_region_mem_types = {}, {}
+    ns.kv_caches_base_addr = defaultdict(dict)
+    ns.dst_xfer_side_handles = defaultdict(dict)
+
+
+BACKEND = "FLASH_ATTN"  # the attention backend both sides advertise
+
+
+def _worker_settings(block_size: int, kv_cache_layout: str) -> dict[str, object]:
+    """The worker settings ``add_remote_agent`` and its checks read: no PP, DCP, PCP, host
+    buffer, packed rows or draft regions; pull mode; DRAM descriptors."""
+    return dict(
+        block_size=block_size,
+        pp_size=1,
+        dcp_size=1,
+        pcp_size=1,
+        _TRANSFER_MODE="pull",
+        _packed_member_layouts={},
+        use_host_buffer=False,
+        kv_cache_layout=kv_cache_layout,
+        backend_name=BACKEND,
+        kv_transfer_config=types.SimpleNamespace(enable_permute_local_kv=False),
+        _is_hma_required=False,
+        nixl_memory_type="DRAM",
+        _mixed_mem_types=False,
+    )
+
+
 @dataclass(frozen=True)
 class VllmRead:
     remote_rank: int
@@ -62,6 +141,8 @@ class VllmPlanner:
     ``local_base`` / ``remote_bases`` are region base addresses per layer (fake for planning,
     real for transfers); ``num_blocks`` is the block count of every region on both sides.
     """
+
+    KV_CACHE_LAYOUT = "LBHNC"  # the layout the bench fabricates, both sides alike (a block-contiguous one)
 
     def __init__(
         self,
@@ -81,17 +162,17 @@ class VllmPlanner:
         self._local_bases = list(local_bases)
         self._remote_bases = {r: list(b) for r, b in remote_bases.items()}
         self.worker = self._stand_in()
-        self.mapping = None
-        self.local_rows: np.ndarray | None = None
-        self.split_rows: list[np.ndarray] = []
-        self.remote_rows: dict[int, np.ndarray] = {}
+        self.local_rows = self._register()  # register_kv_caches: once per worker, not per handshake
+        _handshake_state(self.worker, self.shape.block_size, self.local_rows)
+        self._engines = 0
+        self.engine_id: str | None = None  # the prefill engine last handshaken
 
     def _stand_in(self) -> types.SimpleNamespace:
-        W = _worker_class()
         local_page = self.shape.page(self.d_tp).nbytes
         spec_type = type(self.shape.spec(self.d_tp))
         ns = types.SimpleNamespace(
             transfer_topo=_decode_topology(self, is_mla=self.shape.is_mla, is_mamba=False),
+            tp_rank=self.d_rank,
             # attention only, one KV group, no layer-name routing, no mamba, no padding
             _has_mamba=False,
             _conv_decomp=None,
@@ -107,45 +188,85 @@ class VllmPlanner:
             _region_is_mla=[self.shape.is_mla] * self.num_layers,
             _group_spec_types=(spec_type,),
             _logical_num_blocks=self.num_blocks,
+            _physical_blocks_per_logical_kv_block=1,
             _ple_region_index=None,
             _ple_group_index=None,
             device_id=0,
             use_mla=self.shape.is_mla,
             draft_tp_mappings={},
             _head_sharded_draft_regions=set(),
+            num_descs=self.num_blocks * self.num_layers,
+            _layer_specs=dict.fromkeys((f"model.layers.{i}.attn" for i in range(self.num_layers)), self.shape.spec(self.d_tp)),
+            **_worker_settings(self.shape.block_size, self.KV_CACHE_LAYOUT),
         )
-        for name in ("_compute_desc_ids", "_build_fa_local", "_build_fa_remote", "_build_local_splits_from_plan",
-                     "_fa_desc_replicated", "_is_region_replicated", "_needs_split_local_xfer_handles"):
-            setattr(ns, name, types.MethodType(getattr(W, name), ns))
-        for name in ("_block_strided_descs", "_strided_desc_starts", "_pack_strided_descs"):
-            setattr(ns, name, getattr(W, name))  # staticmethods
+        _bind(ns)
         return ns
 
-    # ------------------------------------------------------------------ handshake
-    def handshake(self) -> None:
-        """What vLLM does once per remote engine: TP mapping, local (split) and remote descriptor rows."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
+    def _register(self) -> np.ndarray:
+        """The local descriptor rows ``register_kv_caches`` prepares (its local handle)."""
+        return self.worker._build_fa_local(self._local_bases, 1)
 
+    def _metadata(self, engine_id: str, rank: int) -> object:
+        """Prefill rank ``rank``'s ``NixlAgentMetadata``, as vLLM decodes it from the handshake."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+        return NixlAgentMetadata(
+            engine_id=engine_id,
+            agent_metadata=b"",
+            kv_caches_base_addr=self._remote_bases[rank],
+            device_id=0,
+            num_blocks=self.num_blocks,
+            block_lens=[self.shape.page(self.p_tp).nbytes] * self.num_layers,
+            block_strides=[self.shape.page(self.p_tp).nbytes] * self.num_layers,
+            kv_cache_layout=self.KV_CACHE_LAYOUT,
+            block_size=self.shape.block_size,
+            ssm_sizes=(0, 0),
+            attn_backend_name=BACKEND,
+            physical_blocks_per_logical_kv_block=1,
+        )
+
+    # ------------------------------------------------------------------ handshake
+    def handshake(self, first: bool = False) -> None:
+        """What vLLM's decode worker does with a new prefill engine's handshake, per remote rank
+        it handshakes with: the parallel-config check and ``add_remote_agent`` (NIXL's own calls
+        left out). ``first``: as the worker's first handshake with an engine of this TP size
+        (the split local handles are built; vLLM keeps them for later engines)."""
         ns = self.worker
-        mapping = compute_tp_mapping(ns.transfer_topo, self.p_tp, ns._group_spec_types)
-        local = ns._build_fa_local(self._local_bases, 1)
-        tp_ratio = ns.transfer_topo.tp_ratio(self.p_tp)
-        splits = []
-        if ns._needs_split_local_xfer_handles(tp_ratio, mapping):
-            splits = list(ns._build_local_splits_from_plan(mapping, local, int(local[:, 4].sum())))
-        remote_page = self.shape.page(self.p_tp).nbytes
-        remote = {}
-        for rank in mapping.all_source_ranks:
-            meta = types.SimpleNamespace(
-                engine_id="prefill",
-                kv_caches_base_addr=self._remote_bases[rank],
-                region_num_blocks=None,
-                num_blocks=self.num_blocks,
-                device_id=0,
-                block_strides=[remote_page] * self.num_layers,
-            )
-            remote[rank] = ns._build_fa_remote(mapping, meta, 1)
-        self.mapping, self.local_rows, self.split_rows, self.remote_rows = mapping, local, splits, remote
+        if first:
+            ns.src_xfer_handles_by_tp_ratio.clear()
+            ns._dram_src_handles_by_tp_ratio.clear()
+        self._engines += 1
+        engine = f"prefill-{self._engines}"
+        agents = ns._remote_agents.setdefault(engine, {})
+        for rank in ns.transfer_topo.handshake_target_ranks(self.p_tp):
+            meta = self._metadata(engine, rank)
+            ns._validate_remote_parallel_config(meta)
+            agents[(0, rank)] = ns.add_remote_agent(meta, rank, self.p_tp, meta.dcp_size)
+        self.engine_id = engine
+
+    def handshake_first(self) -> None:
+        """:meth:`handshake` as the worker's first with an engine of this TP size."""
+        self.handshake(first=True)
+
+    @property
+    def mapping(self):
+        """vLLM's TP mapping for the engine last handshaken (None before a handshake)."""
+        return None if self.engine_id is None else self.worker.tp_mappings[self.engine_id]
+
+    @property
+    def split_rows(self) -> list[np.ndarray]:
+        """The split local handles' rows vLLM keeps for this TP ratio (P_TP > D_TP), else none."""
+        ns = self.worker
+        key = (ns.transfer_topo.tp_ratio(self.p_tp), self.shape.block_size)
+        return [ns.nixl_wrapper.lists[h] for h in ns.src_xfer_handles_by_tp_ratio.get(key, [])]
+
+    @property
+    def remote_rows(self) -> dict[int, np.ndarray]:
+        """The remote rows vLLM prepared for every rank of the engine last handshaken."""
+        ns = self.worker
+        if self.engine_id is None:
+            return {}
+        return {rank: ns.nixl_wrapper.lists[h] for rank, h in ns.dst_xfer_side_handles[self.engine_id].items()}
 
     def _mapping(self):
         if self.mapping is None:
@@ -258,7 +379,6 @@ class HybridVllmPlanner(VllmPlanner):
 
         from ..testing.kinds import _conv_layout
 
-        W = _worker_class()
         regions = self.local_regions
         n = len(regions)
         with _conv_layout("DS"):  # NIXL's Mamba transfer requires it (asserted by vLLM)
@@ -292,43 +412,37 @@ class HybridVllmPlanner(VllmPlanner):
             draft_tp_mappings={},
             _head_sharded_draft_regions=set(),
             num_descs=self.num_blocks * n,
+            _layer_specs={layer.name: layer.spec for layer in self.local_layout.layers},
+            **_worker_settings(self.shape.block_size, self.KV_CACHE_LAYOUT),
         )
-        for name in ("_compute_desc_ids", "_build_fa_local", "_build_fa_remote", "_build_local_splits_from_plan",
-                     "_fa_desc_replicated", "_is_region_replicated", "_needs_split_local_xfer_handles",
-                     "_build_mamba_local", "_build_mamba_remote"):
-            setattr(ns, name, types.MethodType(getattr(W, name), ns))
-        for name in ("_block_strided_descs", "_strided_desc_starts", "_pack_strided_descs"):
-            setattr(ns, name, getattr(W, name))
+        _bind(ns, ("_build_mamba_local", "_build_mamba_remote"))
         return ns
 
-    def handshake(self) -> None:
-        """``register_local_xfer_handler`` (attention + Mamba rows) and what ``add_remote_agent``
-        prepares per source rank: the TP mapping, split local handles, attention + Mamba remote rows."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
-
+    def _register(self) -> np.ndarray:
+        """``register_local_xfer_handler``'s rows: attention rows, then Mamba rows."""
         ns = self.worker
-        mapping = compute_tp_mapping(ns.transfer_topo, self.p_tp, ns._group_spec_types)
-        local = np.concatenate([ns._build_fa_local(self._local_bases, 1), ns._build_mamba_local(self._local_bases)])
-        tp_ratio = ns.transfer_topo.tp_ratio(self.p_tp)
-        splits = []
-        if ns._needs_split_local_xfer_handles(tp_ratio, mapping):
-            splits = list(ns._build_local_splits_from_plan(mapping, local, ns.num_descs))
-        transfer_info = types.SimpleNamespace(remote_physical_blocks_per_logical=1)
-        remote = {}
-        for rank in mapping.all_source_ranks:
-            meta = types.SimpleNamespace(
-                engine_id="prefill",
-                kv_caches_base_addr=self._remote_bases[rank],
-                region_num_blocks=[self.num_blocks] * len(self.remote_regions),
-                num_blocks=self.num_blocks,
-                device_id=0,
-                block_strides=[r.block_stride for r in self.remote_regions],
-                ssm_sizes=self.remote_ssm_sizes,
-            )
-            remote[rank] = np.concatenate(
-                [ns._build_fa_remote(mapping, meta, 1), ns._build_mamba_remote(meta, tp_ratio, transfer_info)]
-            )
-        self.mapping, self.local_rows, self.split_rows, self.remote_rows = mapping, local, splits, remote
+        return np.concatenate([ns._build_fa_local(self._local_bases, 1), ns._build_mamba_local(self._local_bases)])
+
+    def _metadata(self, engine_id: str, rank: int) -> object:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+        regions = self.remote_regions
+        return NixlAgentMetadata(
+            engine_id=engine_id,
+            agent_metadata=b"",
+            kv_caches_base_addr=self._remote_bases[rank],
+            device_id=0,
+            num_blocks=self.num_blocks,
+            block_lens=[r.block_len for r in regions],
+            block_strides=[r.block_stride for r in regions],
+            kv_cache_layout=self.KV_CACHE_LAYOUT,
+            block_size=self.shape.block_size,
+            ssm_sizes=self.remote_ssm_sizes,
+            attn_backend_name=BACKEND,
+            physical_blocks_per_logical_kv_block=1,
+            region_num_blocks=[self.num_blocks] * len(regions),
+            region_group_ids=[r.group for r in regions],
+        )
 
     def desc_ids(self, local_block_ids: list[list[int]], remote_block_ids: list[list[int]]) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Per READ, what ``_read_blocks_for_req`` / ``_read_blocks`` compute for a hybrid: each
