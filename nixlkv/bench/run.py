@@ -170,27 +170,30 @@ def plan_case(
     # rebases that plan; the first handshake of a layout is timed on its own (a fresh dispatcher
     # and no process-wide memo of parsing or planning, each time; the decode geometry is the worker's own,
     # as registering its caches prepared it, and a new one each time: nothing a plan left on it).
+    # Each side's timing starts from what the transport decoded, made in the timed call (as
+    # decoding leaves it, in cache): nixlkv's wire dicts, vLLM's NixlAgentMetadata.
     wire = {r: remote[r].to_wire() for r in dispatcher.needed_ranks(local, case.p_tp)}
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
-    engines = iter([{r: other_engine(w, k) for r, w in wire.items()} for k in range(1, 3 * (hs_reps + 1) + 1)])
+    engine_ids = iter(range(1, 3 * (hs_reps + 1) + 1))
     # the decode geometry as each first handshake meets it: as registering the caches made it
     registered = iter([prepare_local(dataclasses.replace(local)) for _ in range(hs_reps + 1)])
 
+    def received() -> dict[int, RankGeometry]:  # another prefill engine's ranks, parsed and checked
+        k = next(engine_ids)
+        return {r: RankGeometry.from_dict(other_engine(w, k)) for r, w in wire.items()}
+
     def ours_handshake():
-        return dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
+        return dispatcher.plan(local, received())
 
     def ours_first():  # nothing of this layout planned, nor parsed, in this decode worker
         forget_handshakes()
         fresh = Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap)
-        return fresh.plan(next(registered), {r: RankGeometry.from_dict(d) for r, d in next(engines).items()})
-
-    def ours_parse():  # the wire alone: every covered rank's geometry parsed and checked
-        return {r: RankGeometry.from_dict(d) for r, d in next(engines).items()}
+        return fresh.plan(next(registered), received())
 
     dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})  # the layout's first engine
     vllm.handshake()  # vLLM's first engine of this TP size: its split local handles are kept for later ones
     hs_ours, hs_vllm, hs_parse, hs_first, hs_first_vllm = interleaved(
-        [ours_handshake, vllm.handshake, ours_parse, ours_first, vllm.handshake_first], hs_reps, warmup=1)
+        [ours_handshake, vllm.handshake, received, ours_first, vllm.handshake_first], hs_reps, warmup=1)
     plan = dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
 
     n = case.num_request_blocks
