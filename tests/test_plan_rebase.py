@@ -142,6 +142,11 @@ def test_a_hybrid_whose_groups_alias_is_rebased_where_the_engine_aliases_alike()
     assert again._table is first._table  # rebased: the other engine shares rows between the same layers
     fresh = Dispatcher.from_plugins().plan(local, engine(wire, 2))
     same_rows(again, fresh)
+    # each pairing's representative remote region is the new engine's
+    assert len(again.pairings) == len(fresh.pairings) > 1
+    assert [(g.local_group, g.remote_group, g.local_region, g.remote_region) for g in again.pairings] == \
+        [(g.local_group, g.remote_group, g.local_region, g.remote_region) for g in fresh.pairings]
+    assert [g.remote_region.base for g in again.pairings] != [g.remote_region.base for g in first.pairings]  # control
     # An engine whose layers share memory otherwise is planned anew (rebasing would read wrong rows).
     apart = copy.deepcopy({r: other_engine(w, 3) for r, w in wire.items()})
     for w in apart.values():
@@ -169,6 +174,12 @@ def test_same_partition_means_equal_bases_in_the_same_places() -> None:
     assert not _same_partition(Cols([10, 20, 30]), Cols([70, 70, 90]))  # merged
     assert not _same_partition(Cols([10, 10, 30, 30]), Cols([70, 80, 70, 80]))  # as many, elsewhere
     assert not _same_partition(Cols([10, 20]), Cols([10, 20, 30]))
+    rng = np.random.default_rng(0)  # against the definition: the first region at each region's base
+    first_at = lambda bases: [bases.index(b) for b in bases]  # noqa: E731
+    for _ in range(500):
+        n = int(rng.integers(1, 7))
+        a, b = rng.integers(0, 4, n).tolist(), rng.integers(0, 4, n).tolist()
+        assert _same_partition(Cols(a), Cols(b)) == (first_at(a) == first_at(b)), (a, b)
 
 
 def test_the_plan_memo_is_bounded(monkeypatch) -> None:
@@ -263,14 +274,17 @@ def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs
     wire = columnar(remote)[0]
     geometry_module._LAYOUTS.clear()
     first = RankGeometry.from_dict(other_engine(wire, 1))
-    assert len(geometry_module._LAYOUTS) == 1 and geometry_module._LAYOUTS[0].template is not None
+    (remembered,) = geometry_module._LAYOUTS.values()
+    assert remembered.template is not None
     moved = other_engine(wire, 2)
     moved["device_id"] = 3
     hit = RankGeometry.from_dict(moved)
-    cold_layouts = list(geometry_module._LAYOUTS)
+    assert hit.regions._protos is remembered.protos  # the remembered layout served it
+    cold_layouts = dict(geometry_module._LAYOUTS)
     geometry_module._LAYOUTS.clear()
     cold = RankGeometry.from_dict(moved)  # the same reply, parsed as a first
-    geometry_module._LAYOUTS[:] = cold_layouts
+    assert cold.regions._protos is not remembered.protos
+    geometry_module._LAYOUTS.update(cold_layouts)
     assert hit == cold and np.array_equal(hit.columns, cold.columns) and hit.columns.dtype == cold.columns.dtype
     assert hit.class_firsts == cold.class_firsts and hit.layout_key == cold.layout_key == first.layout_key
     assert not np.array_equal(hit.columns, first.columns)  # negative control: other bases and device
@@ -285,6 +299,15 @@ def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs
     dup["region_columns"]["name"][1] = dup["region_columns"]["name"][0]
     with pytest.raises(HandshakeError, match="repeats region names"):
         RankGeometry.from_dict(dup)
+    # A layout is remembered by the exact bytes of its descriptions and columns: a value equal in
+    # Python but of another type (16.0 == 16, True == 1) is a layout of its own, parsed and refused.
+    for column, value in (("num_blocks", float(wire["region_classes"][0]["num_blocks"])), ("block_stride", True)):
+        retyped = copy.deepcopy(moved)
+        retyped["region_classes"][0][column] = value
+        assert retyped["region_classes"][0][column] == value  # equal in Python to a remembered value's kind
+        with pytest.raises(HandshakeError, match=column):
+            RankGeometry.from_dict(retyped)
+    assert RankGeometry.from_dict(copy.deepcopy(moved)).regions._protos is remembered.protos  # the control: a hit
 
 
 def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -> None:

@@ -810,48 +810,70 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
     """Regions of a columnar handshake (:meth:`RankGeometry.to_wire`): each class description
     parsed and checked once as a region, the columns checked in bulk (lengths, exact types, ranges,
     unique names); a region is a copy of its class with its own name, base and group, made when
-    first read (:class:`ColumnRegions`)."""
+    first read (:class:`ColumnRegions`). A layout parsed before (everything but the bases, the
+    same bytes) is taken as it was: only the bases are checked."""
     described, columns = d["region_classes"], d["region_columns"]
+    key = _layout_bytes(described, columns)
+    layout = _LAYOUTS.get(key) if key is not None else None
+    bases = columns.get("base") if layout is not None else None
+    if isinstance(bases, (list, tuple)) and len(bases) == len(layout.names):
+        _check_int_column("base", bases, ADDRESS_LIMIT)
+        regions = ColumnRegions(layout.protos, layout.names, list(bases), layout.groups, layout.classes, layout.keys)
+        return regions, layout.class_ids, layout
     if not isinstance(described, list):
         raise HandshakeError(f"region_classes must be a list of region descriptions, got {type(described).__name__}")
     if not isinstance(columns, Mapping):
         raise HandshakeError(f"region_columns must be a map of the columns {list(REGION_COLUMNS)}, got {type(columns).__name__}")
-    known = [_described_class(k, cd) for k, cd in enumerate(described)]
+    described_bytes = [_description_bytes(cd) for cd in described]
+    known = [_described_class(k, cd, b) for k, (cd, b) in enumerate(zip(described, described_bytes))]
+    # every description remembered (plain data): then so may the layout be
+    plain = key is not None and all(b is not None and _DESCRIBED.get(b) is entry for b, entry in zip(described_bytes, known))
     protos = [fields for fields, _ in known]
     missing = [c for c in REGION_COLUMNS if c not in columns]
     if missing:
         raise HandshakeError(f"region_columns lacks the columns {missing}")
     cols = [columns[c] for c in REGION_COLUMNS]
-    for key, col in zip(REGION_COLUMNS, cols):
+    for name, col in zip(REGION_COLUMNS, cols):
         if not isinstance(col, (list, tuple)):
-            raise HandshakeError(f"region_columns[{key!r}] must be a list, got {type(col).__name__}")
+            raise HandshakeError(f"region_columns[{name!r}] must be a list, got {type(col).__name__}")
     names, bases, groups, classes = cols
     n = len(names)
     if any(len(col) != n for col in cols):
-        sizes = ", ".join(f"{key} {len(col)}" for key, col in zip(REGION_COLUMNS, cols))
+        sizes = ", ".join(f"{name} {len(col)}" for name, col in zip(REGION_COLUMNS, cols))
         raise HandshakeError(f"region_columns must be lists of one length, got {sizes}")
     if not n:
         return (), (), None
     names_str = set(map(type, names)) == {str}
     every_int = set(map(type, chain(bases, groups, classes))) == {int}  # one pass over the types of all three
-    layout = _known_layout(known, names, groups, classes) if names_str and every_int else None
-    if layout is None:
-        if not names_str or "" in names:
-            i = next(i for i, v in enumerate(names) if type(v) is not str or not v)
-            raise HandshakeError(f"region_columns['name'][{i}] must be a non-empty string, got {names[i]!r}")
-        if len(set(names)) != n:
-            seen: set[str] = set()
-            dup = sorted({v for v in names if v in seen or seen.add(v)})
-            raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
-        for key, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
-            _check_int_column(key, col, limit, every_int)
-        layout = _ColumnLayout(known, list(names), list(groups), list(classes))
-        _LAYOUTS.insert(0, layout)
-        del _LAYOUTS[MEMO_LAYOUTS:]
-    else:
-        _check_int_column("base", bases, ADDRESS_LIMIT, every_int)
-    regions = ColumnRegions(protos, layout.names, list(bases), layout.groups, layout.classes, [key for _, key in known])
+    if not names_str or "" in names:
+        i = next(i for i, v in enumerate(names) if type(v) is not str or not v)
+        raise HandshakeError(f"region_columns['name'][{i}] must be a non-empty string, got {names[i]!r}")
+    if len(set(names)) != n:
+        seen: set[str] = set()
+        dup = sorted({v for v in names if v in seen or seen.add(v)})
+        raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
+    for name, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
+        _check_int_column(name, col, limit, every_int)
+    layout = _ColumnLayout(known, list(names), list(groups), list(classes))
+    if plain:  # every description remembered as plain data, every column exact str / int: the bytes say it all
+        if len(_LAYOUTS) >= MEMO_LAYOUTS:  # bounded; clear() is one atomic step for threads
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    regions = ColumnRegions(protos, layout.names, list(bases), layout.groups, layout.classes, layout.keys)
     return regions, layout.class_ids, layout
+
+
+def _layout_bytes(described: Any, columns: Any) -> bytes | None:
+    """The ``marshal`` bytes (version 2) of a columnar geometry's layout: its class descriptions
+    and every column but the bases. Exact, as for one description (:func:`_described_class`):
+    they name every value's type, and marshal refuses subclasses. None where marshal cannot
+    write it (then the layout is never remembered)."""
+    if type(columns) is not dict:
+        return None
+    try:
+        return marshal.dumps((described, columns.get("name"), columns.get("group"), columns.get("class")), 2)
+    except (ValueError, TypeError):
+        return None
 
 
 class _ColumnLayout:
@@ -859,28 +881,22 @@ class _ColumnLayout:
     non-empty, groups and class ids in range), with what the geometry derives from them alone:
     every engine of one model sends the same, so a later rank of it skips those checks."""
 
-    __slots__ = ("known", "names", "groups", "classes", "class_ids", "firsts", "template", "tail")
+    __slots__ = ("known", "protos", "keys", "names", "groups", "classes", "class_ids", "firsts", "template", "tail")
 
     def __init__(self, known: list[Any], names: list[str], groups: list[int], classes: list[int]) -> None:
         self.known, self.names, self.groups, self.classes = known, names, groups, classes
+        self.protos = [fields for fields, _ in known]  # per class: its validated region's fields
+        self.keys = [key for _, key in known]  # per class: its geometry_key
         self.class_ids = tuple(classes)
         self.firsts: dict[int, int] | None = None  # RankGeometry.class_firsts, once made
         self.template: np.ndarray | None = None  # columns with bases 0 (ends are spans), once made
         self.tail: tuple[Any, ...] | None = None  # RankGeometry._layout_tail, once made
 
 
-MEMO_LAYOUTS = 16  # column layouts remembered (newest first): a decode rank meets a handful
-_LAYOUTS: list[_ColumnLayout] = []
-
-
-def _known_layout(known: list[Any], names: list[Any], groups: list[Any], classes: list[Any]) -> _ColumnLayout | None:
-    """A remembered layout with these class descriptions (the same remembered entries) and equal
-    columns (the caller saw names all str and groups and classes all int, so equal is the same)."""
-    for layout in list(_LAYOUTS):
-        if len(layout.known) == len(known) and all(a is b for a, b in zip(layout.known, known)) \
-                and layout.classes == classes and layout.groups == groups and layout.names == names:
-            return layout
-    return None
+MEMO_LAYOUTS = 16  # column layouts remembered: a decode rank meets a handful
+# marshal bytes of a layout (_layout_bytes) -> the layout, parsed and checked: the ranks of every
+# engine of a model send the same, but for their bases.
+_LAYOUTS: dict[bytes, _ColumnLayout] = {}
 
 
 MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)
@@ -896,17 +912,22 @@ def forget_parsed() -> None:
     _LAYOUTS.clear()
 
 
-def _described_class(k: int, cd: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
+def _description_bytes(cd: Any) -> bytes | None:
+    """A class description's ``marshal`` bytes (version 2: no references), or None where marshal
+    cannot write it (never a remembered description)."""
+    try:
+        return marshal.dumps(cd, 2)
+    except (ValueError, TypeError):
+        return None
+
+
+def _described_class(k: int, cd: Any, key: bytes | None) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """``region_classes[k]`` parsed and checked as a region (its name, base and group left to the
     columns): the region's fields and its :func:`geometry_key`. A description made of plain data
-    only (what msgpack and JSON decode to) is remembered by its ``marshal`` bytes (version 2: no
-    references), which are exact: they name every value's type (``True``, ``1`` and ``1.0``
-    differ) and marshal refuses subclasses of the built-in types. So one seen before is not
-    parsed again, and only plain ones are remembered."""
-    try:
-        key: bytes | None = marshal.dumps(cd, 2)
-    except (ValueError, TypeError):  # holds a type marshal cannot write: never a remembered description
-        key = None
+    only (what msgpack and JSON decode to) is remembered by its ``marshal`` bytes ``key``
+    (:func:`_description_bytes`), which are exact: they name every value's type (``True``, ``1``
+    and ``1.0`` differ) and marshal refuses subclasses of the built-in types. So one seen before
+    is not parsed again, and only plain ones are remembered."""
     known = _DESCRIBED.get(key) if key is not None else None
     if known is not None:
         return known

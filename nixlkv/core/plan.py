@@ -80,6 +80,15 @@ def _record(cls: type, **fields: Any) -> Any:
     return obj
 
 
+def _with_field(record: Any, name: str, value: Any) -> Any:
+    """A copy of a frozen dataclass instance (not slotted) with one field replaced."""
+    obj = _new(type(record))
+    fields = obj.__dict__
+    fields.update(record.__dict__)
+    fields[name] = value
+    return obj
+
+
 # The per-request path's own records (slotted): filled through their slots, without __init__'s
 # frozen __setattr__ or a dict per record (a fifth of the cost of a __dict__ record).
 _READ_SLOTS = tuple(getattr(ReadOp, f).__set__ for f in ReadOp.__slots__)
@@ -533,8 +542,7 @@ class TransferPlan:
         return self._with(
             remote={p: remote[p] for p in covered},
             remote_descs={p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()},
-            pairings=tuple(_record(GroupPairing, **{**vars(g), "remote_region": peer[i]})
-                           for g, i in zip(self.pairings, self._pairing_peers)),
+            pairings=tuple(_with_field(g, "remote_region", peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
     @cached_property
@@ -739,16 +747,19 @@ class TransferPlan:
 
 def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
     """Whether two ranks' regions share bases between the same regions (equal bases in one
-    exactly where equal in the other): then any plan shares rows between the same layers for both."""
-    return _base_partition(a) == _base_partition(b)
+    exactly where equal in the other): then any plan shares rows between the same layers for both.
+    The partitions are equal iff each has as many parts as their meet (the distinct base pairs)."""
+    bases_a, parts_a = _base_parts(a)
+    bases_b = b.columns[:, COL_BASE].tolist()
+    return len(bases_a) == len(bases_b) and len(set(bases_b)) == parts_a == len(set(zip(bases_a, bases_b)))
 
 
-def _base_partition(geometry: RankGeometry) -> list[int]:
-    """Per region, the index of the first region at its base (once per geometry)."""
-    found = geometry.__dict__.get("_base_partition")
+def _base_parts(geometry: RankGeometry) -> tuple[list[int], int]:
+    """The regions' bases and how many distinct ones (once per geometry)."""
+    found = geometry.__dict__.get("_base_parts")
     if found is None:
-        first: dict[int, int] = {}
-        found = geometry.__dict__["_base_partition"] = [first.setdefault(b, i) for i, b in enumerate(geometry.columns[:, COL_BASE].tolist())]
+        bases = geometry.columns[:, COL_BASE].tolist()
+        found = geometry.__dict__["_base_parts"] = (bases, len(set(bases)))
     return found
 
 
