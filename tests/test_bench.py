@@ -188,9 +188,11 @@ def test_cli_bench_quick_json_has_every_headline_key(monkeypatch, capsys, tmp_pa
     assert out["nixl_staged_vs_memcpy_hetero"] > 0 and out["nixl_direct_vs_memcpy_hetero"] > 0
     # every transfer figure also against the same run's one-descriptor-per-prefill-rank READ
     for key in ("nixl_vs_ceiling", "nixl_direct_vs_ceiling", "nixl_staged_vs_ceiling", "vllm_style_nixl_vs_ceiling",
-                "nixl_ceiling_vs_memcpy"):
+                "nixl_ceiling_vs_memcpy", "two_pass_vs_ceiling", "direct_us_per_descriptor_for_90pct"):
         for suffix in ("", "_hetero"):
             assert isinstance(out[key + suffix], float) and math.isfinite(out[key + suffix]) and out[key + suffix] > 0, key
+    # the same-run limits: two passes over the bytes take longer than one (the ceiling's)
+    assert all(t["two_pass_ms_p50"] > 0 and math.isfinite(t["direct_extra_us_per_descriptor"]) for t in out["transfers"])
     assert out["nixl_num_threads"] == 4 and all(t["nixl_num_threads"] == 4 for t in out["transfers"])
     assert out["transfer_mode"] == "direct" and out["descs_ratio_vs_vllm_equal_tp"] == 1.0
     assert out["transfer_layers"] == "2 of 2"

@@ -216,7 +216,7 @@ def test_rehearsal_catches_a_scratch_block_taken_for_the_running_state(monkeypat
     from nixlkv.testing.rehearsal import rehearse
     from nixlkv.testing.scenario import load
 
-    monkeypatch.setattr(mamba, "running_state_block", lambda ids, num_spec, side: int(ids[-1]))
+    monkeypatch.setattr(mamba, "running_state_index", lambda ids, num_spec, side: ids.size - 1)
     result = rehearse(load(Path(__file__).parent / "scenarios" / "mamba2-spec2-p4-d2.yaml"))
     assert result.outcome == "mismatch", result.message
 

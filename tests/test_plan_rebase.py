@@ -167,13 +167,15 @@ def test_same_partition_means_equal_bases_in_the_same_places() -> None:
 
     class Cols:
         def __init__(self, bases):
-            self.columns = np.array([[b] + [0] * 6 for b in bases], dtype=np.int64)
+            self.base_list = list(bases)
 
     assert _same_partition(Cols([10, 10, 30]), Cols([70, 70, 90]))
     assert not _same_partition(Cols([10, 10, 30]), Cols([70, 80, 90]))  # split
     assert not _same_partition(Cols([10, 20, 30]), Cols([70, 70, 90]))  # merged
     assert not _same_partition(Cols([10, 10, 30, 30]), Cols([70, 80, 70, 80]))  # as many, elsewhere
     assert not _same_partition(Cols([10, 20]), Cols([10, 20, 30]))
+    assert _same_partition(Cols([10, 10, 30]), Cols([15, 15, 35]))  # one shift
+    assert not _same_partition(Cols([10, 20, 30]), Cols([15, 15, 35]))  # not one shift: merged
     rng = np.random.default_rng(0)  # against the definition: the first region at each region's base
     first_at = lambda bases: [bases.index(b) for b in bases]  # noqa: E731
     for _ in range(500):

@@ -507,6 +507,11 @@ class ColumnRegions(Sequence[Region]):
         """The regions' names in order, as the columns carried them (checked: unique, non-empty)."""
         return self._names
 
+    @property
+    def bases(self) -> list[int]:
+        """The regions' bases in order, as the columns carried them (checked). Read-only."""
+        return self._bases
+
     def _make(self, i: int) -> Region:
         region = _new(Region)  # a copy of its class's validated region: name, base and group its own
         region.__dict__.update(self._protos[self._classes[i]], name=self._names[i], base=self._bases[i], group=self._groups[i])
@@ -617,6 +622,12 @@ class RankGeometry:
         remembered column layout (so comparing two such keys is mostly identity)."""
         return (tuple(self.names), tuple(self.columns[:, COL_GROUP].tolist()), self.geometry_classes,
                 tuple(self.class_keys.items()))
+
+    @cached_property
+    def base_list(self) -> list[int]:
+        """The regions' bases as a Python list (a columnar handshake carried it so). Read-only."""
+        regions = self.regions
+        return regions.bases if isinstance(regions, ColumnRegions) else self.columns[:, COL_BASE].tolist()
 
     @cached_property
     def column_lists(self) -> list[list[int]]:

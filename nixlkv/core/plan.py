@@ -9,6 +9,7 @@ blocks of a whole-page segment are adjacent on both sides and NIXL merges them.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -750,15 +751,19 @@ def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
     exactly where equal in the other): then any plan shares rows between the same layers for both.
     The partitions are equal iff each has as many parts as their meet (the distinct base pairs)."""
     bases_a, parts_a = _base_parts(a)
-    bases_b = b.columns[:, COL_BASE].tolist()
-    return len(bases_a) == len(bases_b) and len(set(bases_b)) == parts_a == len(set(zip(bases_a, bases_b)))
+    bases_b = b.base_list
+    if len(bases_a) != len(bases_b):
+        return False
+    if len(set(map(operator.sub, bases_b, bases_a))) == 1:  # every base moved by one shift (one allocation)
+        return True
+    return len(set(bases_b)) == parts_a == len(set(zip(bases_a, bases_b)))
 
 
 def _base_parts(geometry: RankGeometry) -> tuple[list[int], int]:
     """The regions' bases and how many distinct ones (once per geometry)."""
     found = geometry.__dict__.get("_base_parts")
     if found is None:
-        bases = geometry.columns[:, COL_BASE].tolist()
+        bases = geometry.base_list
         found = geometry.__dict__["_base_parts"] = (bases, len(set(bases)))
     return found
 

@@ -283,18 +283,23 @@ class MambaStrategy(Strategy):
         """The running state slot of each side's list, and nothing else (never token-paired)."""
         if local_ids.size == 0:
             return local_ids[:0], remote_ids[:0]
-        lid = running_state_block(local_ids, int(local.facts.get("num_speculative_blocks", 0)), "local")
-        rid = running_state_block(remote_ids, int(remote.facts.get("num_speculative_blocks", 0)), "remote")
-        return np.array([lid], dtype=local_ids.dtype), np.array([rid], dtype=remote_ids.dtype)  # the ids' own dtype: no conversion
+        i = running_state_index(local_ids, int(local.facts.get("num_speculative_blocks", 0)), "local")
+        j = running_state_index(remote_ids, int(remote.facts.get("num_speculative_blocks", 0)), "remote")
+        return local_ids[i : i + 1], remote_ids[j : j + 1]  # the ids' own dtype: no conversion
+
+
+def running_state_index(ids: np.ndarray, num_speculative_blocks: int, side: str) -> int:
+    """Where in a request's state list its running state is: the last entry before the
+    speculative scratch slots (vLLM's ``clip_ssm_state_blocks``). Earlier entries are nulls or
+    superseded states; the running state itself is never the null block."""
+    if ids.size == 0:
+        raise RequestError(f"{side} state group has no block for the request: its running state cannot move")
+    k = ids.size - 1 - min(num_speculative_blocks, ids.size - 1)
+    if ids[k] == 0:
+        raise RequestError(f"{side} running state block is vLLM's null block 0: the request holds no state to move")
+    return k
 
 
 def running_state_block(ids: np.ndarray, num_speculative_blocks: int, side: str) -> int:
-    """The block holding a request's running state: the last entry before the speculative scratch
-    slots (vLLM's ``clip_ssm_state_blocks``). Earlier entries are nulls or superseded states."""
-    if ids.size == 0:
-        raise RequestError(f"{side} state group has no block for the request: its running state cannot move")
-    scratch = min(num_speculative_blocks, ids.size - 1)
-    block = int(ids[ids.size - 1 - scratch])
-    if block == 0:
-        raise RequestError(f"{side} running state block is vLLM's null block 0: the request holds no state to move")
-    return block
+    """The block holding a request's running state (:func:`running_state_index`)."""
+    return int(ids[running_state_index(ids, num_speculative_blocks, side)])
