@@ -216,14 +216,17 @@ class VllmPlanner:
             kv_caches_base_addr=self._remote_bases[rank],
             device_id=0,
             num_blocks=self.num_blocks,
-            block_lens=[self.shape.page(self.p_tp).nbytes] * self.num_layers,
-            block_strides=[self.shape.page(self.p_tp).nbytes] * self.num_layers,
             kv_cache_layout=self.KV_CACHE_LAYOUT,
             block_size=self.shape.block_size,
-            ssm_sizes=(0, 0),
             attn_backend_name=BACKEND,
             physical_blocks_per_logical_kv_block=1,
+            **self._remote_regions_meta(),
         )
+
+    def _remote_regions_meta(self) -> dict[str, object]:
+        """The metadata fields that describe a prefill rank's regions (every layer one page)."""
+        page = self.shape.page(self.p_tp).nbytes
+        return dict(block_lens=[page] * self.num_layers, block_strides=[page] * self.num_layers, ssm_sizes=(0, 0))
 
     # ------------------------------------------------------------------ handshake
     def handshake(self, first: bool = False) -> None:
@@ -423,23 +426,12 @@ class HybridVllmPlanner(VllmPlanner):
         ns = self.worker
         return np.concatenate([ns._build_fa_local(self._local_bases, 1), ns._build_mamba_local(self._local_bases)])
 
-    def _metadata(self, engine_id: str, rank: int) -> object:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
-
+    def _remote_regions_meta(self) -> dict[str, object]:
         regions = self.remote_regions
-        return NixlAgentMetadata(
-            engine_id=engine_id,
-            agent_metadata=b"",
-            kv_caches_base_addr=self._remote_bases[rank],
-            device_id=0,
-            num_blocks=self.num_blocks,
+        return dict(
             block_lens=[r.block_len for r in regions],
             block_strides=[r.block_stride for r in regions],
-            kv_cache_layout=self.KV_CACHE_LAYOUT,
-            block_size=self.shape.block_size,
             ssm_sizes=self.remote_ssm_sizes,
-            attn_backend_name=BACKEND,
-            physical_blocks_per_logical_kv_block=1,
             region_num_blocks=[self.num_blocks] * len(regions),
             region_group_ids=[r.group for r in regions],
         )
