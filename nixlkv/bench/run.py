@@ -272,7 +272,7 @@ def plan_case(
         "handshake_ms_first_ours": hs_first.p50 * 1e3,
         "handshake_ms_first_vllm": hs_first_vllm.p50 * 1e3,
         "handshake_first_ratio": hs_first.p50 / hs_first_vllm.p50,
-        # of ours: parsing and checking the covered ranks' geometry (RankGeometry.from_dict) alone
+        # of ours: the covered ranks' geometry as received (the wire dicts made) parsed and checked alone
         "handshake_ms_parse_ours": hs_parse.p50 * 1e3,
         "handshake_parse_ratio": hs_parse.p50 / hs_vllm.p50,
     }

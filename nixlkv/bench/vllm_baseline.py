@@ -24,6 +24,7 @@ what vLLM's code computes, not a model of it.
 from __future__ import annotations
 
 import types
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,8 +89,6 @@ def _bind(ns: types.SimpleNamespace, extra: Sequence[str] = ()) -> None:
 def _handshake_state(ns: types.SimpleNamespace, block_size: int, local_rows: np.ndarray) -> None:
     """What ``add_remote_agent`` reads and fills beside the geometry: the worker's state after
     ``register_kv_caches`` (its local handle and rows) and before any handshake."""
-    from collections import defaultdict
-
     ns.nixl_wrapper = NixlCallsLeftOut()
     ns.src_blocks_data = local_rows
     ns.src_xfer_handles_by_block_size = {block_size: ns.nixl_wrapper.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows)}
@@ -169,7 +168,7 @@ class VllmPlanner:
 
     def _stand_in(self) -> types.SimpleNamespace:
         local_page = self.shape.page(self.d_tp).nbytes
-        spec_type = type(self.shape.spec(self.d_tp))
+        spec = self.shape.spec(self.d_tp)
         ns = types.SimpleNamespace(
             transfer_topo=_decode_topology(self, is_mla=self.shape.is_mla, is_mamba=False),
             tp_rank=self.d_rank,
@@ -186,7 +185,7 @@ class VllmPlanner:
             region_group_ids=[0] * self.num_layers,
             _uses_region_group_mapping=False,
             _region_is_mla=[self.shape.is_mla] * self.num_layers,
-            _group_spec_types=(spec_type,),
+            _group_spec_types=(type(spec),),
             _logical_num_blocks=self.num_blocks,
             _physical_blocks_per_logical_kv_block=1,
             _ple_region_index=None,
@@ -196,7 +195,7 @@ class VllmPlanner:
             draft_tp_mappings={},
             _head_sharded_draft_regions=set(),
             num_descs=self.num_blocks * self.num_layers,
-            _layer_specs=dict.fromkeys((f"model.layers.{i}.attn" for i in range(self.num_layers)), self.shape.spec(self.d_tp)),
+            _layer_specs=dict.fromkeys((f"model.layers.{i}.attn" for i in range(self.num_layers)), spec),
             **_worker_settings(self.shape.block_size, self.KV_CACHE_LAYOUT),
         )
         _bind(ns)
@@ -320,9 +319,10 @@ class VllmPlanner:
     def reads(self, local_block_ids: list[list[int]], remote_block_ids: list[list[int]]) -> list[VllmRead]:
         """The READs vLLM posts, each with the local handle ``_read_blocks_for_req`` picks for it."""
         tp_ratio = self.worker.transfer_topo.tp_ratio(self.p_tp)
+        splits = self.split_rows  # read off the worker once, not per READ
         out = []
         for i, (rank, lids, rids) in enumerate(self.desc_ids(local_block_ids, remote_block_ids)):
-            rows = self.split_rows[i] if self.split_rows and tp_ratio < 0 else self.local_rows
+            rows = splits[i] if splits and tp_ratio < 0 else self.local_rows
             out.append(VllmRead(rank, lids, rids, rows))
         return out
 

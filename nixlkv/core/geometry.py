@@ -839,7 +839,6 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
     known = [_described_class(k, cd, b) for k, (cd, b) in enumerate(zip(described, described_bytes))]
     # every description remembered (plain data): then so may the layout be
     plain = key is not None and all(b is not None and _DESCRIBED.get(b) is entry for b, entry in zip(described_bytes, known))
-    protos = [fields for fields, _ in known]
     missing = [c for c in REGION_COLUMNS if c not in columns]
     if missing:
         raise HandshakeError(f"region_columns lacks the columns {missing}")
@@ -863,14 +862,14 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         seen: set[str] = set()
         dup = sorted({v for v in names if v in seen or seen.add(v)})
         raise HandshakeError(f"region_columns['name'] repeats region names {dup[:8]}")
-    for name, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(protos))):
+    for name, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(known))):
         _check_int_column(name, col, limit, every_int)
     layout = _ColumnLayout(known, list(names), list(groups), list(classes))
     if plain:  # every description remembered as plain data, every column exact str / int: the bytes say it all
         if len(_LAYOUTS) >= MEMO_LAYOUTS:  # bounded; clear() is one atomic step for threads
             _LAYOUTS.clear()
         _LAYOUTS[key] = layout
-    regions = ColumnRegions(protos, layout.names, list(bases), layout.groups, layout.classes, layout.keys)
+    regions = ColumnRegions(layout.protos, layout.names, list(bases), layout.groups, layout.classes, layout.keys)
     return regions, layout.class_ids, layout
 
 
@@ -892,10 +891,11 @@ class _ColumnLayout:
     non-empty, groups and class ids in range), with what the geometry derives from them alone:
     every engine of one model sends the same, so a later rank of it skips those checks."""
 
-    __slots__ = ("known", "protos", "keys", "names", "groups", "classes", "class_ids", "firsts", "template", "tail")
+    __slots__ = ("protos", "keys", "names", "groups", "classes", "class_ids", "firsts", "template", "tail")
 
     def __init__(self, known: list[Any], names: list[str], groups: list[int], classes: list[int]) -> None:
-        self.known, self.names, self.groups, self.classes = known, names, groups, classes
+        """``known``: per class description, (its validated region's fields, its geometry_key)."""
+        self.names, self.groups, self.classes = names, groups, classes
         self.protos = [fields for fields, _ in known]  # per class: its validated region's fields
         self.keys = [key for _, key in known]  # per class: its geometry_key
         self.class_ids = tuple(classes)
