@@ -4,12 +4,14 @@ made true on P by shortening the prefill (``stop_short``) and on D by claiming o
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from nixlkv.core import Dispatcher, PlanError, Strategy
+from nixlkv.core.errors import RequestError
 from nixlkv.core.registry import Registered, StrategyRegistry
 
 pytestmark = pytest.mark.vllm
@@ -188,3 +190,41 @@ def test_decode_scheduler_claims_what_the_prefill_holds() -> None:
     req = _request(list(range(10, 30)))
     req.kv_transfer_params = {**params, "remote_num_tokens": 19}
     assert mamba.get_num_new_matched_tokens(req, 16) == (3, True)  # a local prefix hit of one block
+
+
+class _NewBlocks:
+    """vLLM's KVCacheBlocks as update_state_after_alloc sees them: the ids its prefix cache did not hold."""
+
+    def __init__(self, *groups: list[int]) -> None:
+        self.groups = [list(g) for g in groups]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return self.groups
+
+
+@pytest.mark.parametrize("model,remote,hit", [("llama", 40, 16), ("llama", 40, 32), ("nemotron-h", 39, 16)])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_decode_lists_describe_its_prefix_hit_plus_what_it_claims(model: str, remote: int, hit: int, deferred: bool) -> None:
+    """D's prefix cache holds the first ``hit`` tokens (whole blocks of 16): D claims the rest
+    from P, and the lists handed to the workers describe ``hit`` + claimed tokens, P's count,
+    whether vLLM calls update_state_after_alloc before setting ``num_computed_tokens`` (the
+    usual path) or after (a deferred load). Served before the fix, every such request failed:
+    'remote_num_tokens=97 but the decode engine holds 1 tokens'."""
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h",
+              "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": remote}
+    sched = _scheduler(model)
+    req = _request(list(range(10, 50)))
+    req.kv_transfer_params = dict(params)
+    claimed, asynchronous = sched.get_num_new_matched_tokens(req, hit)
+    assert (claimed, asynchronous) == (remote - hit, True)
+    if deferred:  # vLLM sets the request's count (hit + claimed) before a deferred load's call
+        req.num_computed_tokens = hit + claimed
+    sched.update_state_after_alloc(req, _NewBlocks([5, 6]), claimed)
+    recv = sched.build_connector_meta(None).reqs_to_recv[req.request_id]
+    assert recv.num_tokens == remote and recv.tokens_to_pair() == remote
+    assert recv.local_block_ids == ([5, 6],)
+    # the control: lists that describe other than P's count are refused, naming both counts
+    with pytest.raises(RequestError, match=f"remote_num_tokens={remote} but the decode engine holds {claimed} tokens"):
+        dataclasses.replace(recv, num_tokens=claimed).tokens_to_pair()
+    sched.request_finished(req, [[5, 6]])
+    assert not sched._local_hit  # nothing kept per request once it finished

@@ -118,6 +118,9 @@ class NixlkvScheduler:
         self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float]] = {}
         self._last_heartbeat = float("-inf")
         self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
+        # D: request -> the tokens of its prompt D's own prefix cache held when it claimed the rest
+        # from P (its blocks are not read; the claimed ones follow them)
+        self._local_hit: dict[str, int] = {}
         self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)
 
     # ------------------------------------------------------------------ side channel
@@ -192,6 +195,7 @@ class NixlkvScheduler:
                 return 0, False
             count = target - num_computed_tokens
             if count > 0:
+                self._local_hit[request.request_id] = num_computed_tokens
                 return count, True
         return 0, False
 
@@ -199,6 +203,11 @@ class NixlkvScheduler:
         params = request.kv_transfer_params
         if not self._flags(request)[0]:
             return
+        # The blocks vLLM just allocated (those its prefix cache did not hold): the tail of the
+        # request's list, after the local hit get_num_new_matched_tokens was given. The token count
+        # the lists describe is that hit plus the claimed tokens; not request.num_computed_tokens,
+        # which vLLM sets only after this call, or before it where it defers the load.
+        hit = self._local_hit.pop(request.request_id, 0)
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
         if num_external_tokens <= 0:
             self._awaiting.pop(request.request_id, None)
@@ -207,7 +216,7 @@ class NixlkvScheduler:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
             self._recv[request.request_id] = recv_from_params(
                 params, local, report=num_external_tokens > 0, arrived=awaiting[3] if awaiting else None,
-                num_tokens=request.num_computed_tokens + num_external_tokens, now=time.monotonic(),
+                num_tokens=hit + num_external_tokens, now=time.monotonic(),
             )
         except (ValueError, TypeError) as exc:
             logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)
@@ -246,6 +255,7 @@ class NixlkvScheduler:
         self._invalid.discard(rid)
         self._awaiting.pop(rid, None)
         self._short.discard(rid)
+        self._local_hit.pop(rid, None)
         if not (prefill or decode):
             return False, None
         if prefill:
