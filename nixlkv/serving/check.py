@@ -4,12 +4,15 @@ through P's KV judged against D computing the same prompts itself.
 One case = one model, one connector (``nixlkv`` or vLLM's ``vllm`` NixlConnector), one TP pair,
 one block-size pair. The check:
 
-1. builds the tiny model (``models.make``), starts P (``kv_producer``) and D (``kv_consumer``,
-   prefix caching off) and the proxy (``nixlkv.serving.proxy``);
+1. builds the tiny model (``models.make``), starts P (``kv_producer``) and D (``kv_consumer``)
+   and the proxy (``nixlkv.serving.proxy``); prefix caching off on both, or on with
+   ``--prefix-caching`` (vLLM's default), which adds step 2b;
 2. sends each prompt of the case to D alone (the reference) and through the proxy (P prefills,
    D loads the KV and decodes), one at a time, reading D's metrics around each request: the
    tokens D loaded from the remote, the tokens it computed itself, the connector's bytes and
    transfers; then a batch of prompts concurrently;
+2b. with prefix caching: prompts sharing a prefix that D already holds (computed by itself), so D
+   loads only the rest from P; and one prompt sent again, so D holds all but its last block;
 3. runs the negative control: two prompts of equal length prefilled on P, each decoded on D with
    the other's ``kv_transfer_params``; the judge must reject both, or the check is blind;
 4. judges every answer (``compare.judge``) and prints a table, or JSON.
@@ -28,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import models
-from .client import Completion, CompletionError, complete, delta, scrape
+from .client import Completion, CompletionError, complete, delta, reset_prefix_cache, scrape
 from .compare import judge
 from .launch import EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
 from .proxy import PREFILL_PARAMS
@@ -48,13 +51,15 @@ class Case:
     concurrency: int = 4
     rule: str | None = None  # exact | drift; None: exact at equal TP unless the recipe says otherwise
     seed: int = 0
+    prefix_caching: bool = False  # both engines cache prefixes (vLLM's default); adds the prefix-hit prompts
 
     @property
     def label(self) -> str:
         rec = models.recipe(self.model)
         pb, db = self.p_block or rec.block_size, self.d_block or rec.block_size
         blocks = f" b{pb}/b{db}" if pb != db else f" b{pb}"
-        return f"{self.model} P{self.p_tp}->D{self.d_tp}{blocks} {self.connector}"
+        cached = " prefix-cache" if self.prefix_caching else ""
+        return f"{self.model} P{self.p_tp}->D{self.d_tp}{blocks}{cached} {self.connector}"
 
 
 @dataclass
@@ -106,6 +111,7 @@ def _transfer_facts(d: dict[str, float]) -> dict[str, float]:
     facts = {
         "loaded_tokens": d.get("vllm:prompt_tokens_by_source_total{source=external_kv_transfer}", 0.0),
         "computed_tokens": d.get("vllm:prompt_tokens_by_source_total{source=local_compute}", 0.0),
+        "hit_tokens": d.get("vllm:prompt_tokens_by_source_total{source=local_cache_hit}", 0.0),
     }
     for prefix in ("vllm:nixlkv_", "vllm:nixl_"):
         if any(k.startswith(prefix) for k in d):
@@ -174,11 +180,14 @@ class Servers:
                                         f"{int(time.time())}").resolve()
         env = {**rec.env, **opts.extra_env}
         base = opts.port
+        cached = case.prefix_caching
         self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
-                                 case.p_block or rec.block_size, rec.max_model_len, extra_config=dict(p_extra or {}),
-                                 env={**env, **(p_env or {})})
+                                 case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
+                                 extra_config=dict(p_extra or {}), env={**env, **(p_env or {})})
+        # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
         self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
-                                 case.d_block or rec.block_size, rec.max_model_len, env=env,
+                                 case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
+                                 env={**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else env,
                                  load_failure_policy=d_policy)
         self.p: Process | None = None
         self.d: Process | None = None
@@ -205,6 +214,12 @@ class Servers:
         self.proxy = proxy_process([self.p_url], [self.d_url], self.opts.port + 2, py, self.log_dir).start()
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
+
+    def forget_on_decode(self) -> None:
+        """With prefix caching, D forgets what it cached: its reference answer computed the prompt, and
+        the P/D request that follows must find nothing of it, or it would load nothing from P."""
+        if self.case.prefix_caching:
+            reset_prefix_cache(self.d_url)
 
     def kill_prefill(self) -> None:
         """P dies abruptly (SIGKILL to its whole process group), as a crashed engine does."""
@@ -271,6 +286,7 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
         try:
             ref = complete(srv.d_url, model, prompt, case.max_tokens)
             natural = natural_answer(srv, case, rule, prompt)
+            srv.forget_on_decode()
             before = scrape(srv.d_url)
             got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
             facts = _transfer_facts(delta(scrape(srv.d_url), before))
@@ -295,6 +311,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     prompts = [rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for n in lens]
     refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
     naturals = [natural_answer(srv, case, "drift", p) for p in prompts]
+    srv.forget_on_decode()
     before = scrape(srv.d_url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=case.concurrency) as pool:
@@ -329,6 +346,7 @@ def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dic
     ref_a, ref_b = (complete(srv.d_url, model, p, case.max_tokens) for p in (a, b))
     nat_a, nat_b = (natural_answer(srv, case, rule, p) for p in (a, b))
     params_a, params_b = prefill_on(srv.p_url, model, a), prefill_on(srv.p_url, model, b)
+    srv.forget_on_decode()
     before = scrape(srv.d_url)
     got_a = complete(srv.d_url, model, a, case.max_tokens, kv_transfer_params=params_b)
     got_b = complete(srv.d_url, model, b, case.max_tokens, kv_transfer_params=params_a)
@@ -337,6 +355,66 @@ def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dic
     moved = facts.get("transfers", 0) >= 2
     return {"bites": moved and not va.ok and not vb.ok, "moved": moved, "prompt_len": n,
             "verdicts": [va.to_dict(), vb.to_dict()], "facts": facts}
+
+
+def run_prefix_hits(srv: Servers, case: Case, rule: str, block: int, d_block: int, max_model_len: int) -> list[Row]:
+    """With prefix caching on both engines: prompts that share a prefix ``S`` of three blocks which
+    D already holds, computed by itself, so D's scheduler finds a local hit of ``len(S)`` tokens and
+    asks the connector for the rest only (P, which holds ``S`` too, publishes every block of the
+    prompt). Each is judged against D alone on the same cache state: ``S`` from D's cache, the rest
+    computed by D. Then the last prompt again through the proxy: D now holds every full block of it
+    (its own ``S`` and the blocks it loaded from P), so only the last partial block is left."""
+    model = str(srv.model_dir)
+    rng = np.random.default_rng(case.seed + 3)
+    shared = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=3 * block).tolist()
+    room = max_model_len - case.max_tokens - len(shared)
+    warm = shared + rng.integers(FIRST_ID, models.VOCAB_SIZE, size=block).tolist()
+    tails = {f"hit {len(shared)}+{n}": n for n in (1, block - 1, block + 1, 2 * block + 3) if 1 <= n <= room}
+
+    def d_holds_only_shared() -> None:  # D's cache: S (and warm's own tail), computed by D itself
+        reset_prefix_cache(srv.d_url)
+        complete(srv.d_url, model, warm, 1)
+
+    rows: list[Row] = []
+    last: tuple[list[int], Completion, Completion | None] | None = None
+    for name, n in tails.items():
+        tail = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
+        while tail[0] == warm[len(shared)]:  # the tail parts from warm's at its first token
+            tail[0] = int(rng.integers(FIRST_ID, models.VOCAB_SIZE))
+        prompt = shared + tail
+        row, refs = _prefix_row(srv, case, rule, name, prompt, len(shared), d_holds_only_shared)
+        rows.append(row)
+        if refs is not None:
+            last = (prompt, *refs)
+    if last is not None:
+        prompt, ref, natural = last
+        held = (len(prompt) - 1) // d_block * d_block  # vLLM hits whole blocks, and never the last token
+        rows.append(_prefix_row(srv, case, rule, f"again, hit {held}", prompt, held, None, (ref, natural))[0])
+    return rows
+
+
+def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int], hit: int, prepare: Any,
+                refs: tuple[Completion, Completion | None] | None = None
+                ) -> tuple[Row, tuple[Completion, Completion | None] | None]:
+    """One prompt through the proxy with ``hit`` tokens of it in D's prefix cache (``prepare`` sets
+    that up before the reference and again before the P/D request); D must hit exactly those,
+    load the rest from P but the token it recomputes, and answer as D alone did. Returns the row
+    and the references it was judged against (None where a request failed)."""
+    model = str(srv.model_dir)
+    try:
+        if refs is None:
+            prepare()
+            refs = (complete(srv.d_url, model, prompt, case.max_tokens), natural_answer(srv, case, rule, prompt))
+            prepare()
+        before = scrape(srv.d_url)
+        got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
+        facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    except (CompletionError, OSError) as exc:
+        return Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"), None
+    verdict = judge(refs[0], got, rule, refs[1])
+    moved = facts["hit_tokens"] == hit and facts["loaded_tokens"] >= len(prompt) - hit - 1 \
+        and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
+    return Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids), refs
 
 
 def run_case(case: Case, opts: Options) -> Result:
@@ -350,6 +428,9 @@ def run_case(case: Case, opts: Options) -> Result:
             result.startup_s = srv.start()
             prompts = make_prompts(case, block, rec.max_model_len, opts.quick)
             result.rows = run_prompts(srv, case, rule, prompts)
+            if case.prefix_caching:
+                d_block = case.d_block or rec.block_size
+                result.rows += run_prefix_hits(srv, case, rule, block, d_block, rec.max_model_len)
             result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
             if opts.negative_control:
                 result.negative_control = run_negative_control(srv, case, rule, block)
@@ -388,13 +469,13 @@ def format_table(results: list[Result]) -> str:
             lines.append(f"   refused by the connector: {res.refusal}")
         if res.rows:
             lines.append(f"   {'prompt':<20}{'len':>5}  {'verdict':<8}{'1st diff':>9}{'max|dlp|':>10}"
-                         f"{'loaded':>8}{'computed':>9}{'bytes':>10}{'xfers':>6}{'ttft ms':>9}")
+                         f"{'hit':>6}{'loaded':>8}{'computed':>9}{'bytes':>10}{'xfers':>6}{'ttft ms':>9}")
         for r in res.rows:
             f = r.facts
             div = r.verdict.get("first_divergence")
             lines.append(
                 f"   {r.name:<20}{r.prompt_len:>5}  {'ok' if r.ok else 'FAIL':<8}{'-' if div is None else div:>9}"
-                f"{r.verdict.get('max_dlogprob', float('nan')):>10.4f}{f.get('loaded_tokens', 0):>8.0f}"
+                f"{r.verdict.get('max_dlogprob', float('nan')):>10.4f}{f.get('hit_tokens', 0):>6.0f}{f.get('loaded_tokens', 0):>8.0f}"
                 f"{f.get('computed_tokens', 0):>9.0f}{f.get('bytes', 0):>10.0f}{f.get('transfers', 0):>6.0f}"
                 f"{(r.ttft_s or 0) * 1000:>9.1f}" + (f"  {r.error}" if r.error else "")
                 + ("" if r.verdict.get("ok", False) or r.error else f"  {r.verdict.get('reason')}")

@@ -112,6 +112,19 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, s
                       usage.get("prompt_tokens"), raw)
 
 
+def reset_prefix_cache(base_url: str, tries: int = 20, timeout_s: float = 10.0) -> None:
+    """Empty an engine's local prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``, served
+    when the engine runs with ``VLLM_SERVER_DEV_MODE=1``). vLLM refuses while blocks are still
+    held (a request finishing): retried, then an error."""
+    url = f"{base_url}/reset_prefix_cache"
+    for _ in range(tries):
+        with _post(url, {}, timeout_s) as resp:
+            if json.loads(resp.read() or b"{}").get("success", False):
+                return
+        time.sleep(0.1)
+    raise CompletionError(url, 409, f"the prefix cache was not reset after {tries} tries (blocks still held)")
+
+
 def get_json(url: str, timeout_s: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return json.loads(resp.read())
