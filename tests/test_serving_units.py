@@ -11,8 +11,9 @@ import math
 import pytest
 from aiohttp import web
 
+from nixlkv.serving import check
 from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
-from nixlkv.serving.client import Completion, parse_metrics
+from nixlkv.serving.client import Completion, CompletionError, parse_metrics, reset_prefix_cache
 from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
 from nixlkv.serving.launch import EngineSpec
 from nixlkv.serving.proxy import Proxy, decode_body, prefill_body
@@ -203,6 +204,82 @@ def test_engine_command_line_names_the_connector_and_its_side_channel(tmp_path) 
 def test_case_label_names_block_sizes_only_where_they_differ() -> None:
     assert Case().label == "tiny-llama P1->D1 b32 nixlkv"
     assert Case(p_block=32, d_block=64, d_tp=2).label == "tiny-llama P1->D2 b32/b64 nixlkv"
+
+
+def test_with_prefix_caching_both_engines_cache_and_d_can_be_told_to_forget(tmp_path, monkeypatch) -> None:
+    assert Case(prefix_caching=True).label == "tiny-llama P1->D1 b32 prefix-cache nixlkv"
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    srv = check.Servers(Case(prefix_caching=True), check.Options(python="python"))
+    assert srv.p_spec.prefix_caching and srv.d_spec.prefix_caching
+    assert "--enable-prefix-caching" in srv.d_spec.argv("python")
+    assert srv.d_spec.environ()["VLLM_SERVER_DEV_MODE"] == "1"  # /reset_prefix_cache
+    plain = check.Servers(Case(), check.Options(python="python"))
+    assert not plain.d_spec.prefix_caching and "VLLM_SERVER_DEV_MODE" not in plain.d_spec.env
+    resets = []
+    monkeypatch.setattr(check, "reset_prefix_cache", resets.append)
+    plain.forget_on_decode()
+    srv.forget_on_decode()
+    assert resets == [srv.d_url]  # only an engine that caches is told to forget
+
+
+def _fake_engine(monkeypatch, metrics_after: dict[str, float]) -> list[str]:
+    """check's client calls answered without engines: D alone and the proxy give the same answer;
+    D's metrics move by ``metrics_after`` across the P/D request."""
+    calls: list[str] = []
+    scrapes = iter([{}, metrics_after])
+    monkeypatch.setattr(check, "complete", lambda url, *a, **k: calls.append(url) or REF)
+    monkeypatch.setattr(check, "scrape", lambda url: next(scrapes))
+    return calls
+
+
+def _hit_metrics(hit: float, loaded: float, computed: float) -> dict[str, float]:
+    return {"vllm:prompt_tokens_by_source_total{source=local_cache_hit}": hit,
+            "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": loaded,
+            "vllm:prompt_tokens_by_source_total{source=local_compute}": computed,
+            "vllm:nixlkv_xfer_time_seconds_count": 1.0}
+
+
+@pytest.mark.parametrize("hit,loaded,computed,ok", [
+    (96, 67, 0, True), (96, 66, 1, True),  # D hit its prefix, loaded the rest (but the token it computes)
+    (0, 163, 0, False),  # D found nothing of its prefix: not the case under test
+    (128, 35, 0, False),  # D hit more than the prefix it was given
+    (96, 30, 37, False),  # D computed what it should have loaded
+])
+def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit, loaded, computed, ok) -> None:
+    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P"})()
+    calls = _fake_engine(monkeypatch, _hit_metrics(hit, loaded, computed))
+    prepared = []
+    row, refs = check._prefix_row(srv, Case(), "exact", "hit 96+67", list(range(163)), 96, lambda: prepared.append(1))
+    assert row.ok is ok and row.verdict["ok"] and refs is not None
+    assert prepared == [1, 1] and calls == ["D", "X"]  # the same cache state before the reference and the P/D request
+
+
+def test_reset_prefix_cache_retries_while_blocks_are_held_then_names_the_failure() -> None:
+    async def run(successes: list[bool]) -> tuple[int, str]:
+        seen = []
+
+        async def reset(request: web.Request) -> web.Response:
+            seen.append(request.path)
+            return web.json_response({"success": successes[min(len(seen), len(successes)) - 1]})
+
+        app = web.Application()
+        app.router.add_post("/reset_prefix_cache", reset)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            await asyncio.to_thread(reset_prefix_cache, f"http://127.0.0.1:{port}", 3)
+            return len(seen), "reset"
+        except CompletionError as exc:
+            return len(seen), str(exc)
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run([False, False, True])) == (3, "reset")
+    tries, why = asyncio.run(run([False]))
+    assert tries == 3 and "not reset after 3 tries" in why
 
 
 # ---------------------------------------------------------------- the proxy, over HTTP
