@@ -204,7 +204,8 @@ class _NewBlocks:
 
 @pytest.mark.parametrize("model,remote,hit", [("llama", 40, 16), ("llama", 40, 32), ("nemotron-h", 39, 16)])
 @pytest.mark.parametrize("deferred", [False, True])
-def test_decode_lists_describe_its_prefix_hit_plus_what_it_claims(model: str, remote: int, hit: int, deferred: bool) -> None:
+def test_decode_lists_describe_its_prefix_hit_plus_what_it_claims(model: str, remote: int, hit: int,
+                                                                  deferred: bool) -> None:
     """D's prefix cache holds the first ``hit`` tokens (whole blocks of 16): D claims the rest
     from P, and the lists handed to the workers describe ``hit`` + claimed tokens, P's count,
     whether vLLM calls update_state_after_alloc before setting ``num_computed_tokens`` (the

@@ -34,8 +34,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     py = serve_python()
     work = tmp_path_factory.mktemp("serve")
     cmd = [py, "-m", "nixlkv.cli", "serve-check", "--model", "tiny-llama", "--connector", "nixlkv", "--quick",
-           "--prefix-caching", "--json", "--python", py, "--models-dir", str(work / "models"), "--work-dir", str(work / "runs"),
-           "--port", "18100", "--start-timeout", "900"]
+           "--prefix-caching", "--json", "--python", py, "--models-dir", str(work / "models"),
+           "--work-dir", str(work / "runs"), "--port", "18100", "--start-timeout", "900"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     try:
         results = json.loads(out.stdout)

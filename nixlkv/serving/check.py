@@ -375,7 +375,7 @@ def run_prefix_hits(srv: Servers, case: Case, rule: str, block: int, d_block: in
     lengths = (1, block + 1) if quick else (1, block - 1, block + 1, 2 * block + 3)
     tails = {f"hit {len(shared)}+{n}": n for n in lengths if 1 <= n <= room}
 
-    def d_holds_only_shared() -> None:  # D's cache: S (and warm's own tail), computed by D itself
+    def d_holds_only_shared() -> None:  # D caches S, computed by itself (warm's one more token fills no block)
         reset_prefix_cache(srv.d_url)
         complete(srv.d_url, model, warm, 1)
 
@@ -479,7 +479,8 @@ def format_table(results: list[Result]) -> str:
             div = r.verdict.get("first_divergence")
             lines.append(
                 f"   {r.name:<20}{r.prompt_len:>5}  {'ok' if r.ok else 'FAIL':<8}{'-' if div is None else div:>9}"
-                f"{r.verdict.get('max_dlogprob', float('nan')):>10.4f}{f.get('hit_tokens', 0):>6.0f}{f.get('loaded_tokens', 0):>8.0f}"
+                f"{r.verdict.get('max_dlogprob', float('nan')):>10.4f}{f.get('hit_tokens', 0):>6.0f}"
+                f"{f.get('loaded_tokens', 0):>8.0f}"
                 f"{f.get('computed_tokens', 0):>9.0f}{f.get('bytes', 0):>10.0f}{f.get('transfers', 0):>6.0f}"
                 f"{(r.ttft_s or 0) * 1000:>9.1f}" + (f"  {r.error}" if r.error else "")
                 + ("" if r.verdict.get("ok", False) or r.error else f"  {r.verdict.get('reason')}")
