@@ -388,7 +388,7 @@ def run_decode(d: PDEngine, params: dict[str, dict], prompts: dict[str, int], ti
     for i, (rid, n) in enumerate(prompts.items()):
         d.add(rid, prompt(i, n), 2, dict(params[rid]))
     deadline = time.monotonic() + timeout
-    while len(d.outputs) < len(prompts) and time.monotonic() < deadline:
+    while not set(prompts) <= set(d.outputs) and time.monotonic() < deadline:
         d.step()
         time.sleep(0.001)
 
@@ -414,11 +414,14 @@ class PDRun:
 
 
 def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), lease_s: float = 30.0,
-           local: set[str] = frozenset()) -> PDRun:
+           local: set[str] = frozenset(), d_warm: dict[int, int] | None = None) -> PDRun:
     """P (separate process) prefills ``prompts``, D loads them through the connector. Checked here:
     every byte of every D rank against the oracle (requests in ``fail`` must fail and write
     nothing; requests in ``local`` D computes itself, loading nothing), the others received, every
-    prefill request freed by notification, no request or block left on either side."""
+    prefill request freed by notification, no request or block left on either side.
+    ``d_warm``: prompt index -> tokens D computes itself first (``prompt(index, tokens)``, the start
+    of the P/D prompt of that index), so that vLLM's prefix cache on D holds their whole blocks; the
+    model is played on P only, so the oracle expects those blocks untouched."""
     proc, parent, params = start_prefill(case, prompts, lease_s=lease_s)
     d = None
     try:
@@ -426,8 +429,15 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         d = PDEngine(case, "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0})
         for r in d.ranks:
             oracle.fill_decode(r)
+        warm = {f"warm-{i}": (i, n) for i, n in (d_warm or {}).items()}
+        for rid, (i, n) in warm.items():
+            d.add(rid, prompt(i, n), 1, None)
+        deadline = time.monotonic() + 60
+        while not set(warm) <= set(d.outputs) and time.monotonic() < deadline:
+            d.step()
+        assert set(warm) <= set(d.outputs), sorted(d.outputs)
         run_decode(d, params, prompts)
-        assert set(d.outputs) == set(prompts), sorted(d.outputs)
+        assert set(d.outputs) - set(warm) == set(prompts), sorted(d.outputs)
         assert d.finished_recving == set(prompts) - set(local) and d.failed_recving == set(fail), \
             (d.finished_recving, d.failed_recving)
         loaded = {rid: b for rid, b in d.recv_blocks.items() if rid not in fail}

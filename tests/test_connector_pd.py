@@ -30,6 +30,23 @@ def test_pd_lifecycle_is_byte_exact_and_leak_free(p_tp: int, d_tp: int) -> None:
     assert run.transfers["failed_transfers"] == 0
 
 
+@pytest.mark.parametrize("p_tp,d_tp,p_block,d_block", [(2, 1, 16, 16), (1, 2, 32, 16)])
+def test_a_decode_prefix_hit_reads_only_the_rest_and_leaves_the_hit_alone(p_tp: int, d_tp: int, p_block: int,
+                                                                          d_block: int) -> None:
+    """D's own prefix cache holds the first whole blocks of two prompts (D computed them before, and
+    vLLM's real scheduler finds the hit): D claims the rest, reads only its own new blocks, every
+    byte of them from the right P token slots, and leaves the hit's blocks untouched (the oracle
+    expects them as D left them). Before 2026-11-25 such requests failed: the lists were
+    described as holding only the claimed tokens."""
+    prompts = {"hit-0": 100, "hit-1": 64, "miss-2": 40}
+    hits = {"hit-0": 48, "hit-1": 32, "miss-2": 0}  # whole D blocks of the warming prompts below
+    run = run_pd(PDCase("llama", p_tp, d_tp, p_block=p_block, d_block=d_block), prompts, d_warm={0: 48, 1: 33})
+    assert run.loaded_tokens == prompts  # the lists describe the hit plus the claim: each whole prompt
+    for rid, n in prompts.items():
+        assert len(run.recv_blocks[rid][0]) == -(-n // d_block) - hits[rid] // d_block, (rid, run.recv_blocks[rid])
+    assert run.transfers["failed_transfers"] == 0
+
+
 def test_pd_hybrid_sliding_window_is_byte_exact() -> None:
     """A hybrid model (sliding-window + full-attention layers, several KV groups, vLLM's hybrid
     KV-cache manager on both sides): only the window's blocks move, null blocks never do."""
