@@ -288,6 +288,9 @@ def test_prefill_body_asks_one_token_and_a_hold_decode_body_carries_ps_params() 
     p = prefill_body(body)
     assert p["max_tokens"] == 1 and "stream" not in p and p["kv_transfer_params"]["do_remote_decode"] is True
     assert body["max_tokens"] == 9  # the client's request is not changed
+    many = prefill_body({"model": "m", "prompt": [1], "max_tokens": 9, "n": 3, "best_of": 4, "temperature": 1.0})
+    assert many["n"] == 1 and "best_of" not in many  # P prefills once: n children would each hold their blocks
+    assert decode_body({"n": 3}, {})["n"] == 3  # D answers the client's n
     assert decode_body(body, {"remote_engine_id": "e"})["kv_transfer_params"] == {"remote_engine_id": "e"}
 
 

@@ -28,9 +28,16 @@ FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill engine's request: one token, no stream, KV held for a remote decode."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    """The prefill engine's request: one token, no stream, one sequence, KV held for a remote
+    decode. One sequence: with ``n`` > 1 vLLM would prefill ``n`` children on P and hold every
+    child's blocks, but P answers with one child's ``kv_transfer_params``, so the others would stay
+    held, read by no decode, until their lease ends (measured: P's KV usage stayed up after an
+    ``n=2`` request). D's children share the one prompt's KV (the first loads it, vLLM computes
+    the others' from it or anew)."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "best_of")}
     out["max_tokens"] = 1
+    if "n" in out:
+        out["n"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["kv_transfer_params"] = dict(PREFILL_PARAMS)
