@@ -5,6 +5,7 @@ made true on P by shortening the prefill (``stop_short``) and on D by claiming o
 from __future__ import annotations
 
 import dataclasses
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -229,3 +230,39 @@ def test_decode_lists_describe_its_prefix_hit_plus_what_it_claims(model: str, re
         dataclasses.replace(recv, num_tokens=claimed).tokens_to_pair()
     sched.request_finished(req, [[5, 6]])
     assert not sched._local_hit  # nothing kept per request once it finished
+
+
+def test_a_prefill_request_is_read_by_one_decode_request_only(caplog: pytest.LogCaptureFixture) -> None:
+    """P frees a request's blocks on its reader's notification. A second decode request naming the
+    same prefill request (vLLM's n > 1 children each carry the params; a client sending them twice)
+    computes its prompt here: it claims nothing, reads nothing and tells P nothing, before or after
+    the reader finished, and an abort of it does not free the reader's blocks early. The reader
+    itself may be asked again (vLLM asks each step a request waits)."""
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p-7", "remote_host": "h",
+              "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
+    sched = _scheduler("llama")
+    reqs = {}
+    for rid in ("child-0", "child-1", "again", "aborted"):
+        reqs[rid] = req = _request(list(range(10, 50)))
+        req.request_id, req.kv_transfer_params = rid, dict(params)
+        sched.on_new_request(req)
+    reader = reqs["child-0"]
+    assert sched.get_num_new_matched_tokens(reader, 0) == (40, True)
+    assert sched.get_num_new_matched_tokens(reader, 0) == (40, True)  # the same request, a step later
+    caplog.set_level(logging.WARNING, logger="nixlkv.connector")
+    assert sched.get_num_new_matched_tokens(reqs["child-1"], 0) == (0, False)
+    assert "prefill request p-7 of engine P, which request child-0 reads" in caplog.text
+    sched.update_state_after_alloc(reader, _NewBlocks([5, 6, 7]), 40)
+    sched.update_state_after_alloc(reqs["child-1"], _NewBlocks([8, 9, 10]), 0)
+    sched.request_finished(reqs["aborted"], [])  # aborted while waiting: its blocks are the reader's
+    meta = sched.build_connector_meta(None)
+    assert list(meta.reqs_to_recv) == ["child-0"]  # one read, one notification to P
+    assert "child-1" not in sched._awaiting and "aborted" not in sched._awaiting  # no heartbeats for them
+    sched.request_finished(reader, [[5, 6, 7]])
+    assert sched.get_num_new_matched_tokens(reqs["again"], 0) == (0, False)  # after the reader, too
+    sched.update_state_after_alloc(reqs["again"], _NewBlocks([11]), 0)
+    assert not sched.build_connector_meta(None).reqs_to_recv
+    # the control: another prefill request is read as usual
+    other = _request(list(range(10, 50)))
+    other.request_id, other.kv_transfer_params = "fresh", {**params, "remote_request_id": "p-8"}
+    assert sched.get_num_new_matched_tokens(other, 0) == (40, True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Any
 
 from .config import ConnectorConfig
@@ -30,6 +31,10 @@ from .metadata import (
 from .params import GENERATION_KEY, LEASE_KEY, ParamsError, flags, remote
 
 logger = logging.getLogger("nixlkv.connector")
+
+# D: prefill requests remembered as read (engine id, request id -> the decode request reading them);
+# the oldest forgotten beyond this, long after P freed them (a lease is seconds, this is hours of requests)
+READ_ONCE_MEMORY = 1 << 16
 
 
 def decode_recomputes(vllm_config: Any, kv_cache_config: Any, dispatcher: Any) -> int:
@@ -121,6 +126,10 @@ class NixlkvScheduler:
         # D: request -> the tokens of its prompt D's own prefix cache held when it claimed the rest
         # from P (its blocks are not read; the claimed ones follow them)
         self._local_hit: dict[str, int] = {}
+        # D: which decode request reads each prefill request's blocks. P frees them on the first
+        # reader's notification, so a second request naming them (vLLM's n > 1 children, params
+        # sent again) computes its prompt here rather than read blocks P may have reused.
+        self._read_by: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)
 
     # ------------------------------------------------------------------ side channel
@@ -170,6 +179,14 @@ class NixlkvScheduler:
                                request.request_id, exc)
             return False, False
 
+    def _reader(self, key: tuple[str, str], rid: str) -> str:
+        """The decode request that reads prefill request ``key``'s blocks: ``rid`` unless another
+        named it first (remembered for the last READ_ONCE_MEMORY prefill requests)."""
+        reader = self._read_by.setdefault(key, rid)
+        if len(self._read_by) > READ_ONCE_MEMORY:
+            self._read_by.popitem(last=False)
+        return reader
+
     def update_connector_output(self, finished_recving: Any) -> None:
         for rid in finished_recving or ():
             self._awaiting.pop(rid, None)
@@ -182,6 +199,15 @@ class NixlkvScheduler:
             except (ValueError, TypeError) as exc:
                 logger.warning("nixlkv prefills %s locally: invalid kv_transfer_params: %s", request.request_id, exc)
                 params["do_remote_prefill"] = False
+                self._awaiting.pop(request.request_id, None)
+                return 0, False
+            key = (recv.remote_engine_id, recv.remote_request_id)
+            reader = self._reader(key, request.request_id)
+            if reader != request.request_id:
+                logger.warning("nixlkv computes %s's prompt here: its kv_transfer_params name prefill request %s of "
+                               "engine %s, which request %s reads (n > 1, or the params sent twice); a prefill "
+                               "request's blocks are read once", request.request_id, key[1], key[0], reader)
+                params["do_remote_prefill"] = False  # nothing to read, and P is told by its reader
                 self._awaiting.pop(request.request_id, None)
                 return 0, False
             num_prompt = len(request.prompt_token_ids or ())
@@ -259,9 +285,12 @@ class NixlkvScheduler:
         if not (prefill or decode):
             return False, None
         if prefill:
-            # D: finished (aborted) before allocation; tell P to free its blocks, read nothing.
+            # D: finished (aborted) before allocation; tell P to free its blocks, read nothing, unless
+            # another request reads them (P frees them on that one's notification, not before).
             try:
-                self._recv[rid] = recv_from_params(params, (), report=False)
+                recv = recv_from_params(params, (), report=False)
+                if self._reader((recv.remote_engine_id, recv.remote_request_id), rid) == rid:
+                    self._recv[rid] = recv
             except (ValueError, TypeError):
                 pass
             params["do_remote_prefill"] = False
