@@ -80,6 +80,13 @@ def test_a_decode_prefix_hit_loads_only_the_rest(smoke: dict) -> None:
         assert r["facts"]["loaded_tokens"] >= r["prompt_len"] - held - 1 and r["facts"]["computed_tokens"] <= 1, r
 
 
+def test_parallel_samples_are_ds_own_from_one_read(smoke: dict) -> None:
+    """n = 3 seeded samples through the proxy: D alone's samples, P's blocks read once and none held after."""
+    pa = smoke["result"]["parallel"]
+    assert pa is not None and pa["ok"], pa
+    assert pa["facts"]["transfers"] == 1 and pa["p_kv_usage_after"] == 0 and pa["control_differs"], pa
+
+
 def test_negative_control_is_rejected(smoke: dict) -> None:
     nc = smoke["result"]["negative_control"]
     assert nc is not None and nc["moved"], _explain(smoke["result"])

@@ -254,6 +254,33 @@ def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit,
     assert prepared == [1, 1] and calls == ["D", "X"]  # the same cache state before the reference and the P/D request
 
 
+@pytest.mark.parametrize("connector,transfers,held,other_differs,ok", [
+    ("nixlkv", 1, 0.0, True, True),
+    ("nixlkv", 3, 0.0, True, False),  # every child read P's blocks: P frees them on the first notification
+    ("vllm", 3, 0.0, True, True),  # vLLM's connector is held to the answers and P's blocks only
+    ("nixlkv", 1, 0.01, True, False),  # P still holds blocks no decode reads
+    ("nixlkv", 1, 0.0, False, False),  # another prompt samples the same: the comparison is blind
+])
+def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkeypatch, connector, transfers, held,
+                                                                          other_differs, ok) -> None:
+    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P",
+                         "forget_on_decode": lambda self: None})()
+    mine, others = [[1, 2], [3, 4], [5, 6]], [[7, 8], [9, 9], [1, 1]]
+    first: list[int] = []
+
+    def sample(url, model, prompt, max_tokens, n, seed):
+        first.append(prompt[0])
+        return others if len(first) == 3 and other_differs else mine
+
+    scrapes = iter([{}, {"vllm:nixlkv_xfer_time_seconds_count": float(transfers)}])
+    monkeypatch.setattr(check, "sample_n", sample)
+    monkeypatch.setattr(check, "scrape", lambda url: next(scrapes) if url == "D" else {"vllm:kv_cache_usage_perc": held})
+    monkeypatch.setattr(check.time, "sleep", lambda s: None)
+    result = check.run_parallel_sampling(srv, Case(connector=connector), 32)
+    assert result["ok"] is ok and result["identical"]
+    assert first[0] == first[1] != first[2]  # D alone and the proxy the same prompt; the control another
+
+
 def test_reset_prefix_cache_retries_while_blocks_are_held_then_names_the_failure() -> None:
     async def run(successes: list[bool]) -> tuple[int, str]:
         seen = []

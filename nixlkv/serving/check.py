@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import models
-from .client import Completion, CompletionError, complete, delta, reset_prefix_cache, scrape
+from .client import Completion, CompletionError, complete, delta, reset_prefix_cache, sample_n, scrape
 from .compare import judge
 from .launch import EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
 from .proxy import PREFILL_PARAMS
@@ -152,13 +152,15 @@ class Result:
     startup_s: dict[str, float]
     error: str | None = None
     refusal: str | None = None  # the connector's own refusal (D's log), when it refused the pairing
+    parallel: dict[str, Any] | None = None  # n > 1 seeded samples through the proxy (exact cases)
 
     @property
     def ok(self) -> bool:
         if self.error is not None or not self.rows:
             return False
         control_ok = self.negative_control is None or self.negative_control.get("bites", False)
-        return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok
+        parallel_ok = self.parallel is None or self.parallel.get("ok", False)
+        return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -336,6 +338,39 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
             "facts": facts, "moved": moved, "errors": errors, "wall_s": wall}
 
 
+PARALLEL_N = 3
+
+
+def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any]:
+    """One request of ``n`` = 3 seeded samples through the proxy against the same request to D
+    alone: vLLM splits it into three children that each carry the request's kv_transfer_params.
+    The samples must be D's own (an exact case: equal TP, seeds the same), and P must hold no
+    block afterwards (a child's blocks held for no reader would stay until their lease ends).
+    nixlkv reads P's blocks once (the other children compute the prompt on D). The control: D's
+    samples of the prompt with its first token changed differ, or equal samples would prove nothing."""
+    model = str(srv.model_dir)
+    rng = np.random.default_rng(case.seed + 4)
+    prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=2 * block + 5).tolist()
+    ref = sample_n(srv.d_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
+    srv.forget_on_decode()
+    before = scrape(srv.d_url)
+    got = sample_n(srv.proxy_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
+    facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    held = float("nan")
+    for _ in range(50):  # P frees on D's notification, a moment after D answered
+        held = scrape(srv.p_url).get("vllm:kv_cache_usage_perc", float("nan"))
+        if held == 0:
+            break
+        time.sleep(0.1)
+    same = got == ref
+    other = [(prompt[0] + 1 - FIRST_ID) % (models.VOCAB_SIZE - FIRST_ID) + FIRST_ID, *prompt[1:]]
+    control = sample_n(srv.d_url, model, other, case.max_tokens, PARALLEL_N, case.seed + 7) != ref
+    transfers = facts.get("transfers", 0)
+    reads_ok = transfers == 1 if case.connector == "nixlkv" else transfers >= 1
+    return {"ok": same and reads_ok and held == 0 and control, "identical": same, "control_differs": control,
+            "n": PARALLEL_N, "prompt_len": len(prompt), "p_kv_usage_after": held, "facts": facts}
+
+
 def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dict[str, Any]:
     """Each of two equal-length prompts decoded on D from the *other's* KV: the judge must reject
     both answers, or it could not have seen a wrong KV either."""
@@ -436,6 +471,8 @@ def run_case(case: Case, opts: Options) -> Result:
                 d_block = case.d_block or rec.block_size
                 result.rows += run_prefix_hits(srv, case, rule, block, d_block, rec.max_model_len, opts.quick)
             result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
+            if rule == "exact":  # sampled tokens follow logprobs: only an exact case can ask identical samples
+                result.parallel = run_parallel_sampling(srv, case, block)
             if opts.negative_control:
                 result.negative_control = run_negative_control(srv, case, rule, block)
     except (ServeError, CompletionError, OSError) as exc:
@@ -491,6 +528,13 @@ def format_table(results: list[Result]) -> str:
                          f"(lengths {c.get('lengths')}, loaded {c.get('facts', {}).get('loaded_tokens', 0):.0f} tokens, "
                          f"{c.get('facts', {}).get('transfers', 0):.0f} transfers, {c.get('wall_s', 0):.2f} s)"
                          + (f" errors: {c['errors']}" if c.get("errors") else ""))
+        if res.parallel is not None:
+            pa = res.parallel
+            lines.append(f"   n={pa.get('n')} seeded samples of a {pa.get('prompt_len')}-token prompt: "
+                         f"{'ok' if pa.get('ok') else 'FAIL'} (identical to D alone: {pa.get('identical')}, "
+                         f"another prompt's differ: {pa.get('control_differs')}, "
+                         f"{pa.get('facts', {}).get('transfers', 0):.0f} transfer(s), "
+                         f"P's KV usage after: {pa.get('p_kv_usage_after')})")
         if res.negative_control is not None:
             nc = res.negative_control
             reasons = "; ".join(v.get("reason", "") for v in nc.get("verdicts", []))

@@ -112,6 +112,18 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, s
                       usage.get("prompt_tokens"), raw)
 
 
+def sample_n(base_url: str, model: str, prompt: list[int], max_tokens: int, n: int, seed: int,
+             timeout_s: float = 300.0) -> list[list[int]]:
+    """``n`` seeded samples of ``prompt`` (temperature 1; vLLM seeds the children from ``seed``), as
+    token-id lists in choice order: the same on any engine that holds the same KV."""
+    body = {**request_body(model, prompt, max_tokens), "temperature": 1.0, "n": n, "seed": seed}
+    del body["logprobs"]
+    with _post(f"{base_url}/v1/completions", body, timeout_s) as resp:
+        raw = json.loads(resp.read())
+    choices = sorted(raw["choices"], key=lambda c: c.get("index", 0))
+    return [[int(t) for t in c.get("token_ids") or []] for c in choices]
+
+
 def reset_prefix_cache(base_url: str, tries: int = 20, timeout_s: float = 10.0) -> None:
     """Empty an engine's local prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``, served
     when the engine runs with ``VLLM_SERVER_DEV_MODE=1``). vLLM refuses while blocks are still
