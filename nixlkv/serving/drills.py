@@ -10,6 +10,9 @@ the engines' own metrics say about their KV blocks.
    it; requests prefilled by the new P decode exactly.
 3. **Prefill done, decode never came**: P must free the request's blocks when its lease ends
    (``lease_s``; vLLM's connector: ``kv_lease_duration``), seen in P's ``kv_cache_usage_perc``.
+4. **The same params sent twice**: a request decoded from P's KV, then sent to D again with the
+   same ``kv_transfer_params``; P freed those blocks on the first read's notification, so the
+   second must not read them: nixlkv computes it on D (no transfer), and it must answer right.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         srv.start()
         # 1. P killed while D waits for the KV
         dead = _prompt(rng, n)
+        stale = _prompt(rng, n)  # prefilled by the P that dies; decoded after its restart (drill 2)
         ref_dead = complete(srv.d_url, model, dead, case.max_tokens)
         params_dead = prefill_on(srv.p_url, model, dead)
+        params_stale = prefill_on(srv.p_url, model, stale)  # D never sees these before drill 2
         srv.kill_prefill()
         facts: dict[str, Any] = {"policy": policy}
         try:
@@ -92,8 +97,6 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         facts = {"restart_s": round(srv.restart_prefill(), 1)}
         live = _prompt(rng, n)
         ref_live = complete(srv.d_url, model, live, case.max_tokens)
-        stale = _prompt(rng, n)  # prefilled by the old P before it died: its params must not be read
-        params_stale = params_dead
         try:
             got_live = complete(srv.d_url, model, live, case.max_tokens, kv_transfer_params=prefill_on(srv.p_url, model, live))
             v_live = judge(ref_live, got_live, rule)
@@ -131,6 +134,31 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         ok = held > 0 and freed == 0
         why = "" if ok else ("P held no blocks after the prefill" if held <= 0 else "P never freed the blocks")
         drills.append(Drill("prefill done, decode never came", ok, facts, why))
+
+        # 4. the same params sent twice
+        twice = _prompt(rng, n)
+        ref_twice = complete(srv.d_url, model, twice, case.max_tokens)
+        params_twice = prefill_on(srv.p_url, model, twice)
+        facts = {}
+        try:
+            first = complete(srv.d_url, model, twice, case.max_tokens, kv_transfer_params=dict(params_twice))
+            _settle(srv.p_url)  # P freed the blocks on the first read's notification
+            before = scrape(srv.d_url)
+            again = complete(srv.d_url, model, twice, case.max_tokens, kv_transfer_params=dict(params_twice))
+            after = scrape(srv.d_url)
+            reads = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.endswith("xfer_time_seconds_count")
+                        and k.startswith(("vllm:nixlkv_", "vllm:nixl_")))
+            v_first, v_again = judge(ref_twice, first, rule), judge(ref_twice, again, rule)
+            facts.update({"first_verdict": v_first.to_dict(), "again_verdict": v_again.to_dict(), "again_reads": reads})
+            ok = v_first.ok and v_again.ok and (reads == 0 or case.connector != "nixlkv")
+            why = "" if ok else "; ".join(w for w in (
+                "" if v_first.ok else f"first: {v_first.reason}", "" if v_again.ok else f"again: {v_again.reason}",
+                f"read P's freed blocks again ({reads:.0f} transfers)" if reads and case.connector == "nixlkv" else "")
+                if w)
+        except CompletionError as exc:
+            ok, why = False, f"a request failed: {exc}"
+        facts["p_kv_usage_after"] = _settle(srv.p_url)
+        drills.append(Drill("the same params sent twice", ok, facts, why))
     return drills
 
 
