@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 
-from nixlkv.serving import check
+from nixlkv.serving import check, client
 from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
 from nixlkv.serving.client import Completion, CompletionError, parse_metrics, reset_prefix_cache
 from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
@@ -274,8 +275,12 @@ def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkey
 
     scrapes = iter([{}, {"vllm:nixlkv_xfer_time_seconds_count": float(transfers)}])
     monkeypatch.setattr(check, "sample_n", sample)
-    monkeypatch.setattr(check, "scrape", lambda url: next(scrapes) if url == "D" else {"vllm:kv_cache_usage_perc": held})
-    monkeypatch.setattr(check.time, "sleep", lambda s: None)
+    fake_scrape = lambda url: next(scrapes) if url == "D" else {"vllm:kv_cache_usage_perc": held}  # noqa: E731
+    monkeypatch.setattr(check, "scrape", fake_scrape)  # D's counters
+    monkeypatch.setattr(client, "scrape", fake_scrape)  # P's usage, polled until it settles
+    clock = [0.0]  # the poll's own clock: each sleep moves it, so the poll ends without waiting
+    monkeypatch.setattr(client, "time", SimpleNamespace(monotonic=lambda: clock[0],
+                                                        sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
     result = check.run_parallel_sampling(srv, Case(connector=connector), 32)
     assert result["ok"] is ok and result["identical"]
     assert first[0] == first[1] != first[2]  # D alone and the proxy the same prompt; the control another

@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 
 from . import models
-from .client import Completion, CompletionError, complete, delta, reset_prefix_cache, sample_n, scrape
+from .client import (
+    Completion, CompletionError, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
+)
 from .compare import judge
 from .launch import EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
 from .proxy import PREFILL_PARAMS
@@ -356,12 +358,7 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     before = scrape(srv.d_url)
     got = sample_n(srv.proxy_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
     facts = _transfer_facts(delta(scrape(srv.d_url), before))
-    held = float("nan")
-    for _ in range(50):  # P frees on D's notification, a moment after D answered
-        held = scrape(srv.p_url).get("vllm:kv_cache_usage_perc", float("nan"))
-        if held == 0:
-            break
-        time.sleep(0.1)
+    held = settled_kv_usage(srv.p_url, timeout_s=5.0, poll_s=0.1)  # P frees on D's notification
     same = got == ref
     other = [(prompt[0] + 1 - FIRST_ID) % (models.VOCAB_SIZE - FIRST_ID) + FIRST_ID, *prompt[1:]]
     control = sample_n(srv.d_url, model, other, case.max_tokens, PARALLEL_N, case.seed + 7) != ref

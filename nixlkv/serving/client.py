@@ -171,5 +171,21 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
         return parse_metrics(resp.read().decode(errors="replace"))
 
 
+def kv_usage(base_url: str) -> float:
+    """An engine's own ``vllm:kv_cache_usage_perc`` (NaN where it does not report one)."""
+    return scrape(base_url).get("vllm:kv_cache_usage_perc", float("nan"))
+
+
+def settled_kv_usage(base_url: str, timeout_s: float = 20.0, poll_s: float = 0.5) -> float:
+    """An engine's KV usage once its finished requests are freed (polled: frees are asynchronous,
+    P's on D's notification)."""
+    deadline = time.monotonic() + timeout_s
+    usage = kv_usage(base_url)
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        usage = kv_usage(base_url)
+    return usage
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from . import models
-from .check import FIRST_ID, Case, Options, Servers, default_rule, prefill_on
-from .client import CompletionError, complete, scrape
+from .check import FIRST_ID, Case, Options, Servers, _transfer_facts, default_rule, prefill_on
+from .client import CompletionError, complete, delta, kv_usage, scrape, settled_kv_usage
 from .compare import judge
 from .launch import ServeError
 
@@ -38,20 +38,6 @@ class Drill:
     ok: bool
     facts: dict[str, Any] = field(default_factory=dict)
     why: str = ""
-
-
-def _usage(url: str) -> float:
-    return scrape(url).get("vllm:kv_cache_usage_perc", float("nan"))
-
-
-def _settle(url: str, timeout_s: float = 20.0) -> float:
-    """KV usage of an engine once its finished requests are freed (polls: frees are asynchronous)."""
-    deadline = time.monotonic() + timeout_s
-    usage = _usage(url)
-    while usage > 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        usage = _usage(url)
-    return usage
 
 
 def _prompt(rng: np.random.Generator, n: int) -> list[int]:
@@ -88,7 +74,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
             facts["answered"], facts["status"] = False, exc.status
             ok = policy == "fail"
             why = "" if ok else f"policy {policy} but D failed the request: {exc}"
-        facts["d_kv_usage_after"] = _settle(srv.d_url)
+        facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
         if facts["d_kv_usage_after"] > 0:
             ok, why = False, (why + "; " if why else "") + f"D still holds KV ({facts['d_kv_usage_after']:.4f})"
         drills.append(Drill("P killed while D waits for its KV", ok, facts, why))
@@ -117,8 +103,8 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
             facts["stale_status"] = exc.status
             if policy == "recompute":
                 ok, why = False, (why + "; " if why else "") + f"stale request failed under recompute: {exc}"
-        facts["p_kv_usage_after"] = _settle(srv.p_url)
-        facts["d_kv_usage_after"] = _settle(srv.d_url)
+        facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
+        facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
         if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
             ok, why = False, (why + "; " if why else "") + "blocks still held after the requests ended"
         drills.append(Drill("P restarted on the same port", ok, facts, why))
@@ -126,9 +112,9 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         # 3. prefill done, decode never came: P frees the blocks when the lease ends
         orphan = _prompt(rng, n)
         prefill_on(srv.p_url, model, orphan)
-        held = _usage(srv.p_url)
+        held = kv_usage(srv.p_url)
         t0 = time.monotonic()
-        freed = _settle(srv.p_url, timeout_s=LEASE_S * 6 + 30)
+        freed = settled_kv_usage(srv.p_url, timeout_s=LEASE_S * 6 + 30)
         facts = {"lease_s": LEASE_S, "p_kv_usage_held": held, "p_kv_usage_after": freed,
                  "freed_after_s": round(time.monotonic() - t0, 1)}
         ok = held > 0 and freed == 0
@@ -142,22 +128,20 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         facts = {}
         try:
             first = complete(srv.d_url, model, twice, case.max_tokens, kv_transfer_params=dict(params_twice))
-            _settle(srv.p_url)  # P freed the blocks on the first read's notification
+            settled_kv_usage(srv.p_url)  # P freed the blocks on the first read's notification
             before = scrape(srv.d_url)
             again = complete(srv.d_url, model, twice, case.max_tokens, kv_transfer_params=dict(params_twice))
-            after = scrape(srv.d_url)
-            reads = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.endswith("xfer_time_seconds_count")
-                        and k.startswith(("vllm:nixlkv_", "vllm:nixl_")))
+            reads = _transfer_facts(delta(scrape(srv.d_url), before)).get("transfers", 0.0)
             v_first, v_again = judge(ref_twice, first, rule), judge(ref_twice, again, rule)
             facts.update({"first_verdict": v_first.to_dict(), "again_verdict": v_again.to_dict(), "again_reads": reads})
-            ok = v_first.ok and v_again.ok and (reads == 0 or case.connector != "nixlkv")
-            why = "" if ok else "; ".join(w for w in (
-                "" if v_first.ok else f"first: {v_first.reason}", "" if v_again.ok else f"again: {v_again.reason}",
-                f"read P's freed blocks again ({reads:.0f} transfers)" if reads and case.connector == "nixlkv" else "")
-                if w)
+            faults = [f"first: {v_first.reason}"] if not v_first.ok else []
+            faults += [f"again: {v_again.reason}"] if not v_again.ok else []
+            if reads and case.connector == "nixlkv":
+                faults.append(f"read P's freed blocks again ({reads:.0f} transfers)")
+            ok, why = not faults, "; ".join(faults)
         except CompletionError as exc:
             ok, why = False, f"a request failed: {exc}"
-        facts["p_kv_usage_after"] = _settle(srv.p_url)
+        facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
         drills.append(Drill("the same params sent twice", ok, facts, why))
     return drills
 
