@@ -68,19 +68,24 @@ class NixlkvHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 def vllm_compat_hash(vllm_config: Any) -> str:
+    """The hash of :func:`vllm_compat_inputs`."""
+    return compat_hash(vllm_compat_inputs(vllm_config))
+
+
+def vllm_compat_inputs(vllm_config: Any) -> dict[str, Any]:
     """What P and D must share exactly. TP sizes, block sizes and layouts are not in it: the
     handshake advertises them and the plan checks them pairing by pairing."""
     import vllm
 
     model = vllm_config.model_config
-    return compat_hash({
+    return {
         "vllm": vllm.__version__,
         "model": getattr(model, "model", None),
         "dtype": str(getattr(model, "dtype", None)),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "transfer": "pull-read",
         **_speculative(getattr(vllm_config, "speculative_config", None)),
-    })
+    }
 
 
 def _speculative(spec: Any) -> dict[str, Any]:
@@ -114,7 +119,8 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)
-        self.compat = vllm_compat_hash(vllm_config)
+        self.compat_inputs = vllm_compat_inputs(vllm_config)
+        self.compat = compat_hash(self.compat_inputs)
         self._scheduler: NixlkvScheduler | None = None
         self._worker: NixlkvWorker | None = None
         if kv_cache_config is None:  # vLLM 0.32 and 0.33 pass it to both roles
@@ -129,6 +135,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
                 model_hints=combine(mamba_hints_by_layer(vllm_config, kv_cache_config),
                                     backend_hints(attention_layers(vllm_config))),
                 model_facts=model_facts(vllm_config) if self.config.capture_dir else None,
+                compat_inputs=self.compat_inputs,
             )
 
     # ================================================================ worker side
@@ -206,7 +213,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
             if not isinstance(meta, NixlkvHandshakeMetadata):
                 raise ValueError(f"NixlkvConnector expects NixlkvHandshakeMetadata, got {type(meta).__name__}")
             infos[tp_rank] = HandshakeInfo(meta.tp_rank, meta.agent_metadata, RankGeometry.from_dict(meta.geometry))
-        reply = serve_reply(self.engine_id, self._scheduler.tp_size, infos, self.compat)
+        reply = serve_reply(self.engine_id, self._scheduler.tp_size, infos, self.compat, self.compat_inputs)
         self._scheduler.serve_handshake(reply, engine_generation({r: i.agent_metadata for r, i in infos.items()}))
 
     def on_new_request(self, request: Any) -> None:

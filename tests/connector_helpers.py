@@ -28,10 +28,10 @@ def fa_scenario(p_tp: int, d_tp: int, num_tokens: int = 200, heads: int = 8, p_b
 
 
 def make_worker(rank: FabricatedRank, engine_id: str, config: ConnectorConfig | None = None,
-                compat: str = COMPAT) -> NixlkvWorker:
+                compat: str = COMPAT, compat_inputs: dict | None = None) -> NixlkvWorker:
     w = NixlkvWorker(
         engine_id, rank.tp_rank, rank.side.tp, rank.kv_cache_config, config or ConnectorConfig(),
-        compat, lambda name: rank.total_heads[name],
+        compat, lambda name: rank.total_heads[name], compat_inputs=compat_inputs,
     )
     w.register_kv_caches(rank.kv_caches)
     return w
@@ -41,14 +41,15 @@ class Engine:
     """All ranks of one fabricated engine, each with its own NixlkvWorker; P also serves handshakes."""
 
     def __init__(self, scenario, role: str, engine_id: str, serve: bool = False, config: ConnectorConfig | None = None,
-                 compat: str = COMPAT):
+                 compat: str = COMPAT, compat_inputs: dict | None = None):
+        """``compat_inputs``: what ``compat`` hashes (sent in the reply, compared on a refusal)."""
         self.ranks = [build_rank(scenario, role, r) for r in range(getattr(scenario, role).tp)]
         self.engine_id = engine_id
-        self.workers = [make_worker(r, engine_id, config, compat) for r in self.ranks]
+        self.workers = [make_worker(r, engine_id, config, compat, compat_inputs) for r in self.ranks]
         self.server = None
         if serve:
             infos = {w.topology.tp_rank: w.handshake_info() for w in self.workers}
-            reply = serve_reply(engine_id, len(self.workers), infos, compat)
+            reply = serve_reply(engine_id, len(self.workers), infos, compat, compat_inputs)
             self.server = SideChannelServer("127.0.0.1", 0, lambda: reply)
 
     def close(self):

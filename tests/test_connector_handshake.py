@@ -237,6 +237,63 @@ def test_hash_mismatch_names_both_and_can_be_overridden() -> None:
     assert hs.decode_reply(rewrap(payload_dict(), hash_="other"), HASH, enforce_hash=False).tp_size == 2
 
 
+INPUTS = {"vllm": "0.33.0", "model": "/models/m", "dtype": "torch.bfloat16", "cache_dtype": "auto",
+          "transfer": "pull-read", "speculative": {"method": "mtp", "num_speculative_tokens": 1}}
+
+
+@pytest.mark.parametrize("key,value,setting", [
+    ("cache_dtype", "fp8", "--kv-cache-dtype"),
+    ("model", "/other/model", "--model"),
+    ("dtype", "torch.float16", "--dtype"),
+    ("speculative", {"method": "mtp", "num_speculative_tokens": 2}, "--speculative-config"),
+    ("vllm", "0.32.0", "the vLLM version"),
+])
+def test_a_refused_hash_names_the_setting_the_engines_differ_in(key: str, value: object, setting: str) -> None:
+    theirs = {**INPUTS, key: value}
+    raw = hs.encode_reply("P", 2, ranks(), hs.compat_hash(theirs), theirs)
+    with pytest.raises(HandshakeError) as info:
+        hs.decode_reply(raw, hs.compat_hash(INPUTS), expected_inputs=INPUTS)
+    msg = str(info.value)
+    assert f"{key} is {value!r} on the remote engine but {INPUTS[key]!r} here (start both with the same {setting})" in msg
+    others = [k for k in INPUTS if k != key and f"{k} is " in msg.replace(f"{key} is ", "")]
+    assert not others, msg  # only what differs is named
+    # the same inputs pass the hash; a setting only one side has is named with None on the other
+    assert hs.decode_reply(hs.encode_reply("P", 2, ranks(), hs.compat_hash(INPUTS), INPUTS),
+                           hs.compat_hash(INPUTS), expected_inputs=INPUTS).tp_size == 2
+    extra = {**INPUTS, "new_setting": 1}
+    with pytest.raises(HandshakeError, match="new_setting is 1 on the remote engine but None here"):
+        hs.decode_reply(hs.encode_reply("P", 2, ranks(), hs.compat_hash(extra), extra),
+                        hs.compat_hash(INPUTS), expected_inputs=INPUTS)
+
+
+def test_a_refused_hash_without_inputs_to_compare_says_what_may_differ() -> None:
+    """An earlier peer sends no inputs, and a reader may have none: the refusal lists the candidates."""
+    theirs = {**INPUTS, "cache_dtype": "fp8"}
+    for raw, mine in ((rewrap(payload_dict(), hash_=hs.compat_hash(theirs)), INPUTS),
+                      (hs.encode_reply("P", 2, ranks(), hs.compat_hash(theirs), theirs), None)):
+        with pytest.raises(HandshakeError, match="model, dtype, kv-cache dtype, speculative decoding, vLLM or nixlkv"):
+            hs.decode_reply(raw, hs.compat_hash(INPUTS), expected_inputs=mine)
+
+
+def test_the_compat_inputs_keep_the_wire_and_the_hash_of_earlier_peers() -> None:
+    """A reader of the three-field reply still decodes one with inputs, and the hash of given inputs
+    is the one earlier nixlkv computed (engines of both versions still pair)."""
+    import hashlib
+    import json
+
+    class EarlierReply(msgspec.Struct, array_like=True):
+        schema_version: int
+        compat_hash: str
+        payload: bytes
+
+    raw = hs.encode_reply("P", 2, ranks(), HASH, INPUTS)
+    assert msgspec.msgpack.decode(raw, type=EarlierReply).compat_hash == HASH
+    earlier = hashlib.sha256(json.dumps({"schema_version": hs.SCHEMA_VERSION, **INPUTS}, sort_keys=True,
+                                        default=str).encode()).hexdigest()[:32]
+    assert hs.compat_hash(INPUTS) == earlier
+    assert hs.compat_hash({**INPUTS, "cache_dtype": "fp8"}) != earlier  # negative control
+
+
 def test_side_channel_round_trip_and_timeout() -> None:
     server = hs.SideChannelServer("127.0.0.1", 0, valid)
     try:

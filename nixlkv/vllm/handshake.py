@@ -2,7 +2,7 @@
 
 Wire format (msgpack through msgspec, never pickle)::
 
-    reply    = [schema_version: int, compat_hash: str, payload: bytes]
+    reply    = [schema_version: int, compat_hash: str, payload: bytes, [compat_inputs: map]]
     payload  = [engine_id: str, tp_size: int, ranks: [[tp_rank: int, agent_metadata: bytes, geometry: map], ...]]
     geometry = {engine_id, tp_size, tp_rank, memory: [[address, nbytes], ...], device_id, mem_type,
                 region_classes: [{strategy, num_blocks, block_stride, page, [page_parts], facts}, ...],
@@ -15,7 +15,8 @@ checks the per-layer fields in bulk. The per-region form of earlier peers (``reg
 description per region, ``RankGeometry.to_dict``) is still accepted and checked as before.
 
 The reader decodes ``[schema_version, compat_hash]`` first and refuses a different schema or
-compatibility hash before it looks at the payload. Then every field is checked: types (msgspec),
+compatibility hash before it looks at the payload; ``compat_inputs`` (what the hash is made of,
+optional: older peers do not send it) lets that refusal name the setting the engines differ in. Then every field is checked: types (msgspec),
 then each rank's geometry the reader plans with (``RankGeometry.from_dict``; a decode rank reads
 only some ranks, ``Dispatcher.needed_ranks``, and the others' geometry is never parsed: their
 agent metadata is all it uses, to tell them a request is done), then the cross-field facts (engine id and
@@ -59,6 +60,7 @@ class Reply(msgspec.Struct, array_like=True):
     schema_version: int
     compat_hash: str
     payload: bytes
+    compat_inputs: dict[str, Any] | None = None  # what compat_hash hashes: a refusal names what differs
 
 
 class RankPayload(msgspec.Struct, array_like=True):
@@ -90,17 +92,57 @@ class RemoteEngine:
 
 def compat_hash(inputs: Mapping[str, Any]) -> str:
     """Hash of what both engines must share exactly (model, dtypes, wire schema...)."""
-    blob = json.dumps({"schema_version": SCHEMA_VERSION, **inputs}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(wire_inputs(inputs), sort_keys=True).encode()).hexdigest()[:32]
 
 
-def encode_reply(engine_id: str, tp_size: int, ranks: Mapping[int, tuple[bytes, RankGeometry]], hash_: str) -> bytes:
+def wire_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` as the hash sees them and the handshake carries them: plain JSON values."""
+    return json.loads(json.dumps({"schema_version": SCHEMA_VERSION, **inputs}, sort_keys=True, default=str))
+
+
+# What each compatibility input is, for an operator: the setting to make equal on both engines.
+COMPAT_SETTINGS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "cache_dtype": "--kv-cache-dtype",
+    "speculative": "--speculative-config",
+    "vllm": "the vLLM version",
+    "schema_version": "the nixlkv version",
+    "transfer": "the nixlkv version",
+}
+
+
+def compat_difference(remote: Mapping[str, Any], local: Mapping[str, Any]) -> str | None:
+    """The inputs two engines differ in, each with both values and the setting to make equal;
+    None where they differ in none (then the hashes were made otherwise)."""
+    keys = sorted(k for k in set(remote) | set(local) if remote.get(k) != local.get(k))
+    if not keys:
+        return None
+    return "; ".join(
+        f"{k} is {_short(remote.get(k))} on the remote engine but {_short(local.get(k))} here "
+        f"(start both with the same {COMPAT_SETTINGS.get(k, k)})"
+        for k in keys
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def encode_reply(
+    engine_id: str, tp_size: int, ranks: Mapping[int, tuple[bytes, RankGeometry]], hash_: str,
+    inputs: Mapping[str, Any] | None = None,
+) -> bytes:
+    """``inputs``: what ``hash_`` was made of (:func:`compat_hash`), sent so that a peer refusing
+    it can say which setting differs."""
     payload = EnginePayload(
         engine_id=engine_id,
         tp_size=tp_size,
         ranks=[RankPayload(r, meta, geo.to_wire()) for r, (meta, geo) in sorted(ranks.items())],
     )
-    return msgspec.msgpack.encode(Reply(SCHEMA_VERSION, hash_, msgspec.msgpack.encode(payload)))
+    sent = None if inputs is None else wire_inputs(inputs)
+    return msgspec.msgpack.encode(Reply(SCHEMA_VERSION, hash_, msgspec.msgpack.encode(payload), sent))
 
 
 def decode_reply(
@@ -110,8 +152,12 @@ def decode_reply(
     max_bytes: int = 64 << 20,
     expected_engine_id: str | None = None,
     ranks: Callable[[int], Iterable[int]] | None = None,
+    expected_inputs: Mapping[str, Any] | None = None,
 ) -> RemoteEngine:
     """Validate a handshake reply completely, or raise HandshakeError naming what is wrong.
+
+    ``expected_inputs``: what ``expected_hash`` was made of; a refused hash then names the inputs
+    the engines differ in, where the remote sent its own.
 
     ``ranks``: given the remote TP size, the ranks whose geometry the reader plans with
     (``Dispatcher.needed_ranks``); only theirs is parsed and checked, and only theirs is in
@@ -131,9 +177,9 @@ def decode_reply(
             "run the same nixlkv version on prefill and decode"
         )
     if header.compat_hash != expected_hash:
-        msg = (
-            f"compatibility hash mismatch: remote {header.compat_hash!r}, local {expected_hash!r} "
-            "(model, dtype, kv-cache dtype or nixlkv version differ between the engines)"
+        msg = f"compatibility hash mismatch: remote {header.compat_hash!r}, local {expected_hash!r}: " + (
+            _difference(raw, expected_inputs)
+            or "model, dtype, kv-cache dtype, speculative decoding, vLLM or nixlkv version differ between the engines"
         )
         if enforce_hash:
             raise HandshakeError(msg)
@@ -144,6 +190,18 @@ def decode_reply(
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise HandshakeError(f"handshake payload malformed: {exc}") from None
     return _validate(payload, expected_engine_id, ranks)
+
+
+def _difference(raw: bytes | bytearray | memoryview, local: Mapping[str, Any] | None) -> str | None:
+    """What a refused reply's compatibility inputs differ in from ``local``; None where either
+    side has none to compare."""
+    if local is None:
+        return None
+    try:
+        remote = msgspec.msgpack.decode(raw, type=Reply).compat_inputs
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        return None
+    return None if remote is None else compat_difference(remote, wire_inputs(local))
 
 
 def _validate(

@@ -99,12 +99,14 @@ class NixlkvWorker:
         dispatcher: Dispatcher | None = None,
         model_hints: Callable[[str], Mapping[str, Any]] | None = None,
         model_facts: Mapping[str, Any] | None = None,
+        compat_inputs: Mapping[str, Any] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.topology = Topology(tp_size, tp_rank)
         self.kv_cache_config = kv_cache_config
         self.config = config
         self.compat = compat
+        self.compat_inputs = compat_inputs  # what compat hashes: a refused peer is told what differs
         self.total_kv_heads = total_kv_heads
         self.model_hints = model_hints  # per-layer model facts beyond head counts (Mamba geometry)
         self.model_facts = dict(model_facts or {})  # model config facts a capture records
@@ -249,6 +251,7 @@ class NixlkvWorker:
         engine = handshake.decode_reply(
             raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id,
             ranks=lambda remote_tp: self.dispatcher.needed_ranks(self.geometry, remote_tp),  # the others are only told
+            expected_inputs=self.compat_inputs,
         )
         plan = self.dispatcher.plan(self.geometry, engine.geometry)
         t0 = time.perf_counter()
@@ -557,8 +560,13 @@ class NixlkvWorker:
             self.nixl = None
 
 
-def serve_reply(engine_id: str, tp_size: int, infos: Mapping[int, HandshakeInfo], compat: str) -> bytes:
-    """The side channel's answer for an engine whose ranks advertised ``infos``."""
+def serve_reply(
+    engine_id: str, tp_size: int, infos: Mapping[int, HandshakeInfo], compat: str,
+    compat_inputs: Mapping[str, Any] | None = None,
+) -> bytes:
+    """The side channel's answer for an engine whose ranks advertised ``infos`` (``compat_inputs``:
+    what ``compat`` hashes, sent so that a refusing peer can name what differs)."""
     if sorted(infos) != list(range(tp_size)):
         raise NixlkvError(f"handshake metadata of ranks {sorted(infos)} for tp_size={tp_size}")
-    return handshake.encode_reply(engine_id, tp_size, {r: (i.agent_metadata, i.geometry) for r, i in infos.items()}, compat)
+    return handshake.encode_reply(engine_id, tp_size, {r: (i.agent_metadata, i.geometry) for r, i in infos.items()},
+                                  compat, compat_inputs)
