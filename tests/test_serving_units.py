@@ -223,6 +223,70 @@ def test_with_prefix_caching_both_engines_cache_and_d_can_be_told_to_forget(tmp_
     assert resets == [srv.d_url]  # only an engine that caches is told to forget
 
 
+def test_several_prefill_engines_get_ports_of_their_own_and_the_proxy_takes_them_all(tmp_path, monkeypatch) -> None:
+    assert Case(prefills=2).label == "tiny-llama 2xP1->D1 b32 nixlkv"
+    with pytest.raises(ValueError, match="prefills must be at least 1"):
+        Case(prefills=0)
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    srv = check.Servers(Case(prefills=3, p_tp=4, d_tp=4), check.Options(python="python", port=8100))
+    specs = [srv.p_spec, *srv.more_p_specs, srv.d_spec]
+    ports = [s.port for s in specs] + [srv.opts.port + 2]  # engines and the proxy
+    assert len(set(ports)) == len(ports)
+    # vLLM's connector takes a side-channel port per TP rank from the one given: no two ranges meet
+    channels = [c for s in specs for c in range(s.side_channel_port, s.side_channel_port + s.tp)]
+    assert len(set(channels)) == len(channels) and not set(channels) & set(ports)
+    assert all(s.role == "kv_producer" and s.tp == 4 for s in specs[:-1])
+    assert srv.p_urls == ["http://127.0.0.1:8100", "http://127.0.0.1:8103", "http://127.0.0.1:8104"]
+    assert check.Servers(Case(), check.Options(python="python")).p_urls == ["http://127.0.0.1:8100"]
+
+
+@pytest.mark.parametrize("served,held,ok", [
+    ((6, 5), (0.0, 0.0), True),
+    ((11, 0), (0.0, 0.0), False),  # one engine prefilled nothing: D never met a second engine
+    ((6, 5), (0.0, 0.002), False),  # an engine still holds blocks no decode will read
+])
+def test_every_prefill_engine_must_have_prefilled_and_hold_nothing(monkeypatch, served, held, ok) -> None:
+    srv = SimpleNamespace(p_urls=["P0", "P1"])
+    after = {url: {"vllm:request_success_total{finished_reason=length}": float(n), "vllm:kv_cache_usage_perc": u}
+             for url, n, u in zip(srv.p_urls, served, held)}
+    monkeypatch.setattr(check, "scrape", lambda url: after[url])
+    monkeypatch.setattr(check, "settled_kv_usage", lambda url: after[url]["vllm:kv_cache_usage_perc"])
+    out = check.prefills_served(srv, [{}, {}])
+    assert out["ok"] is ok and list(out["requests"].values()) == list(map(float, served))
+    result = check.Result({}, "x", "exact", [check.Row("r", 3, {"ok": True}, {}, True, None)], {"ok": True}, None, {},
+                          prefills=out)
+    assert result.ok is ok  # the case passes only if every engine did its part
+
+
+def test_engine_arguments_beyond_the_case_go_last_and_a_restart_keeps_them(tmp_path, monkeypatch) -> None:
+    spec = EngineSpec(tmp_path, "kv_producer", 8100, 8110, extra_args=("--kv-cache-dtype", "fp8"))
+    assert spec.argv("python")[-2:] == ["--kv-cache-dtype", "fp8"]
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    srv = check.Servers(Case(), check.Options(python="python"))
+    started = []
+
+    class Proc:
+        def __init__(self, name, spec):
+            started.append((name, spec.argv("python")))
+
+        def start(self):
+            return self
+
+        def wait_ready(self, timeout):
+            return 1.0
+
+        def alive(self):
+            return False
+
+    monkeypatch.setattr(check, "engine_process", lambda name, spec, py, log_dir: Proc(name, spec))
+    srv.restart_decode(("--num-gpu-blocks-override", "36"))
+    srv.restart_prefill(("--kv-cache-dtype", "fp8"))
+    srv.restart_prefill()  # keeps P's arguments
+    assert [n for n, _ in started] == ["decode", "prefill", "prefill"]
+    assert started[0][1][-2:] == ["--num-gpu-blocks-override", "36"]
+    assert started[1][1][-2:] == started[2][1][-2:] == ["--kv-cache-dtype", "fp8"]
+
+
 def _fake_engine(monkeypatch, metrics_after: dict[str, float]) -> list[str]:
     """check's client calls answered without engines: D alone and the proxy give the same answer;
     D's metrics move by ``metrics_after`` across the P/D request."""
@@ -264,7 +328,7 @@ def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit,
 ])
 def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkeypatch, connector, transfers, held,
                                                                           other_differs, ok) -> None:
-    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P",
+    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "p_urls": ["P"],
                          "forget_on_decode": lambda self: None})()
     mine, others = [[1, 2], [3, 4], [5, 6]], [[7, 8], [9, 9], [1, 1]]
     first: list[int] = []

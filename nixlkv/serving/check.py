@@ -54,6 +54,11 @@ class Case:
     rule: str | None = None  # exact | drift; None: exact at equal TP unless the recipe says otherwise
     seed: int = 0
     prefix_caching: bool = False  # both engines cache prefixes (vLLM's default); adds the prefix-hit prompts
+    prefills: int = 1  # prefill engines behind the proxy (taken in turn): D plans each engine after the first by rebasing
+
+    def __post_init__(self) -> None:
+        if self.prefills < 1:
+            raise ValueError(f"prefills must be at least 1 (prefill engines behind the proxy), got {self.prefills}")
 
     @property
     def label(self) -> str:
@@ -61,7 +66,8 @@ class Case:
         pb, db = self.p_block or rec.block_size, self.d_block or rec.block_size
         blocks = f" b{pb}/b{db}" if pb != db else f" b{pb}"
         cached = " prefix-cache" if self.prefix_caching else ""
-        return f"{self.model} P{self.p_tp}->D{self.d_tp}{blocks}{cached} {self.connector}"
+        engines = f"{self.prefills}x" if self.prefills > 1 else ""
+        return f"{self.model} {engines}P{self.p_tp}->D{self.d_tp}{blocks}{cached} {self.connector}"
 
 
 @dataclass
@@ -155,6 +161,7 @@ class Result:
     error: str | None = None
     refusal: str | None = None  # the connector's own refusal (D's log), when it refused the pairing
     parallel: dict[str, Any] | None = None  # n > 1 seeded samples through the proxy (exact cases)
+    prefills: dict[str, Any] | None = None  # several prefill engines: the requests each one prefilled
 
     @property
     def ok(self) -> bool:
@@ -162,7 +169,9 @@ class Result:
             return False
         control_ok = self.negative_control is None or self.negative_control.get("bites", False)
         parallel_ok = self.parallel is None or self.parallel.get("ok", False)
-        return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok
+        prefills_ok = self.prefills is None or self.prefills.get("ok", False)
+        return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
+            and prefills_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -188,6 +197,10 @@ class Servers:
         self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  extra_config=dict(p_extra or {}), env={**env, **(p_env or {})})
+        # further prefill engines (case.prefills): the same configuration on ports of their own
+        self.more_p_specs = [replace(self.p_spec, port=base + 2 + i, side_channel_port=base + 10 + 20 * i)
+                             for i in range(1, case.prefills)]
+        self.more_p: list[Process] = []
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
         self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
@@ -202,6 +215,11 @@ class Servers:
         return f"http://127.0.0.1:{self.p_spec.port}"
 
     @property
+    def p_urls(self) -> list[str]:
+        """Every prefill engine's URL, P first (the proxy takes them in turn)."""
+        return [self.p_url, *(f"http://127.0.0.1:{spec.port}" for spec in self.more_p_specs)]
+
+    @property
     def d_url(self) -> str:
         return f"http://127.0.0.1:{self.d_spec.port}"
 
@@ -212,10 +230,13 @@ class Servers:
     def start(self) -> dict[str, float]:
         py = self.opts.python
         self.p = engine_process("prefill", self.p_spec, py, self.log_dir).start()
+        self.more_p = [engine_process(f"prefill{i}", spec, py, self.log_dir).start()
+                       for i, spec in enumerate(self.more_p_specs, 1)]
         self.d = engine_process("decode", self.d_spec, py, self.log_dir).start()
         ready = {"prefill": self.p.wait_ready(self.opts.start_timeout_s),
+                 **{proc.name: proc.wait_ready(self.opts.start_timeout_s) for proc in self.more_p},
                  "decode": self.d.wait_ready(self.opts.start_timeout_s)}
-        self.proxy = proxy_process([self.p_url], [self.d_url], self.opts.port + 2, py, self.log_dir).start()
+        self.proxy = proxy_process(self.p_urls, [self.d_url], self.opts.port + 2, py, self.log_dir).start()
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
 
@@ -230,15 +251,27 @@ class Servers:
         if self.p is not None:
             self.p.kill()
 
-    def restart_prefill(self) -> float:
-        """A new P process on the same host, port and side channel (new NIXL agents and memory)."""
+    def restart_prefill(self, extra_args: tuple[str, ...] | None = None) -> float:
+        """A new P process on the same host, port and side channel (new NIXL agents and memory);
+        ``extra_args``: further `vllm serve` arguments for it (and later restarts)."""
+        if extra_args is not None:
+            self.p_spec = replace(self.p_spec, extra_args=tuple(extra_args))
         if self.p is not None and self.p.alive():
             self.p.stop()
         self.p = engine_process("prefill", self.p_spec, self.opts.python, self.log_dir).start()
         return self.p.wait_ready(self.opts.start_timeout_s)
 
+    def restart_decode(self, extra_args: tuple[str, ...] | None = None) -> float:
+        """A new D process on the same port and side channel, as :meth:`restart_prefill`."""
+        if extra_args is not None:
+            self.d_spec = replace(self.d_spec, extra_args=tuple(extra_args))
+        if self.d is not None and self.d.alive():
+            self.d.stop()
+        self.d = engine_process("decode", self.d_spec, self.opts.python, self.log_dir).start()
+        return self.d.wait_ready(self.opts.start_timeout_s)
+
     def stop(self) -> None:
-        for proc in (self.proxy, self.d, self.p):
+        for proc in (self.proxy, self.d, self.p, *self.more_p):
             if proc is not None:
                 proc.stop()
 
@@ -358,7 +391,7 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     before = scrape(srv.d_url)
     got = sample_n(srv.proxy_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
     facts = _transfer_facts(delta(scrape(srv.d_url), before))
-    held = settled_kv_usage(srv.p_url, timeout_s=5.0, poll_s=0.1)  # P frees on D's notification
+    held = max(settled_kv_usage(url, timeout_s=5.0, poll_s=0.1) for url in srv.p_urls)  # P frees on D's notification
     same = got == ref
     other = [(prompt[0] + 1 - FIRST_ID) % (models.VOCAB_SIZE - FIRST_ID) + FIRST_ID, *prompt[1:]]
     control = sample_n(srv.d_url, model, other, case.max_tokens, PARALLEL_N, case.seed + 7) != ref
@@ -462,6 +495,7 @@ def run_case(case: Case, opts: Options) -> Result:
     try:
         with srv:
             result.startup_s = srv.start()
+            served_before = [scrape(url) for url in srv.p_urls] if case.prefills > 1 else None
             prompts = make_prompts(case, block, rec.max_model_len, opts.quick)
             result.rows = run_prompts(srv, case, rule, prompts)
             if case.prefix_caching:
@@ -470,6 +504,8 @@ def run_case(case: Case, opts: Options) -> Result:
             result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
             if rule == "exact":  # sampled tokens follow logprobs: only an exact case can ask identical samples
                 result.parallel = run_parallel_sampling(srv, case, block)
+            if served_before is not None:
+                result.prefills = prefills_served(srv, served_before)
             if opts.negative_control:
                 result.negative_control = run_negative_control(srv, case, rule, block)
     except (ServeError, CompletionError, OSError) as exc:
@@ -477,6 +513,19 @@ def run_case(case: Case, opts: Options) -> Result:
     result.case["log_dir"] = str(srv.log_dir)
     result.refusal = refusal_in(srv.log_dir / "decode.log")
     return result
+
+
+def prefills_served(srv: Servers, before: list[dict[str, float]]) -> dict[str, Any]:
+    """With several prefill engines: the requests each one prefilled (its own
+    ``vllm:request_success_total``) and the KV blocks it still holds. Each must have prefilled some
+    (or D never met more than one engine) and hold none."""
+    served, held = {}, {}
+    for url, was in zip(srv.p_urls, before):
+        moved = delta(scrape(url), was)
+        served[url] = sum(v for k, v in moved.items() if k.startswith("vllm:request_success_total"))
+        held[url] = settled_kv_usage(url)
+    return {"ok": all(n > 0 for n in served.values()) and not any(held.values()),
+            "requests": served, "kv_usage_after": held}
 
 
 REFUSAL_MARKS = ("error=IncompatibleGeometry: ", "error=HandshakeError: ")
@@ -532,6 +581,10 @@ def format_table(results: list[Result]) -> str:
                          f"another prompt's differ: {pa.get('control_differs')}, "
                          f"{pa.get('facts', {}).get('transfers', 0):.0f} transfer(s), "
                          f"P's KV usage after: {pa.get('p_kv_usage_after')})")
+        if res.prefills is not None:
+            pf = res.prefills
+            lines.append(f"   prefill engines: {'ok' if pf.get('ok') else 'FAIL'} (requests prefilled per engine "
+                         f"{list(pf.get('requests', {}).values())}, KV usage after {list(pf.get('kv_usage_after', {}).values())})")
         if res.negative_control is not None:
             nc = res.negative_control
             reasons = "; ".join(v.get("reason", "") for v in nc.get("verdicts", []))

@@ -13,11 +13,20 @@ the engines' own metrics say about their KV blocks.
 4. **The same params sent twice**: a request decoded from P's KV, then sent to D again with the
    same ``kv_transfer_params``; P freed those blocks on the first read's notification, so the
    second must not read them: nixlkv computes it on D (no transfer), and it must answer right.
+5. **D short of KV blocks**: D restarted with room for one longest request and a few blocks more;
+   concurrent requests through the proxy then preempt each other on D after their loads. Every
+   answer must pass the drift rule against D alone, D must have preempted (else the drill tested
+   nothing), each request must have been read once (a preempted request recomputes, it never
+   reads P's freed blocks again), and neither engine holds blocks afterwards.
+6. **P started with another --kv-cache-dtype**: the handshake refuses P; the request is recomputed
+   exactly (``recompute``) or fails (``fail``), D's log names the setting (nixlkv), D holds no
+   blocks and P frees its blocks when the lease ends.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -143,7 +152,87 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
             ok, why = False, f"a request failed: {exc}"
         facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
         drills.append(Drill("the same params sent twice", ok, facts, why))
+
+        drills.append(_short_decode(srv, case, rng, rule))
+        drills.append(_other_cache_dtype(srv, case, rng, policy))
     return drills
+
+
+SHORT_REQUESTS = 6  # concurrent requests of drill 5, each a fifth of max_model_len long, asking for 3/10 more
+
+
+def _short_decode(srv: Servers, case: Case, rng: np.random.Generator, rule: str) -> Drill:
+    """Drill 5: D with room for one longest request (and 4 blocks) serves six that need three times that."""
+    model, rec = str(srv.model_dir), srv.recipe
+    block = srv.d_spec.block_size
+    room = -(-rec.max_model_len // block) + 4
+    facts: dict[str, Any] = {"d_blocks": room, "restart_s": round(srv.restart_decode(("--num-gpu-blocks-override", str(room))), 1)}
+    length, answer = rec.max_model_len // 5, 3 * rec.max_model_len // 10
+    prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
+    refs = [complete(srv.d_url, model, p, answer) for p in prompts]  # one at a time: each fits
+    before = scrape(srv.d_url)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, srv.proxy_url, model, p, answer, timeout_s=600) for p in prompts]
+        faults = []
+        for i, (ref, fut) in enumerate(zip(refs, futures)):
+            try:
+                v = judge(ref, fut.result(), rule if rule != "exact" else "drift")  # batched: other GEMM shapes
+                if not v.ok:
+                    faults.append(f"request {i}: {v.reason}")
+            except CompletionError as exc:
+                faults.append(f"request {i} failed: {exc}")
+    moved = delta(scrape(srv.d_url), before)
+    facts["preemptions"] = moved.get("vllm:num_preemptions_total", 0.0)
+    facts["transfers"] = _transfer_facts(moved).get("transfers", 0.0)
+    if not facts["preemptions"]:
+        faults.append("D preempted nothing: the drill tested nothing")
+    if case.connector == "nixlkv" and facts["transfers"] != len(prompts):
+        faults.append(f"{facts['transfers']:.0f} transfers for {len(prompts)} requests: a preempted request read P again")
+    facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
+    facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
+    if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
+        faults.append("blocks still held after the requests ended")
+    return Drill("D short of KV blocks (preemption)", not faults, facts, "; ".join(faults))
+
+
+OTHER_CACHE_DTYPE = "fp8"  # P's --kv-cache-dtype in drill 6 (D runs auto)
+
+
+def _other_cache_dtype(srv: Servers, case: Case, rng: np.random.Generator, policy: str) -> Drill:
+    """Drill 6: P restarted with another --kv-cache-dtype than D."""
+    model = str(srv.model_dir)
+    facts: dict[str, Any] = {"policy": policy, "p_kv_cache_dtype": OTHER_CACHE_DTYPE,
+                             "restart_s": round(srv.restart_prefill(("--kv-cache-dtype", OTHER_CACHE_DTYPE)), 1)}
+    prompt = _prompt(rng, 3 * srv.recipe.block_size + 5)
+    ref = complete(srv.d_url, model, prompt, case.max_tokens)
+    params = prefill_on(srv.p_url, model, prompt)
+    faults = []
+    try:
+        got = complete(srv.d_url, model, prompt, case.max_tokens, kv_transfer_params=params, timeout_s=120)
+        verdict = judge(ref, got, "exact")  # recomputed on D: D alone's answer
+        facts["verdict"] = verdict.to_dict()
+        if policy == "fail":
+            faults.append("answered under fail")
+        elif not verdict.ok:
+            faults.append(f"recomputed answer: {verdict.reason}")
+    except CompletionError as exc:
+        facts["status"] = exc.status
+        if policy == "recompute":
+            faults.append(f"failed under recompute: {exc}")
+    if case.connector == "nixlkv":
+        said = f"cache_dtype is '{OTHER_CACHE_DTYPE}' on the remote engine but 'auto' here"
+        facts["setting_named"] = said in srv.d.log.read_text(errors="replace") if srv.d else False
+        if not facts["setting_named"]:
+            faults.append(f"D's log does not say {said!r}")
+    facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
+    facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url, timeout_s=LEASE_S * 6 + 30)  # freed by the lease
+    if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
+        faults.append("blocks still held after the request ended")
+    try:
+        complete(srv.d_url, model, prompt[:5], 2)
+    except CompletionError as exc:
+        faults.append(f"D serves no plain request after: {exc}")
+    return Drill(f"P with another --kv-cache-dtype ({OTHER_CACHE_DTYPE})", not faults, facts, "; ".join(faults))
 
 
 def run(case: Case, opts: Options, policies: tuple[str, ...] = ("recompute", "fail")) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class EngineSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config additions
     env: dict[str, str] = field(default_factory=dict)
     load_failure_policy: str | None = None  # vLLM's kv_load_failure_policy (fail | recompute)
+    extra_args: tuple[str, ...] = ()  # further `vllm serve` arguments (a drill's other --kv-cache-dtype)
 
     def kv_transfer_config(self) -> dict[str, Any]:
         if self.connector == "nixlkv":
@@ -69,7 +70,7 @@ class EngineSpec:
             "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
         ]
         args.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
-        return args
+        return args + list(self.extra_args)
 
     def environ(self) -> dict[str, str]:
         env = dict(os.environ)
