@@ -155,13 +155,16 @@ def test_what_cannot_or_need_not_be_cut_is_left_whole() -> None:
         assert (list(req.all_token_ids), req.num_prompt_tokens, req.max_tokens, list(req.block_hashes)) == before
 
 
-def _scheduler(model: str):
+def _scheduler(model: str, prefix_caching: bool | None = None):
+    """``prefix_caching``: the engine's own prefix cache on or off (None: the harness model's)."""
     from pd_harness import vllm_config
 
     from nixlkv.vllm.config import ConnectorConfig
     from nixlkv.vllm.scheduler import NixlkvScheduler
 
     vc = vllm_config("kv_producer", "P", 1, 16, {}, model)
+    if prefix_caching is not None:
+        vc.cache_config.enable_prefix_caching = prefix_caching
     return NixlkvScheduler(vc, "P", ConnectorConfig(), "c", _kv_cache_config(model))
 
 
@@ -240,7 +243,7 @@ def test_a_prefill_request_is_read_by_one_decode_request_only(caplog: pytest.Log
     itself may be asked again (vLLM asks each step a request waits)."""
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p-7", "remote_host": "h",
               "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
-    sched = _scheduler("llama")
+    sched = _scheduler("llama", prefix_caching=False)  # nothing to wait for: see the test below
     reqs = {}
     for rid in ("child-0", "child-1", "again", "aborted"):
         reqs[rid] = req = _request(list(range(10, 50)))
@@ -266,3 +269,38 @@ def test_a_prefill_request_is_read_by_one_decode_request_only(caplog: pytest.Log
     other = _request(list(range(10, 50)))
     other.request_id, other.kv_transfer_params = "fresh", {**params, "remote_request_id": "p-8"}
     assert sched.get_num_new_matched_tokens(other, 0) == (40, True)
+
+
+@pytest.mark.parametrize("outcome", ["loaded", "failed", "reader aborted", "reader claimed nothing"])
+def test_with_a_prefix_cache_the_others_wait_for_the_reader_then_claim_nothing(outcome: str) -> None:
+    """D caching prefixes: a second request naming a prefill request that its reader is still
+    loading waits (vLLM asks again each step) and, once the reader's load ended however it ended,
+    claims nothing: its prompt's full blocks are then in D's prefix cache (vLLM hands it the hit),
+    not computed again. It never reads, never tells P, and another prefill request is not held up."""
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p-7", "remote_host": "h",
+              "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
+    sched = _scheduler("llama", prefix_caching=True)
+    reqs = {}
+    for rid in ("child-0", "child-1", "other"):
+        reqs[rid] = req = _request(list(range(10, 50)))
+        req.request_id, req.kv_transfer_params = rid, dict(params)
+        sched.on_new_request(req)
+    reqs["other"].kv_transfer_params["remote_request_id"] = "p-8"
+    reader, child = reqs["child-0"], reqs["child-1"]
+    if outcome == "reader claimed nothing":  # D's own cache held the whole prompt: nothing to load
+        assert sched.get_num_new_matched_tokens(reader, 40) == (0, False)
+        sched.update_state_after_alloc(reader, _NewBlocks([]), 0)
+    else:
+        assert sched.get_num_new_matched_tokens(reader, 0) == (40, True)
+        assert sched.get_num_new_matched_tokens(child, 0) == (None, False)  # waits
+        sched.update_state_after_alloc(reader, _NewBlocks([5, 6, 7]), 40)
+        assert sched.get_num_new_matched_tokens(child, 0) == (None, False)  # still loading
+        assert sched.get_num_new_matched_tokens(reqs["other"], 0) == (40, True)  # another prefill request: read
+        if outcome == "reader aborted":
+            sched.request_finished(reader, [[5, 6, 7]])
+        else:  # vLLM reports a failed load among the finished ones too
+            sched.update_connector_output({"child-0"})
+    assert sched.get_num_new_matched_tokens(child, 32) == (0, False)  # D's cache hit is its; nothing claimed
+    sched.update_state_after_alloc(child, _NewBlocks([9]), 0)
+    recv = sched.build_connector_meta(None).reqs_to_recv
+    assert "child-1" not in recv and "child-1" not in sched._awaiting

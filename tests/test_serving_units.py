@@ -350,6 +350,24 @@ def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkey
     assert first[0] == first[1] != first[2]  # D alone and the proxy the same prompt; the control another
 
 
+@pytest.mark.parametrize("connector,hit,ok", [
+    ("nixlkv", 128.0, True),  # two children x the prompt's two full blocks of 32, from D's cache
+    ("nixlkv", 64.0, False),  # one child computed the prompt again
+    ("vllm", 0.0, True),  # vLLM's connector: each child reads; no share asked of it
+])
+def test_with_a_prefix_cache_the_other_samples_take_the_loaded_blocks_from_it(monkeypatch, connector, hit, ok) -> None:
+    srv = SimpleNamespace(model_dir="m", d_url="D", proxy_url="X", p_urls=["P"], forget_on_decode=lambda: None)
+    calls = iter([[[1, 2]] * 3, [[1, 2]] * 3, [[7, 7]] * 3])  # D alone, through the proxy, the control
+    monkeypatch.setattr(check, "sample_n", lambda *a, **k: next(calls))
+    d_metrics = iter([{}, {"vllm:nixlkv_xfer_time_seconds_count": 1.0,
+                           "vllm:prompt_tokens_by_source_total{source=local_cache_hit}": hit}])
+    monkeypatch.setattr(check, "scrape", lambda url: next(d_metrics))
+    monkeypatch.setattr(check, "settled_kv_usage", lambda url, **k: 0.0)
+    result = check.run_parallel_sampling(srv, Case(connector=connector, prefix_caching=True), 32)
+    assert result["prompt_len"] == 69 and result["ok"] is ok
+    assert result["shared_from_cache"] is (None if connector == "vllm" else ok)
+
+
 def test_reset_prefix_cache_retries_while_blocks_are_held_then_names_the_failure() -> None:
     async def run(successes: list[bool]) -> tuple[int, str]:
         seen = []

@@ -381,8 +381,10 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     alone: vLLM splits it into three children that each carry the request's kv_transfer_params.
     The samples must be D's own (an exact case: equal TP, seeds the same), and P must hold no
     block afterwards (a child's blocks held for no reader would stay until their lease ends).
-    nixlkv reads P's blocks once (the other children compute the prompt on D). The control: D's
-    samples of the prompt with its first token changed differ, or equal samples would prove nothing."""
+    nixlkv reads P's blocks once (the other children compute the prompt on D; with D's prefix cache
+    on they wait for the read and take its full blocks from that cache, so D's hits must cover
+    them). The control: D's samples of the prompt with its first token changed differ, or equal
+    samples would prove nothing."""
     model = str(srv.model_dir)
     rng = np.random.default_rng(case.seed + 4)
     prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=2 * block + 5).tolist()
@@ -397,8 +399,13 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     control = sample_n(srv.d_url, model, other, case.max_tokens, PARALLEL_N, case.seed + 7) != ref
     transfers = facts.get("transfers", 0)
     reads_ok = transfers == 1 if case.connector == "nixlkv" else transfers >= 1
-    return {"ok": same and reads_ok and held == 0 and control, "identical": same, "control_differs": control,
-            "n": PARALLEL_N, "prompt_len": len(prompt), "p_kv_usage_after": held, "facts": facts}
+    shared = None  # the loaded blocks the other children took from D's prefix cache, where it caches
+    if case.prefix_caching and case.connector == "nixlkv":
+        d_block = case.d_block or models.recipe(case.model).block_size
+        shared = facts.get("hit_tokens", 0) >= (PARALLEL_N - 1) * ((len(prompt) - 1) // d_block * d_block)
+    return {"ok": same and reads_ok and held == 0 and control and shared is not False, "identical": same,
+            "control_differs": control, "shared_from_cache": shared, "n": PARALLEL_N, "prompt_len": len(prompt),
+            "p_kv_usage_after": held, "facts": facts}
 
 
 def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dict[str, Any]:
@@ -580,7 +587,10 @@ def format_table(results: list[Result]) -> str:
                          f"{'ok' if pa.get('ok') else 'FAIL'} (identical to D alone: {pa.get('identical')}, "
                          f"another prompt's differ: {pa.get('control_differs')}, "
                          f"{pa.get('facts', {}).get('transfers', 0):.0f} transfer(s), "
-                         f"P's KV usage after: {pa.get('p_kv_usage_after')})")
+                         + (f"the others' blocks from D's cache: {pa['shared_from_cache']} "
+                            f"({pa.get('facts', {}).get('hit_tokens', 0):.0f} tokens hit), "
+                            if pa.get("shared_from_cache") is not None else "")
+                         + f"P's KV usage after: {pa.get('p_kv_usage_after')})")
         if res.prefills is not None:
             pf = res.prefills
             lines.append(f"   prefill engines: {'ok' if pf.get('ok') else 'FAIL'} (requests prefilled per engine "

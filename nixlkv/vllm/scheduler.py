@@ -130,6 +130,11 @@ class NixlkvScheduler:
         # reader's notification, so a second request naming them (vLLM's n > 1 children, params
         # sent again) computes its prompt here rather than read blocks P may have reused.
         self._read_by: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # D with its own prefix cache: readers whose load is under way. Another request naming the
+        # same prefill request waits for it (vLLM asks again next step), then finds the loaded
+        # blocks in D's prefix cache, rather than compute the whole prompt again.
+        self._share_loads = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+        self._loading: set[str] = set()
         self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)
 
     # ------------------------------------------------------------------ side channel
@@ -188,8 +193,9 @@ class NixlkvScheduler:
         return reader
 
     def update_connector_output(self, finished_recving: Any) -> None:
-        for rid in finished_recving or ():
+        for rid in finished_recving or ():  # loaded or failed
             self._awaiting.pop(rid, None)
+            self._loading.discard(rid)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -204,9 +210,16 @@ class NixlkvScheduler:
             key = (recv.remote_engine_id, recv.remote_request_id)
             reader = self._reader(key, request.request_id)
             if reader != request.request_id:
-                logger.warning("nixlkv computes %s's prompt here: its kv_transfer_params name prefill request %s of "
-                               "engine %s, which request %s reads (n > 1, or the params sent twice); a prefill "
-                               "request's blocks are read once", request.request_id, key[1], key[0], reader)
+                if reader in self._loading:  # its blocks will be in D's prefix cache: ask again next step
+                    return None, False
+                if self._share_loads:
+                    logger.info("nixlkv reads nothing for %s: its kv_transfer_params name prefill request %s of "
+                                "engine %s, which request %s loaded (n > 1, or the params sent twice); D's prefix "
+                                "cache gives it what it still holds", request.request_id, key[1], key[0], reader)
+                else:
+                    logger.warning("nixlkv computes %s's prompt here: its kv_transfer_params name prefill request %s "
+                                   "of engine %s, which request %s reads (n > 1, or the params sent twice); a "
+                                   "prefill request's blocks are read once", request.request_id, key[1], key[0], reader)
                 params["do_remote_prefill"] = False  # nothing to read, and P is told by its reader
                 self._awaiting.pop(request.request_id, None)
                 return 0, False
@@ -222,6 +235,8 @@ class NixlkvScheduler:
             count = target - num_computed_tokens
             if count > 0:
                 self._local_hit[request.request_id] = num_computed_tokens
+                if self._share_loads:
+                    self._loading.add(request.request_id)
                 return count, True
         return 0, False
 
@@ -237,6 +252,7 @@ class NixlkvScheduler:
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
         if num_external_tokens <= 0:
             self._awaiting.pop(request.request_id, None)
+            self._loading.discard(request.request_id)
         awaiting = self._awaiting.get(request.request_id)
         try:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
@@ -282,6 +298,7 @@ class NixlkvScheduler:
         self._awaiting.pop(rid, None)
         self._short.discard(rid)
         self._local_hit.pop(rid, None)
+        self._loading.discard(rid)
         if not (prefill or decode):
             return False, None
         if prefill:
