@@ -258,7 +258,7 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
     for connector in args.connector or ["nixlkv"]:
         case = Case(model=args.model, connector=connector, p_tp=args.p_tp, d_tp=args.d_tp, p_block=args.p_block,
                     d_block=args.d_block, max_tokens=args.max_tokens, concurrency=args.concurrency, rule=args.rule,
-                    prefix_caching=args.prefix_caching, prefills=args.prefills)
+                    prefix_caching=args.prefix_caching, prefills=args.prefills, decodes=args.decodes)
         print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
         results.append(run_case(case, opts))
     print(to_json(results) if args.json else format_table(results))
@@ -418,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer prompts (the CI smoke case)")
     p.add_argument("--prefills", type=int, default=1,
                    help="prefill engines behind the proxy, taken in turn (D plans each after the first by rebasing)")
+    p.add_argument("--decodes", type=int, default=1,
+                   help="decode engines behind the proxy, taken in turn (P serves each one's reads)")
     p.add_argument("--no-negative-control", action="store_true")
     p.add_argument("--prefix-caching", action="store_true",
                    help="both engines cache prefixes (vLLM's default): adds prompts whose prefix D already holds")

@@ -5,6 +5,7 @@ command lines. The real servers run in tests/test_serving_smoke.py."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 from types import SimpleNamespace
@@ -223,21 +224,30 @@ def test_with_prefix_caching_both_engines_cache_and_d_can_be_told_to_forget(tmp_
     assert resets == [srv.d_url]  # only an engine that caches is told to forget
 
 
-def test_several_prefill_engines_get_ports_of_their_own_and_the_proxy_takes_them_all(tmp_path, monkeypatch) -> None:
+def test_several_engines_of_a_kind_get_ports_of_their_own_and_the_proxy_takes_them_all(tmp_path, monkeypatch) -> None:
     assert Case(prefills=2).label == "tiny-llama 2xP1->D1 b32 nixlkv"
-    with pytest.raises(ValueError, match="prefills must be at least 1"):
-        Case(prefills=0)
+    assert Case(decodes=3, d_tp=2).label == "tiny-llama P1->3xD2 b32 nixlkv"
+    for field in ("prefills", "decodes"):
+        with pytest.raises(ValueError, match=f"{field} must be at least 1"):
+            Case(**{field: 0})
+    with pytest.raises(ValueError, match="prefix-hit rows warm one decode engine"):
+        Case(decodes=2, prefix_caching=True)
     monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
-    srv = check.Servers(Case(prefills=3, p_tp=4, d_tp=4), check.Options(python="python", port=8100))
-    specs = [srv.p_spec, *srv.more_p_specs, srv.d_spec]
+    srv = check.Servers(Case(prefills=3, decodes=2, p_tp=4, d_tp=4), check.Options(python="python", port=8100))
+    specs = [srv.p_spec, *srv.more_p_specs, srv.d_spec, *srv.more_d_specs]
     ports = [s.port for s in specs] + [srv.opts.port + 2]  # engines and the proxy
     assert len(set(ports)) == len(ports)
     # vLLM's connector takes a side-channel port per TP rank from the one given: no two ranges meet
     channels = [c for s in specs for c in range(s.side_channel_port, s.side_channel_port + s.tp)]
     assert len(set(channels)) == len(channels) and not set(channels) & set(ports)
-    assert all(s.role == "kv_producer" and s.tp == 4 for s in specs[:-1])
+    assert [s.role for s in specs] == ["kv_producer"] * 3 + ["kv_consumer"] * 2 and all(s.tp == 4 for s in specs)
     assert srv.p_urls == ["http://127.0.0.1:8100", "http://127.0.0.1:8103", "http://127.0.0.1:8104"]
-    assert check.Servers(Case(), check.Options(python="python")).p_urls == ["http://127.0.0.1:8100"]
+    assert srv.d_urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8105"]
+    one = check.Servers(Case(), check.Options(python="python"))
+    assert one.p_urls == ["http://127.0.0.1:8100"] and one.d_urls == ["http://127.0.0.1:8101"]
+    metrics = {"http://127.0.0.1:8101": {"a": 1.0, "b": 2.0}, "http://127.0.0.1:8105": {"a": 3.0}}
+    monkeypatch.setattr(check, "scrape", lambda url: metrics[url])
+    assert srv.decode_metrics() == {"a": 4.0, "b": 2.0}  # a request through the proxy, wherever it went
 
 
 @pytest.mark.parametrize("served,held,ok", [
@@ -245,16 +255,16 @@ def test_several_prefill_engines_get_ports_of_their_own_and_the_proxy_takes_them
     ((11, 0), (0.0, 0.0), False),  # one engine prefilled nothing: D never met a second engine
     ((6, 5), (0.0, 0.002), False),  # an engine still holds blocks no decode will read
 ])
-def test_every_prefill_engine_must_have_prefilled_and_hold_nothing(monkeypatch, served, held, ok) -> None:
-    srv = SimpleNamespace(p_urls=["P0", "P1"])
+def test_every_engine_of_a_kind_must_have_served_and_hold_nothing(monkeypatch, served, held, ok) -> None:
+    urls = ["P0", "P1"]
     after = {url: {"vllm:request_success_total{finished_reason=length}": float(n), "vllm:kv_cache_usage_perc": u}
-             for url, n, u in zip(srv.p_urls, served, held)}
+             for url, n, u in zip(urls, served, held)}
     monkeypatch.setattr(check, "scrape", lambda url: after[url])
     monkeypatch.setattr(check, "settled_kv_usage", lambda url: after[url]["vllm:kv_cache_usage_perc"])
-    out = check.prefills_served(srv, [{}, {}])
+    out = check.engines_served(urls, [{}, {}])
     assert out["ok"] is ok and list(out["requests"].values()) == list(map(float, served))
     result = check.Result({}, "x", "exact", [check.Row("r", 3, {"ok": True}, {}, True, None)], {"ok": True}, None, {},
-                          prefills=out)
+                          engines={"ok": out["ok"], "engines": {"prefill": out}})
     assert result.ok is ok  # the case passes only if every engine did its part
 
 
@@ -322,6 +332,8 @@ def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit,
 @pytest.mark.parametrize("connector,transfers,held,other_differs,ok", [
     ("nixlkv", 1, 0.0, True, True),
     ("nixlkv", 3, 0.0, True, False),  # every child read P's blocks: P frees them on the first notification
+    ("nixlkv@2", 2, 0.0, True, True),  # P2 -> D2: one READ per decode rank
+    ("nixlkv@2", 4, 0.0, True, False),  # two children read, at each rank
     ("vllm", 3, 0.0, True, True),  # vLLM's connector is held to the answers and P's blocks only
     ("nixlkv", 1, 0.01, True, False),  # P still holds blocks no decode reads
     ("nixlkv", 1, 0.0, False, False),  # another prompt samples the same: the comparison is blind
@@ -329,7 +341,7 @@ def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit,
 def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkeypatch, connector, transfers, held,
                                                                           other_differs, ok) -> None:
     srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "p_urls": ["P"],
-                         "forget_on_decode": lambda self: None})()
+                         "forget_on_decode": lambda self: None, "decode_metrics": lambda self: check.scrape("D")})()
     mine, others = [[1, 2], [3, 4], [5, 6]], [[7, 8], [9, 9], [1, 1]]
     first: list[int] = []
 
@@ -345,7 +357,9 @@ def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkey
     clock = [0.0]  # the poll's own clock: each sleep moves it, so the poll ends without waiting
     monkeypatch.setattr(client, "time", SimpleNamespace(monotonic=lambda: clock[0],
                                                         sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
-    result = check.run_parallel_sampling(srv, Case(connector=connector), 32)
+    name, _, tp = connector.partition("@")
+    tp = int(tp or 1)
+    result = check.run_parallel_sampling(srv, Case(connector=name, p_tp=tp, d_tp=tp), 32)
     assert result["ok"] is ok and result["identical"]
     assert first[0] == first[1] != first[2]  # D alone and the proxy the same prompt; the control another
 
@@ -356,7 +370,8 @@ def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkey
     ("vllm", 0.0, True),  # vLLM's connector: each child reads; no share asked of it
 ])
 def test_with_a_prefix_cache_the_other_samples_take_the_loaded_blocks_from_it(monkeypatch, connector, hit, ok) -> None:
-    srv = SimpleNamespace(model_dir="m", d_url="D", proxy_url="X", p_urls=["P"], forget_on_decode=lambda: None)
+    srv = SimpleNamespace(model_dir="m", d_url="D", proxy_url="X", p_urls=["P"], forget_on_decode=lambda: None,
+                          decode_metrics=lambda: check.scrape("D"))
     calls = iter([[[1, 2]] * 3, [[1, 2]] * 3, [[7, 7]] * 3])  # D alone, through the proxy, the control
     monkeypatch.setattr(check, "sample_n", lambda *a, **k: next(calls))
     d_metrics = iter([{}, {"vllm:nixlkv_xfer_time_seconds_count": 1.0,
@@ -490,6 +505,24 @@ def test_proxy_refuses_a_body_that_is_not_a_json_object() -> None:
     stand = StandIns()
     results = asyncio.run(_run_proxy(stand, [[1, 2, 3]]))  # type: ignore[list-item]
     assert results[0][0] == 400 and not stand.seen["p"]
+
+
+@pytest.mark.parametrize("num_p,num_d", [(1, 1), (2, 1), (1, 3), (2, 2), (2, 4), (3, 2), (4, 6), (3, 3)])
+def test_the_proxy_pairs_every_prefill_with_every_decode_engine_and_takes_each_kind_in_turn(num_p, num_d) -> None:
+    from nixlkv.serving.proxy import pairings
+
+    cycle = pairings(num_p, num_d)
+    assert sorted(cycle) == [(i, j) for i in range(num_p) for j in range(num_d)]  # every pair, once
+    ps = [i for i, _ in cycle]
+    assert ps == [s % num_p for s in range(len(cycle))]  # prefill engines round-robin
+    ds = [j for _, j in cycle]
+    block = math.lcm(num_p, num_d)  # within each block the decode engines are round-robin too
+    for start in range(0, len(cycle), block):
+        for k in range(start, start + block - num_d + 1):
+            assert sorted(ds[k:k + num_d]) == list(range(num_d))
+    if (num_p, num_d) == (2, 2):  # the control: two plain round-robins would never pair P0 with D1
+        assert list(zip(itertools.islice(itertools.cycle(range(2)), 4), itertools.islice(itertools.cycle(range(2)), 4))) \
+            == [(0, 0), (1, 1), (0, 0), (1, 1)] and (0, 1) in cycle
 
 
 def test_proxy_needs_both_kinds_of_engine() -> None:

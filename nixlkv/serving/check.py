@@ -55,10 +55,15 @@ class Case:
     seed: int = 0
     prefix_caching: bool = False  # both engines cache prefixes (vLLM's default); adds the prefix-hit prompts
     prefills: int = 1  # prefill engines behind the proxy (taken in turn): D plans each engine after the first by rebasing
+    decodes: int = 1  # decode engines behind the proxy (taken in turn): P serves each one's handshake and reads
 
     def __post_init__(self) -> None:
-        if self.prefills < 1:
-            raise ValueError(f"prefills must be at least 1 (prefill engines behind the proxy), got {self.prefills}")
+        for name in ("prefills", "decodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (engines behind the proxy), got {getattr(self, name)}")
+        if self.decodes > 1 and self.prefix_caching:
+            raise ValueError("decodes > 1 with prefix_caching: the prefix-hit rows warm one decode engine's cache, "
+                             "and the proxy may send the request to another; run them apart")
 
     @property
     def label(self) -> str:
@@ -66,8 +71,9 @@ class Case:
         pb, db = self.p_block or rec.block_size, self.d_block or rec.block_size
         blocks = f" b{pb}/b{db}" if pb != db else f" b{pb}"
         cached = " prefix-cache" if self.prefix_caching else ""
-        engines = f"{self.prefills}x" if self.prefills > 1 else ""
-        return f"{self.model} {engines}P{self.p_tp}->D{self.d_tp}{blocks}{cached} {self.connector}"
+        ps = f"{self.prefills}x" if self.prefills > 1 else ""
+        ds = f"{self.decodes}x" if self.decodes > 1 else ""
+        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached} {self.connector}"
 
 
 @dataclass
@@ -161,7 +167,7 @@ class Result:
     error: str | None = None
     refusal: str | None = None  # the connector's own refusal (D's log), when it refused the pairing
     parallel: dict[str, Any] | None = None  # n > 1 seeded samples through the proxy (exact cases)
-    prefills: dict[str, Any] | None = None  # several prefill engines: the requests each one prefilled
+    engines: dict[str, Any] | None = None  # several engines of a kind: the requests each one served
 
     @property
     def ok(self) -> bool:
@@ -169,9 +175,9 @@ class Result:
             return False
         control_ok = self.negative_control is None or self.negative_control.get("bites", False)
         parallel_ok = self.parallel is None or self.parallel.get("ok", False)
-        prefills_ok = self.prefills is None or self.prefills.get("ok", False)
+        engines_ok = self.engines is None or self.engines.get("ok", False)
         return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
-            and prefills_ok
+            and engines_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -197,15 +203,18 @@ class Servers:
         self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  extra_config=dict(p_extra or {}), env={**env, **(p_env or {})})
-        # further prefill engines (case.prefills): the same configuration on ports of their own
-        self.more_p_specs = [replace(self.p_spec, port=base + 2 + i, side_channel_port=base + 10 + 20 * i)
-                             for i in range(1, case.prefills)]
         self.more_p: list[Process] = []
+        self.more_d: list[Process] = []
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
         self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  env={**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else env,
                                  load_failure_policy=d_policy)
+        # further engines (case.prefills, case.decodes): P's or D's configuration, each on ports of its own
+        # after the proxy's, side channels 10 apart (vLLM's connector takes one port per TP rank)
+        extra = [self.p_spec] * (case.prefills - 1) + [self.d_spec] * (case.decodes - 1)
+        specs = [replace(spec, port=base + 2 + e, side_channel_port=base + 20 + 10 * e) for e, spec in enumerate(extra, 1)]
+        self.more_p_specs, self.more_d_specs = specs[:case.prefills - 1], specs[case.prefills - 1:]
         self.p: Process | None = None
         self.d: Process | None = None
         self.proxy: Process | None = None
@@ -218,6 +227,19 @@ class Servers:
     def p_urls(self) -> list[str]:
         """Every prefill engine's URL, P first (the proxy takes them in turn)."""
         return [self.p_url, *(f"http://127.0.0.1:{spec.port}" for spec in self.more_p_specs)]
+
+    @property
+    def d_urls(self) -> list[str]:
+        """Every decode engine's URL, D first (references are D's own; the proxy takes them in turn)."""
+        return [self.d_url, *(f"http://127.0.0.1:{spec.port}" for spec in self.more_d_specs)]
+
+    def decode_metrics(self) -> dict[str, float]:
+        """Every decode engine's metrics, summed: what a request through the proxy did, wherever it went."""
+        out: dict[str, float] = {}
+        for url in self.d_urls:
+            for k, v in scrape(url).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     @property
     def d_url(self) -> str:
@@ -233,10 +255,13 @@ class Servers:
         self.more_p = [engine_process(f"prefill{i}", spec, py, self.log_dir).start()
                        for i, spec in enumerate(self.more_p_specs, 1)]
         self.d = engine_process("decode", self.d_spec, py, self.log_dir).start()
+        self.more_d = [engine_process(f"decode{i}", spec, py, self.log_dir).start()
+                       for i, spec in enumerate(self.more_d_specs, 1)]
         ready = {"prefill": self.p.wait_ready(self.opts.start_timeout_s),
                  **{proc.name: proc.wait_ready(self.opts.start_timeout_s) for proc in self.more_p},
-                 "decode": self.d.wait_ready(self.opts.start_timeout_s)}
-        self.proxy = proxy_process(self.p_urls, [self.d_url], self.opts.port + 2, py, self.log_dir).start()
+                 "decode": self.d.wait_ready(self.opts.start_timeout_s),
+                 **{proc.name: proc.wait_ready(self.opts.start_timeout_s) for proc in self.more_d}}
+        self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir).start()
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
 
@@ -271,7 +296,7 @@ class Servers:
         return self.d.wait_ready(self.opts.start_timeout_s)
 
     def stop(self) -> None:
-        for proc in (self.proxy, self.d, self.p, *self.more_p):
+        for proc in (self.proxy, self.d, *self.more_d, self.p, *self.more_p):
             if proc is not None:
                 proc.stop()
 
@@ -324,9 +349,9 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             ref = complete(srv.d_url, model, prompt, case.max_tokens)
             natural = natural_answer(srv, case, rule, prompt)
             srv.forget_on_decode()
-            before = scrape(srv.d_url)
+            before = srv.decode_metrics()
             got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
-            facts = _transfer_facts(delta(scrape(srv.d_url), before))
+            facts = _transfer_facts(delta(srv.decode_metrics(), before))
         except (CompletionError, OSError) as exc:
             rows.append(Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"))
             continue
@@ -349,7 +374,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
     naturals = [natural_answer(srv, case, "drift", p) for p in prompts]
     srv.forget_on_decode()
-    before = scrape(srv.d_url)
+    before = srv.decode_metrics()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=case.concurrency) as pool:
         futs = [pool.submit(complete, srv.proxy_url, model, p, case.max_tokens) for p in prompts]
@@ -361,7 +386,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
                 errors.append(f"{type(exc).__name__}: {exc}")
                 gots.append(None)
     wall = time.perf_counter() - t0
-    facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    facts = _transfer_facts(delta(srv.decode_metrics(), before))
     # Batched with each other, decodes run other GEMM shapes than D's one-at-a-time references: bf16
     # reduction order moves logprobs a little (measured 0.045, both connectors alike), as another TP
     # size does. The batch is judged by the drift rule whatever the case's rule.
@@ -390,15 +415,16 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=2 * block + 5).tolist()
     ref = sample_n(srv.d_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
     srv.forget_on_decode()
-    before = scrape(srv.d_url)
+    before = srv.decode_metrics()
     got = sample_n(srv.proxy_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
-    facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    facts = _transfer_facts(delta(srv.decode_metrics(), before))
     held = max(settled_kv_usage(url, timeout_s=5.0, poll_s=0.1) for url in srv.p_urls)  # P frees on D's notification
     same = got == ref
     other = [(prompt[0] + 1 - FIRST_ID) % (models.VOCAB_SIZE - FIRST_ID) + FIRST_ID, *prompt[1:]]
     control = sample_n(srv.d_url, model, other, case.max_tokens, PARALLEL_N, case.seed + 7) != ref
     transfers = facts.get("transfers", 0)
-    reads_ok = transfers == 1 if case.connector == "nixlkv" else transfers >= 1
+    # read once: one READ per decode rank (P and D at one TP size here: each rank reads its peer)
+    reads_ok = transfers == case.d_tp if case.connector == "nixlkv" else transfers >= case.d_tp
     shared = None  # the loaded blocks the other children took from D's prefix cache, where it caches
     if case.prefix_caching and case.connector == "nixlkv":
         d_block = case.d_block or models.recipe(case.model).block_size
@@ -502,7 +528,9 @@ def run_case(case: Case, opts: Options) -> Result:
     try:
         with srv:
             result.startup_s = srv.start()
-            served_before = [scrape(url) for url in srv.p_urls] if case.prefills > 1 else None
+            # several engines of a kind behind the proxy: what each serves is counted from here on
+            several = {kind: urls for kind, urls in (("prefill", srv.p_urls), ("decode", srv.d_urls)) if len(urls) > 1}
+            served_before = {kind: [scrape(url) for url in urls] for kind, urls in several.items()}
             prompts = make_prompts(case, block, rec.max_model_len, opts.quick)
             result.rows = run_prompts(srv, case, rule, prompts)
             if case.prefix_caching:
@@ -511,8 +539,9 @@ def run_case(case: Case, opts: Options) -> Result:
             result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
             if rule == "exact":  # sampled tokens follow logprobs: only an exact case can ask identical samples
                 result.parallel = run_parallel_sampling(srv, case, block)
-            if served_before is not None:
-                result.prefills = prefills_served(srv, served_before)
+            if several:
+                served = {kind: engines_served(urls, served_before[kind]) for kind, urls in several.items()}
+                result.engines = {"ok": all(v["ok"] for v in served.values()), "engines": served}
             if opts.negative_control:
                 result.negative_control = run_negative_control(srv, case, rule, block)
     except (ServeError, CompletionError, OSError) as exc:
@@ -522,12 +551,12 @@ def run_case(case: Case, opts: Options) -> Result:
     return result
 
 
-def prefills_served(srv: Servers, before: list[dict[str, float]]) -> dict[str, Any]:
-    """With several prefill engines: the requests each one prefilled (its own
-    ``vllm:request_success_total``) and the KV blocks it still holds. Each must have prefilled some
-    (or D never met more than one engine) and hold none."""
+def engines_served(urls: list[str], before: list[dict[str, float]]) -> dict[str, Any]:
+    """With several engines of a kind: the requests each one finished (its own
+    ``vllm:request_success_total``) and the KV blocks it still holds. Each must have served some
+    (or the other side never met more than one engine) and hold none."""
     served, held = {}, {}
-    for url, was in zip(srv.p_urls, before):
+    for url, was in zip(urls, before):
         moved = delta(scrape(url), was)
         served[url] = sum(v for k, v in moved.items() if k.startswith("vllm:request_success_total"))
         held[url] = settled_kv_usage(url)
@@ -591,10 +620,10 @@ def format_table(results: list[Result]) -> str:
                             f"({pa.get('facts', {}).get('hit_tokens', 0):.0f} tokens hit), "
                             if pa.get("shared_from_cache") is not None else "")
                          + f"P's KV usage after: {pa.get('p_kv_usage_after')})")
-        if res.prefills is not None:
-            pf = res.prefills
-            lines.append(f"   prefill engines: {'ok' if pf.get('ok') else 'FAIL'} (requests prefilled per engine "
-                         f"{list(pf.get('requests', {}).values())}, KV usage after {list(pf.get('kv_usage_after', {}).values())})")
+        for kind, served in (res.engines or {}).get("engines", {}).items():
+            lines.append(f"   {kind} engines: {'ok' if served.get('ok') else 'FAIL'} (requests per engine "
+                         f"{list(served.get('requests', {}).values())}, KV usage after "
+                         f"{list(served.get('kv_usage_after', {}).values())})")
         if res.negative_control is not None:
             nc = res.negative_control
             reasons = "; ".join(v.get("reason", "") for v in nc.get("verdicts", []))

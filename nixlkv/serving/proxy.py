@@ -5,7 +5,9 @@
 For each completion it asks a prefill engine for one token with ``kv_transfer_params``
 ``{"do_remote_decode": true}`` (P computes the prompt and holds its KV), then sends the original
 request to a decode engine with the ``kv_transfer_params`` P returned (D reads the KV and
-decodes). Streaming answers are passed through as they come. Engines are chosen round-robin.
+decodes). Streaming answers are passed through as they come. Engines are taken in turn, each
+kind round-robin, and over every P x D requests every (P, D) pair once (:func:`pairings`), so that
+every decode engine meets every prefill engine.
 It speaks only the keys vLLM's NixlConnector uses, so it drives either connector.
 """
 
@@ -15,6 +17,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,13 +51,22 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 
+def pairings(num_prefill: int, num_decode: int) -> list[tuple[int, int]]:
+    """One cycle of (prefill, decode) engine indices: each kind round-robin at every step, and every
+    pair exactly once. Two plain round-robins of 2 and 2 would pair P0 with D0 and P1 with D1 for
+    ever; here the decode index steps one further after each ``lcm`` requests, which walks every
+    pair (the ``gcd`` offsets between the two indices, ``lcm`` pairs each)."""
+    cycle = math.lcm(num_prefill, num_decode)
+    return [(s % num_prefill, (s + s // cycle) % num_decode) for s in range(num_prefill * num_decode)]
+
+
 class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL")
         self.prefill, self.decode = list(prefill), list(decode)
-        self._p: Iterator[str] = itertools.cycle(self.prefill)
-        self._d: Iterator[str] = itertools.cycle(self.decode)
+        self._pairs: Iterator[tuple[str, str]] = itertools.cycle(
+            [(self.prefill[i], self.decode[j]) for i, j in pairings(len(self.prefill), len(self.decode))])
         self._session: ClientSession | None = None
         self.requests = 0
         self.failures = 0
@@ -94,7 +106,7 @@ class Proxy:
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         if self._session is None:
             return self._error(503, "the proxy is starting")
-        p_url, d_url = next(self._p), next(self._d)
+        p_url, d_url = next(self._pairs)
         async with self._session.post(f"{p_url}{request.path}", json=prefill_body(body), headers=headers) as p:
             p_text = await p.text()
             if p.status != 200:
