@@ -1069,7 +1069,8 @@ def _scheduler():
     from nixlkv.vllm.config import ConnectorConfig
     from nixlkv.vllm.scheduler import NixlkvScheduler
 
-    vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                         cache_config=SimpleNamespace(enable_prefix_caching=True))  # vLLM's default
     return NixlkvScheduler(vc, "D", ConnectorConfig(), "compat", SimpleNamespace(kv_cache_groups=[]))
 
 
