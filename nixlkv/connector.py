@@ -88,10 +88,17 @@ def vllm_compat_inputs(vllm_config: Any) -> dict[str, Any]:
     }
 
 
+# Speculative methods that propose from the token ids alone: no layer with KV, nothing of P's
+# prefill or of D's trailing tokens changes, so either engine may run them without the other.
+TOKEN_ONLY_SPECULATIVE = frozenset(("ngram", "ngram_gpu", "suffix"))
+
+
 def _speculative(spec: Any) -> dict[str, Any]:
-    """Speculative decoding changes which layers hold KV (a draft model's, MTP's) and how many
-    trailing tokens D computes: P and D must run the same method, draft model and token count."""
-    if spec is None:
+    """Speculative decoding with a drafter of its own (a draft model's layers, EAGLE's, MTP's)
+    changes which layers hold KV and how many trailing tokens D computes: P and D must run the same
+    method, draft model and token count. A proposer of :data:`TOKEN_ONLY_SPECULATIVE` (D alone
+    running n-gram lookup, as deployments do) is not compared."""
+    if spec is None or str(getattr(spec, "method", None)) in TOKEN_ONLY_SPECULATIVE:
         return {}
     return {"speculative": {
         "method": str(getattr(spec, "method", None)),

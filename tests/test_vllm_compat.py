@@ -259,7 +259,8 @@ def test_real_engine_config_refuses_context_parallel_and_a_host_buffer():
 
 
 def test_speculative_decoding_is_in_the_compat_hash():
-    """P and D with different speculative configs (method, draft model, token count) must not pair."""
+    """P and D with different speculative configs (method, draft model, token count) must not pair,
+    but for proposers that read token ids only (n-gram, suffix), which D may run alone."""
     sys.path.insert(0, str(Path(__file__).parent))
     from pd_harness import vllm_config
 
@@ -269,7 +270,12 @@ def test_speculative_decoding_is_in_the_compat_hash():
     plain = vllm_compat_hash(vc)
     assert vllm_compat_hash(vc) == plain
     hashes = set()
-    for method, tokens in (("mtp", 1), ("mtp", 2), ("eagle", 1)):
+    for method, tokens in (("mtp", 1), ("mtp", 2), ("eagle", 1), ("draft_model", 1), ("custom_class", 1)):
         vc.speculative_config = SimpleNamespace(method=method, model="draft", num_speculative_tokens=tokens)
         hashes.add(vllm_compat_hash(vc))
-    assert len(hashes) == 3 and plain not in hashes
+    assert len(hashes) == 5 and plain not in hashes
+    # a proposer of token ids alone (no KV layers, P's prefill unchanged): D may run it without P
+    for method in ("ngram", "ngram_gpu", "suffix"):
+        for tokens in (1, 4):
+            vc.speculative_config = SimpleNamespace(method=method, model=method, num_speculative_tokens=tokens)
+            assert vllm_compat_hash(vc) == plain, method
