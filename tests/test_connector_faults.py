@@ -11,7 +11,7 @@ from nixlkv.testing import oracle
 from nixlkv.vllm.handshake import SideChannelServer, compat_hash
 from nixlkv.vllm.metadata import NixlkvMetadata
 
-from connector_helpers import Engine, blocks, fa_scenario
+from connector_helpers import COMPAT, Engine, blocks, fa_scenario
 from test_connector_handshake import HASH, MUTATIONS
 from test_connector_worker import drive, recv
 
@@ -53,40 +53,30 @@ def test_incompatible_geometry_fails_only_that_remote(caplog) -> None:
             e.close()
 
 
-def test_compat_hash_mismatch_is_refused(caplog) -> None:
+_OURS = {"vllm": "0.33.0", "model": "/models/m", "dtype": "torch.bfloat16", "cache_dtype": "auto", "transfer": "pull-read"}
+_THEIRS = {**_OURS, "cache_dtype": "fp8"}
+
+
+@pytest.mark.parametrize("p_inputs,d_inputs,said", [
+    # an earlier peer (no inputs sent): the refusal lists what may differ
+    (None, None, "model, dtype, kv-cache dtype, speculative decoding, vLLM or nixlkv version differ"),
+    # P started with another --kv-cache-dtype: the setting, both values and the flag, and nothing else
+    (_THEIRS, _OURS, "cache_dtype is 'fp8' on the remote engine but 'auto' here (start both with the same --kv-cache-dtype)"),
+])
+def test_a_compat_hash_mismatch_fails_only_the_request_and_says_why(caplog, p_inputs, d_inputs, said) -> None:
     sc = fa_scenario(1, 1, num_tokens=40)
-    p = Engine(sc, "prefill", "P", serve=True, compat="other-model")
-    d = Engine(sc, "decode", "D")
+    p = Engine(sc, "prefill", "P", serve=True, compat=compat_hash(p_inputs) if p_inputs else "other-model",
+               compat_inputs=p_inputs)
+    d = Engine(sc, "decode", "D", compat=compat_hash(d_inputs) if d_inputs else COMPAT, compat_inputs=d_inputs)
     try:
         oracle.fill_decode(d.ranks[0])
         with caplog.at_level(logging.ERROR, logger="nixlkv.connector"):
             d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"r": recv(p, "r", [1, 2], [1, 2])}))
             _, failed, _ = drive(p, d, {"r"}, timeout=5, sent=set())
         assert failed[0] == {"r"}
-        assert "compatibility hash mismatch" in caplog.text
-        assert _sentinel_only(d.ranks[0])
-    finally:
-        p.close()
-        d.close()
-
-
-def test_a_refused_compat_hash_names_the_setting_that_differs(caplog) -> None:
-    """P started with another --kv-cache-dtype: D's refusal says which setting, both values and
-    the flag, fails only the request and writes nothing."""
-    sc = fa_scenario(1, 1, num_tokens=40)
-    ours = {"vllm": "0.33.0", "model": "/models/m", "dtype": "torch.bfloat16", "cache_dtype": "auto", "transfer": "pull-read"}
-    theirs = {**ours, "cache_dtype": "fp8"}
-    p = Engine(sc, "prefill", "P", serve=True, compat=compat_hash(theirs), compat_inputs=theirs)
-    d = Engine(sc, "decode", "D", compat=compat_hash(ours), compat_inputs=ours)
-    try:
-        oracle.fill_decode(d.ranks[0])
-        with caplog.at_level(logging.ERROR, logger="nixlkv.connector"):
-            d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"r": recv(p, "r", [1, 2], [1, 2])}))
-            _, failed, _ = drive(p, d, {"r"}, timeout=5, sent=set())
-        assert failed[0] == {"r"}
-        assert ("cache_dtype is 'fp8' on the remote engine but 'auto' here (start both with the same --kv-cache-dtype)"
-                in caplog.text)
-        assert "model is" not in caplog.text and "dtype is" not in caplog.text.replace("cache_dtype is", "")
+        assert "compatibility hash mismatch" in caplog.text and said in caplog.text
+        if p_inputs:
+            assert "model is" not in caplog.text and "dtype is" not in caplog.text.replace("cache_dtype is", "")
         assert _sentinel_only(d.ranks[0])
     finally:
         p.close()

@@ -281,19 +281,22 @@ class Servers:
         ``extra_args``: further `vllm serve` arguments for it (and later restarts)."""
         if extra_args is not None:
             self.p_spec = replace(self.p_spec, extra_args=tuple(extra_args))
-        if self.p is not None and self.p.alive():
-            self.p.stop()
-        self.p = engine_process("prefill", self.p_spec, self.opts.python, self.log_dir).start()
-        return self.p.wait_ready(self.opts.start_timeout_s)
+        self.p, ready_s = self._restarted(self.p, "prefill", self.p_spec)
+        return ready_s
 
     def restart_decode(self, extra_args: tuple[str, ...] | None = None) -> float:
         """A new D process on the same port and side channel, as :meth:`restart_prefill`."""
         if extra_args is not None:
             self.d_spec = replace(self.d_spec, extra_args=tuple(extra_args))
-        if self.d is not None and self.d.alive():
-            self.d.stop()
-        self.d = engine_process("decode", self.d_spec, self.opts.python, self.log_dir).start()
-        return self.d.wait_ready(self.opts.start_timeout_s)
+        self.d, ready_s = self._restarted(self.d, "decode", self.d_spec)
+        return ready_s
+
+    def _restarted(self, proc: Process | None, name: str, spec: EngineSpec) -> tuple[Process, float]:
+        """``proc`` stopped (if it runs) and a new one of ``spec`` started: it, and its seconds to ready."""
+        if proc is not None and proc.alive():
+            proc.stop()
+        proc = engine_process(name, spec, self.opts.python, self.log_dir).start()
+        return proc, proc.wait_ready(self.opts.start_timeout_s)
 
     def stop(self) -> None:
         for proc in (self.proxy, self.d, *self.more_d, self.p, *self.more_p):
