@@ -35,7 +35,7 @@ from .client import (
     Completion, CompletionError, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
 )
 from .compare import judge
-from .launch import EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
+from .launch import LOOPBACK, EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
 from .proxy import PREFILL_PARAMS
 
 FIRST_ID = len(models.SPECIAL_TOKENS)  # prompts avoid the special tokens
@@ -221,17 +221,17 @@ class Servers:
 
     @property
     def p_url(self) -> str:
-        return f"http://127.0.0.1:{self.p_spec.port}"
+        return _url(self.p_spec)
 
     @property
     def p_urls(self) -> list[str]:
         """Every prefill engine's URL, P first (the proxy takes them in turn)."""
-        return [self.p_url, *(f"http://127.0.0.1:{spec.port}" for spec in self.more_p_specs)]
+        return [_url(spec) for spec in (self.p_spec, *self.more_p_specs)]
 
     @property
     def d_urls(self) -> list[str]:
         """Every decode engine's URL, D first (references are D's own; the proxy takes them in turn)."""
-        return [self.d_url, *(f"http://127.0.0.1:{spec.port}" for spec in self.more_d_specs)]
+        return [_url(spec) for spec in (self.d_spec, *self.more_d_specs)]
 
     def decode_metrics(self) -> dict[str, float]:
         """Every decode engine's metrics, summed: what a request through the proxy did, wherever it went."""
@@ -243,11 +243,11 @@ class Servers:
 
     @property
     def d_url(self) -> str:
-        return f"http://127.0.0.1:{self.d_spec.port}"
+        return _url(self.d_spec)
 
     @property
     def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.opts.port + 2}"
+        return f"http://{LOOPBACK}:{self.opts.port + 2}"
 
     def start(self) -> dict[str, float]:
         py = self.opts.python
@@ -308,6 +308,10 @@ class Servers:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _url(spec: EngineSpec) -> str:
+    return f"http://{LOOPBACK}:{spec.port}"
 
 
 def build_model(name: str, root: Path, python: str) -> Path:

@@ -49,6 +49,13 @@ class Drill:
     why: str = ""
 
 
+def _still_held(srv: Servers, facts: dict[str, Any], p_timeout_s: float = 20.0) -> bool:
+    """Whether P or D still holds KV blocks once their frees settle (each one's usage into ``facts``)."""
+    facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url, timeout_s=p_timeout_s)
+    facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
+    return facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0
+
+
 def _prompt(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
 
@@ -112,9 +119,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
             facts["stale_status"] = exc.status
             if policy == "recompute":
                 ok, why = False, (why + "; " if why else "") + f"stale request failed under recompute: {exc}"
-        facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
-        facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
-        if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
+        if _still_held(srv, facts):
             ok, why = False, (why + "; " if why else "") + "blocks still held after the requests ended"
         drills.append(Drill("P restarted on the same port", ok, facts, why))
 
@@ -189,9 +194,7 @@ def _short_decode(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
         faults.append("D preempted nothing: the drill tested nothing")
     if case.connector == "nixlkv" and facts["transfers"] != len(prompts):
         faults.append(f"{facts['transfers']:.0f} transfers for {len(prompts)} requests: a preempted request read P again")
-    facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
-    facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
-    if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
+    if _still_held(srv, facts):
         faults.append("blocks still held after the requests ended")
     return Drill("D short of KV blocks (preemption)", not faults, facts, "; ".join(faults))
 
@@ -225,9 +228,7 @@ def _other_cache_dtype(srv: Servers, case: Case, rng: np.random.Generator, polic
         facts["setting_named"] = said in srv.d.log.read_text(errors="replace") if srv.d else False
         if not facts["setting_named"]:
             faults.append(f"D's log does not say {said!r}")
-    facts["d_kv_usage_after"] = settled_kv_usage(srv.d_url)
-    facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url, timeout_s=LEASE_S * 6 + 30)  # freed by the lease
-    if facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0:
+    if _still_held(srv, facts, p_timeout_s=LEASE_S * 6 + 30):  # P's blocks are freed by the lease
         faults.append("blocks still held after the request ended")
     try:
         complete(srv.d_url, model, prompt[:5], 2)
