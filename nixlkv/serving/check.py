@@ -34,6 +34,7 @@ from . import models
 from .client import (
     Completion, CompletionError, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
 )
+from .bytecheck import judge_dir
 from .compare import judge
 from .launch import LOOPBACK, EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
 from .proxy import PREFILL_PARAMS
@@ -85,6 +86,7 @@ class Options:
     start_timeout_s: float = 900.0
     negative_control: bool = True
     quick: bool = False  # fewer prompts (CI's smoke case)
+    verify_bytes: bool = False  # engines dump each request's blocks; D's loaded KV judged against P's (bytecheck)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -168,6 +170,7 @@ class Result:
     refusal: str | None = None  # the connector's own refusal (D's log), when it refused the pairing
     parallel: dict[str, Any] | None = None  # n > 1 seeded samples through the proxy (exact cases)
     engines: dict[str, Any] | None = None  # several engines of a kind: the requests each one served
+    bytes: dict[str, Any] | None = None  # --verify-bytes: D's loaded KV judged against P's (bytecheck)
 
     @property
     def ok(self) -> bool:
@@ -176,8 +179,9 @@ class Result:
         control_ok = self.negative_control is None or self.negative_control.get("bites", False)
         parallel_ok = self.parallel is None or self.parallel.get("ok", False)
         engines_ok = self.engines is None or self.engines.get("ok", False)
+        bytes_ok = self.bytes is None or self.bytes.get("ok", False)
         return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
-            and engines_ok
+            and engines_ok and bytes_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -200,16 +204,19 @@ class Servers:
         env = {**rec.env, **opts.extra_env}
         base = opts.port
         cached = case.prefix_caching
+        # with verify_bytes, every engine dumps the blocks it hands over or loads here (nixlkv.vllm.kvdump)
+        self.dump_dir = self.log_dir / "kv" if opts.verify_bytes and case.connector == "nixlkv" else None
+        dumps = {"dump_kv_dir": str(self.dump_dir)} if self.dump_dir else {}
         self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
-                                 extra_config=dict(p_extra or {}), env={**env, **(p_env or {})})
+                                 extra_config={**dumps, **(p_extra or {})}, env={**env, **(p_env or {})})
         self.more_p: list[Process] = []
         self.more_d: list[Process] = []
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
         self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  env={**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else env,
-                                 load_failure_policy=d_policy)
+                                 load_failure_policy=d_policy, extra_config=dict(dumps))
         # further engines (case.prefills, case.decodes): P's or D's configuration, each on ports of its own
         # after the proxy's, side channels 10 apart (vLLM's connector takes one port per TP rank)
         extra = [self.p_spec] * (case.prefills - 1) + [self.d_spec] * (case.decodes - 1)
@@ -551,6 +558,8 @@ def run_case(case: Case, opts: Options) -> Result:
                 result.engines = {"ok": all(v["ok"] for v in served.values()), "engines": served}
             if opts.negative_control:
                 result.negative_control = run_negative_control(srv, case, rule, block)
+        if srv.dump_dir is not None:  # every engine stopped: every dump written
+            result.bytes = judge_dir(srv.dump_dir).summary()
     except (ServeError, CompletionError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.case["log_dir"] = str(srv.log_dir)
@@ -637,8 +646,26 @@ def format_table(results: list[Result]) -> str:
             lines.append(f"   negative control (KV swapped between two {nc.get('prompt_len')}-token prompts): "
                          f"{'rejected as it must' if nc.get('bites') else 'NOT REJECTED: the check is blind'}"
                          f" ({reasons})")
+        if res.bytes is not None:
+            lines.append("   " + format_bytes(res.bytes))
         lines.append(f"   logs: {res.case.get('log_dir')}")
     return "\n".join(lines)
+
+
+def format_bytes(b: dict[str, Any]) -> str:
+    """One line for the in-serving byte check's summary (bytecheck.ByteVerdict.summary)."""
+    control = b.get("control") or {}
+    text = (f"bytes (D's loaded KV vs P's, per token and head): {'ok' if b.get('ok') else 'FAIL'} "
+            f"({b.get('loads', 0)} loads, {b.get('layers', 0)} layer loads, {b.get('token_heads', 0)} token-heads, "
+            f"{b.get('bytes', 0)} bytes, {b.get('mismatches', 0)} mismatches; control: "
+            + ("damaged copies rejected" if control.get("bites") else f"NOT REJECTED {control}") + ")")
+    if b.get("shown"):
+        text += " first: " + "; ".join(b["shown"])
+    if b.get("missing"):
+        text += f" no prefill dump for {b['missing']}"
+    if b.get("unjudged"):
+        text += f" NOT JUDGED: {b['unjudged']}"
+    return text
 
 
 def to_json(results: list[Result]) -> str:

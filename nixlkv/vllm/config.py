@@ -72,6 +72,9 @@ class ConnectorConfig:
     enforce_compat_hash: bool = True
     # where each worker writes what its engine built for the KV cache (nixlkv capture); None: nothing
     capture_dir: str | None = None
+    # where each worker writes the bytes of every request's blocks it hands over or loads, and its
+    # capture record (nixlkv.vllm.kvdump; serve-check --verify-bytes judges them); None: nothing
+    dump_kv_dir: str | None = None
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -142,11 +145,12 @@ class ConnectorConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                     raise ConfigError(f"{key} must be an integer >= {lo}, got {value!r}")
                 out[key] = value
-        if extra.get("capture_dir") is not None:
-            value = extra["capture_dir"]
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"capture_dir must be a directory path (a non-empty string), got {value!r}")
-            out["capture_dir"] = value
+        for key in ("capture_dir", "dump_kv_dir"):
+            if extra.get(key) is not None:
+                value = extra[key]
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{key} must be a directory path (a non-empty string), got {value!r}")
+                out[key] = value
         for key in ("enforce_compat_hash", "nixl_telemetry"):
             if key in extra:
                 value = extra[key]

@@ -72,6 +72,8 @@ class RecvRequest:
 class NixlkvMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvRequest] = field(default_factory=dict)
     reqs_to_send: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
+    # P, with dump_kv_dir set: request id -> (its block ids per group, its computed tokens)
+    reqs_to_dump: dict[str, tuple[tuple[list[int], ...], int]] = field(default_factory=dict)
     # D: remote engine -> {P request id: LeaseView or None} still waited for (keep them held)
     heartbeats: dict[RemoteKey, dict[str, LeaseView | None]] = field(default_factory=dict)
 

@@ -116,6 +116,7 @@ class NixlkvScheduler:
         self.side_channel_port = config.side_channel_port + int(getattr(parallel, "data_parallel_index", 0) or 0)
         self._recv: dict[str, RecvRequest] = {}
         self._send: dict[str, float] = {}
+        self._dump: dict[str, tuple[tuple[list[int], ...], int]] = {}  # with dump_kv_dir: what P hands over
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
         self.generation: str | None = None  # this engine's, published to consumers
@@ -266,8 +267,9 @@ class NixlkvScheduler:
 
     # ------------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: Any) -> NixlkvMetadata:
-        meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send, heartbeats=self._due_heartbeats())
-        self._recv, self._send = {}, {}
+        meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send, reqs_to_dump=self._dump,
+                              heartbeats=self._due_heartbeats())
+        self._recv, self._send, self._dump = {}, {}, {}
         return meta
 
     def _due_heartbeats(self) -> dict[RemoteKey, dict[str, LeaseView | None]]:
@@ -320,6 +322,8 @@ class NixlkvScheduler:
         hold = any(len(g) for g in groups)
         if hold:
             self._send[rid] = self.config.lease_s
+            if self.config.dump_kv_dir:
+                self._dump[rid] = (tuple(groups), int(request.num_computed_tokens))
         return hold, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -29,6 +29,7 @@ from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
 from ..transfer import InFlight, NixlRank, TransferError, parse_notification
 from ..vllm_layers import layer_caches, memory_device, registered_memory
 from .capture import engine_capture, write_capture
+from .kvdump import dump_request
 from . import handshake
 from .config import ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
@@ -132,6 +133,7 @@ class NixlkvWorker:
         self._done_send: set[str] = set()
         self.stats = NixlkvStats()
         self._ids = IdScratch()  # descriptor ids of the request being posted (NIXL copies them)
+        self._kv_caches: Mapping[str, Any] | None = None  # kept only to dump requests (dump_kv_dir)
 
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -154,10 +156,12 @@ class NixlkvWorker:
         self.reader = Reader(
             self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
         )
-        if self.config.capture_dir:
+        for directory in dict.fromkeys(d for d in (self.config.capture_dir, self.config.dump_kv_dir) if d):
             record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
                                     self.kv_cache_config, kv_caches, layers, self.model_facts)
-            logger.info("nixlkv captured the KV cache geometry to %s", write_capture(self.config.capture_dir, record))
+            logger.info("nixlkv captured the KV cache geometry to %s", write_capture(directory, record))
+        if self.config.dump_kv_dir:  # a dump is read through the capture record written beside it
+            self._kv_caches = dict(kv_caches)
         logger.info(
             "nixlkv registered engine=%s rank=%d/%d regions=%d memory_ranges=%d",
             self.engine_id, self.topology.tp_rank, self.topology.tp_size, len(self.geometry.regions), len(memory),
@@ -182,6 +186,8 @@ class NixlkvWorker:
                         logger.info("nixlkv notifications arrived before the hand-over req=%s: freed", rid)
                         continue
                 self._holds[rid] = hold
+            for rid, (blocks, tokens) in meta.reqs_to_dump.items():
+                self._dump("prefill", rid, rid, blocks, tokens)
             for rid, req in meta.reqs_to_recv.items():
                 req.received_at = now  # durations in the metadata are read on this clock from here
                 self._start_recv(rid, req)
@@ -216,6 +222,18 @@ class NixlkvWorker:
     @property
     def busy(self) -> bool:
         return bool(self._waiting or self._flights or self._draining)
+
+    def _dump(self, role: str, prefill_rid: str, rid: str, blocks: Any, tokens: int | None) -> None:
+        """Write a request's blocks (dump_kv_dir); a failure to write is logged, never the request's."""
+        if self._kv_caches is None:
+            return
+        try:
+            dump_request(self.config.dump_kv_dir, role=role, engine_id=self.engine_id,
+                         tp_rank=self.topology.tp_rank, tp_size=self.topology.tp_size,
+                         prefill_request_id=prefill_rid, request_id=rid, num_tokens=-1 if tokens is None else tokens,
+                         block_ids=blocks, kv_cache_config=self.kv_cache_config, kv_caches=self._kv_caches)
+        except (OSError, RuntimeError, ValueError, IndexError) as exc:
+            logger.warning("nixlkv could not dump the KV blocks of req=%s to %s: %s", rid, self.config.dump_kv_dir, exc)
 
     # ------------------------------------------------------------------ decode side
     def _remote(self, key: RemoteKey) -> _Remote:
@@ -405,6 +423,9 @@ class NixlkvWorker:
                 del self._flights[rid]
                 elapsed = now - f.flight.posted_at
                 self.stats.record(f.flight.nbytes, f.flight.descriptors, elapsed, f.flight.post_seconds)
+                if any(f.request.local_block_ids):
+                    self._dump("decode", f.request.remote_request_id, rid, f.request.local_block_ids,
+                               f.request.num_tokens)
                 if f.request.report:
                     self._done_recv.add(rid)
                 logger.debug(
