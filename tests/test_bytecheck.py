@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from nixlkv.serving.bytecheck import Dump, held_heads, judge_dir, judge_load, needed_from, token_rows
+from nixlkv.serving.bytecheck import (
+    DTYPE_BYTES, Dump, held_heads, judge_dir, judge_load, needed_from, read_dir, token_rows,
+)
 from nixlkv.vllm.kvdump import dump_request, load_dump
 
 C = 8  # bytes per token and head: K 4 then V 4 (bfloat16, head size 2)
@@ -195,8 +197,7 @@ def test_dumps_of_kernel_blocks_are_judged_from_a_directory_with_controls(tmp_pa
 # ---------------------------------------------------------------- real connectors (pd_harness)
 RUNS = {
     "gemma4 P2->D4: windows, per-layer heads, replicated full-layer heads": (("gemma4", 2, 4), {}),
-    "llama P4->D2, blocks 32 -> 16": (("llama", 4, 2, 32, 16), {}),
-    "llama P2->D1 with D's prefix hit": (("llama", 2, 1), {0: 48}),
+    "llama P4->D2, blocks 32 -> 16, D's own prefix hit of 48 tokens": (("llama", 4, 2, 32, 16), {0: 48}),
     "MLA P2->D1: the latent from one rank": (("deepseek-mla", 2, 1), {}),
 }
 
@@ -226,10 +227,36 @@ def test_the_judge_passes_what_the_connector_loads_through_vllms_scheduler(name:
 
 @pytest.mark.nixl
 @pytest.mark.vllm
-def test_mamba_state_layers_are_listed_as_not_judged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1)])
+def test_mamba_states_are_judged_per_channel_and_unit(p_tp: int, d_tp: int, tmp_path: Path) -> None:
+    """Nemotron-H-like (Mamba2, one B/C group held whole by every rank): every conv channel and SSM
+    head of D's running state must be P's for the same global one, after the same tokens; a state
+    whose B and C columns trade places (what reading them at TP-scaled offsets does) is rejected,
+    as is a P whose state is one token further on."""
     from pd_harness import PDCase, run_pd
 
-    run_pd(PDCase("nemotron-h", 1, 1), {"a-0": 100, "b-1": 40}, extra={"dump_kv_dir": str(tmp_path)})
-    s = judge_dir(tmp_path).summary()
-    assert s["ok"] and s["token_heads"] > 0, s  # the attention layer
-    assert len(s["unjudged"]) == 2 and all("Mamba state" in u for u in s["unjudged"]), s
+    run_pd(PDCase("nemotron-h", p_tp, d_tp), {"a-0": 100, "b-1": 40}, extra={"dump_kv_dir": str(tmp_path)})
+    prefill, decode = read_dir(tmp_path)
+    v = judge_dir(tmp_path)
+    s = v.summary()
+    assert v.ok and not s["unjudged"] and s["token_heads"] > 0, s
+    # per request and layer, over the decode ranks: x's 128 conv channels and 8 SSM heads split,
+    # B's and C's 16 channels each held whole by every rank
+    assert s["state_units"] == 2 * 2 * (128 + 32 * d_tp + 8), s
+    ds = decode["a-0"]["D"]
+    name = next(n for n in ds[0].layers if "Mamba" in ds[0].record["layers"][n]["spec"])
+    assert judge_load("a-0", prefill["a-0"], ds).ok
+    facts = ds[0].record["layers"][name]["facts"]
+    (channels, cols), dt = facts["shapes"][0], DTYPE_BYTES[facts["dtypes"][0]]
+    x = 128 // d_tp  # this rank's x channels; B then C follow, 16 each
+    page = ds[0].layers[name].copy()
+    row = page.reshape(page.shape[0], -1)[-1]
+    conv = row[: channels * cols * dt].reshape(channels, cols * dt)
+    b, c = conv[x: x + 16].copy(), conv[x + 16: x + 32].copy()
+    conv[x: x + 16], conv[x + 16: x + 32] = c, b
+    swapped = [Dump(ds[0].meta, {**ds[0].layers, name: page}, ds[0].record), *ds[1:]]
+    bad = judge_load("a-0", prefill["a-0"], swapped)
+    assert not bad.ok and any("32 of" in t and "conv channels differ" in t for t in bad.shown), bad.shown
+    later = [Dump({**p.meta, "num_tokens": p.meta["num_tokens"] + 1}, p.layers, p.record) for p in prefill["a-0"]]
+    bad = judge_load("a-0", later, ds)
+    assert not bad.ok and any("P's state is after 100 tokens, D goes on from 99" in t for t in bad.shown), bad.shown

@@ -15,8 +15,11 @@ holds ``r*H .. r*H+H-1``; fewer heads than ranks: rank ``r`` holds head ``r * to
 MLA spec's one latent is held by every rank). Every needed (token, head) D loaded must equal P's
 bytes for it; a needed token that D holds in a null block, or that P no longer held, fails too.
 
-Mamba state layers are not judged here: which P block holds the state D continues from is the
-strategy's own reasoning, which this judge would have to repeat. They are listed as not judged.
+Mamba state layers are judged per conv channel and SSM unit: the running state (the last entry of
+the request's state list before its speculative scratch) must be P's state after exactly the
+tokens D goes on from, each channel and unit D holds equal to P's for the same global one (global
+coordinates from vLLM's weight sharding: ``nixlkv.testing.oracle.mamba_state_coordinates``); the
+conv state's scratch columns for speculative tokens are not compared.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class LoadVerdict:
     decode_engine: str
     layers: int = 0
     tokens: int = 0  # (token, head) pairs compared, summed over layers
+    state_units: int = 0  # Mamba conv channels and SSM units compared (a replicated state counts once)
     bytes: int = 0
     mismatches: int = 0
     shown: list[str] = field(default_factory=list)
@@ -88,7 +92,8 @@ class ByteVerdict:
         unjudged = sorted({f"{k}: {w}" for v in self.loads for k, w in v.unjudged.items()})
         return {
             "ok": self.ok, "loads": len(self.loads), "layers": sum(v.layers for v in self.loads),
-            "token_heads": sum(v.tokens for v in self.loads), "bytes": sum(v.bytes for v in self.loads),
+            "token_heads": sum(v.tokens for v in self.loads), "state_units": sum(v.state_units for v in self.loads),
+            "bytes": sum(v.bytes for v in self.loads),
             "mismatches": sum(v.mismatches for v in self.loads),
             "shown": [s for v in self.loads for s in v.shown][:SHOWN], "missing": self.missing,
             "unjudged": unjudged, "control": self.control,
@@ -174,7 +179,7 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
         for name in d.layers:
             record = d.record["layers"][name]
             if "Mamba" in record.get("spec", ""):
-                verdict.unjudged[name] = "Mamba state (not judged per token)"
+                _judge_state(verdict, name, d, prefill, q, p_tokens)
                 continue
             dside = _side(d, name, q, tail=True)
             sources = {}
@@ -217,6 +222,84 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
                     verdict.fail(f"{name}: D rank {d.meta['tp_rank']} head {int(h)}: {bad.size} of {int(ok.sum())} "
                                  f"needed tokens differ from P rank {p.meta['tp_rank']}'s, first at {where[:4].tolist()}")
     return verdict
+
+
+MAMBA_KINDS = {"MAMBA2": "mamba2", "MAMBA1": "mamba1", "GDN_ATTN": "gdn"}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
+
+
+@dataclass
+class _State:
+    """One rank's running state of one Mamba layer, by global coordinate."""
+
+    conv: dict[int, bytes]  # global conv channel -> its first kernel - 1 columns
+    ssm: dict[int, bytes]  # global SSM unit -> its bytes
+    whole: bytes | None  # a tp_replicated state: the conv and SSM bytes as one
+
+
+def _state(dump: Dump, name: str) -> _State | str:
+    """The rank's running state, or why it cannot be read."""
+    from ..testing.oracle import mamba_state_coordinates
+
+    record = dump.record["layers"][name]
+    facts, model = record.get("facts", {}), (record.get("hints") or {}).get("mamba")
+    kind = MAMBA_KINDS.get(str(facts.get("mamba_type")))
+    if model is None or kind is None or len(facts.get("shapes") or ()) != 2:
+        return f"Mamba state without the model facts to read it (type {facts.get('mamba_type')!r})"
+    lay = dump.meta["layers"][name]
+    ids = np.asarray(dump.meta["groups"][lay["group"]]["block_ids"])
+    row = ids.size - 1 - min(int(facts.get("num_speculative_blocks") or 0), ids.size - 1)  # scratch after it
+    if ids[row] == NULL_BLOCK:
+        return "the running state is the null block"
+    ratio = lay["kernel_blocks_per_block"]
+    page = dump.layers[name][row * ratio: (row + 1) * ratio].reshape(-1)
+    (conv_shape, ssm_shape), (conv_dt, ssm_dt) = facts["shapes"], facts["dtypes"]
+    conv_n = int(np.prod(conv_shape)) * DTYPE_BYTES[conv_dt]
+    ssm_n = int(np.prod(ssm_shape)) * DTYPE_BYTES[ssm_dt]
+    if facts.get("tp_replicated"):
+        return _State({}, {}, page[: conv_n + ssm_n].tobytes())
+    p = {"mamba_type": kind, "tp_replicated": False, **model}
+    channels, units = mamba_state_coordinates(p, dump.meta["tp_size"], dump.meta["tp_rank"])
+    conv = page[:conv_n].reshape(conv_shape + [DTYPE_BYTES[conv_dt]])
+    if model.get("conv_state_layout", "DS") == "SD":  # [columns, channels] -> [channels, columns]
+        conv = conv.transpose(1, 0, 2)
+    keep = int(model["conv_kernel"]) - 1
+    if conv.shape[0] != len(channels):
+        return f"conv state of {conv.shape[0]} channels where sharding gives {len(channels)}"
+    ssm = page[conv_n: conv_n + ssm_n].reshape(len(units), -1) if units else np.zeros((0, 0), np.uint8)
+    return _State({c: conv[i, :keep].tobytes() for i, c in enumerate(channels)},
+                  {u: ssm[i].tobytes() for i, u in enumerate(units)}, None)
+
+
+def _judge_state(verdict: LoadVerdict, name: str, d: Dump, prefill: list[Dump], q: int, p_tokens: int) -> None:
+    """D's running state of a Mamba layer against P's, channel by channel and unit by unit."""
+    mine = _state(d, name)
+    theirs = [(p, _state(p, name)) for p in prefill if name in p.layers]
+    why = mine if isinstance(mine, str) else next((s for _, s in theirs if isinstance(s, str)), None)
+    if why is not None or not theirs:
+        verdict.unjudged[name] = why or "P sent no state"
+        return
+    verdict.layers += 1
+    where = f"{name}: D rank {d.meta['tp_rank']}"
+    if p_tokens != q:
+        verdict.fail(f"{where}: P's state is after {p_tokens} tokens, D goes on from {q}")
+    if mine.whole is not None:
+        p0 = theirs[0][1]
+        verdict.state_units += 1
+        verdict.bytes += len(mine.whole)
+        if mine.whole != p0.whole:
+            verdict.fail(f"{where}: the replicated state differs from P rank {theirs[0][0].meta['tp_rank']}'s")
+        return
+    for part, got in (("conv channel", mine.conv), ("SSM unit", mine.ssm)):
+        source = {}
+        for _, st in theirs:
+            for k, v in getattr(st, "conv" if part == "conv channel" else "ssm").items():
+                source.setdefault(k, v)
+        bad = [k for k, v in got.items() if source.get(k) != v]
+        verdict.state_units += len(got)
+        verdict.bytes += sum(len(v) for v in got.values())
+        if bad:
+            verdict.fail(f"{where}: {len(bad)} of {len(got)} {part}s differ from P's (or P held none), first {bad[:4]}")
 
 
 def read_dir(directory: Path) -> tuple[dict[str, list[Dump]], dict[str, dict[str, list[Dump]]]]:

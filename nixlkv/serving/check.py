@@ -655,9 +655,10 @@ def format_table(results: list[Result]) -> str:
 def format_bytes(b: dict[str, Any]) -> str:
     """One line for the in-serving byte check's summary (bytecheck.ByteVerdict.summary)."""
     control = b.get("control") or {}
-    text = (f"bytes (D's loaded KV vs P's, per token and head): {'ok' if b.get('ok') else 'FAIL'} "
+    text = (f"bytes (D's loaded KV vs P's, per token and head or state unit): {'ok' if b.get('ok') else 'FAIL'} "
             f"({b.get('loads', 0)} loads, {b.get('layers', 0)} layer loads, {b.get('token_heads', 0)} token-heads, "
-            f"{b.get('bytes', 0)} bytes, {b.get('mismatches', 0)} mismatches; control: "
+            + (f"{b['state_units']} Mamba state channels and units, " if b.get("state_units") else "")
+            + f"{b.get('bytes', 0)} bytes, {b.get('mismatches', 0)} mismatches; control: "
             + ("damaged copies rejected" if control.get("bites") else f"NOT REJECTED {control}") + ")")
     if b.get("shown"):
         text += " first: " + "; ".join(b["shown"])
