@@ -260,3 +260,47 @@ def test_mamba_states_are_judged_per_channel_and_unit(p_tp: int, d_tp: int, tmp_
     later = [Dump({**p.meta, "num_tokens": p.meta["num_tokens"] + 1}, p.layers, p.record) for p in prefill["a-0"]]
     bad = judge_load("a-0", later, ds)
     assert not bad.ok and any("P's state is after 100 tokens, D goes on from 99" in t for t in bad.shown), bad.shown
+
+
+@pytest.mark.nixl
+def test_a_dump_that_cannot_be_written_never_fails_the_request(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A ``dump_kv_dir`` that cannot be written at registration stops the engine naming the key;
+    one that fails later (here: ``requests`` became a file) is logged by every worker, and the
+    request is read and freed as without it, byte-exact."""
+    import logging
+
+    from nixlkv.testing import oracle
+    from nixlkv.vllm.config import ConfigError, ConnectorConfig
+    from nixlkv.vllm.metadata import NixlkvMetadata
+
+    from connector_helpers import Engine, blocks, fa_scenario
+    from test_connector_worker import drive, recv
+
+    sc = fa_scenario(2, 1, num_tokens=40)
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ConfigError, match="dump_kv_dir .*a-file/kv' cannot be written"):
+        Engine(sc, "decode", "D", config=ConnectorConfig(dump_kv_dir=str(tmp_path / "a-file" / "kv")))
+    config = ConnectorConfig(dump_kv_dir=str(tmp_path / "kv"))
+    p = Engine(sc, "prefill", "P", serve=True, config=config)
+    d = Engine(sc, "decode", "D", config=config)
+    (tmp_path / "kv" / "requests").write_text("now a file")
+    try:
+        p_ids, d_ids = [5, 9, 3], [7, 2, 8]
+        for r in p.ranks:
+            oracle.fill_prefill(r, blocks(r, p_ids), seed=3)
+        for r in d.ranks:
+            oracle.fill_decode(r)
+        with caplog.at_level(logging.WARNING, logger="nixlkv"):
+            for w in p.workers:
+                w.start_load_kv(NixlkvMetadata(reqs_to_send={"req-1": 30.0}, reqs_to_dump={"req-1": ((p_ids,), 40)}))
+            req = recv(p, "req-1", d_ids, p_ids)
+            req.num_tokens = 40
+            d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"req-1": req}))
+            done_recv, failed, done_send = drive(p, d, {"req-1"})
+        assert done_recv[0] == {"req-1"} and not any(failed.values()) and all(v == {"req-1"} for v in done_send.values())
+        assert oracle.compare(d.ranks[0], oracle.expected_decode(d.ranks[0], blocks(d.ranks[0], d_ids), seed=3)) is None
+        dumps = [r for r in caplog.records if "could not dump the KV blocks of req=req-1" in r.getMessage()]
+        assert len(dumps) == 3, [r.getMessage() for r in caplog.records]  # two prefill ranks, one decode rank
+    finally:
+        p.close()
+        d.close()

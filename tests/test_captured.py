@@ -84,12 +84,13 @@ def test_captured_section_is_checked_for_shape() -> None:
         parse(bad)
 
 
-def test_capture_dir_is_a_checked_setting() -> None:
-    assert ConnectorConfig.parse({"capture_dir": "/tmp/x"}).capture_dir == "/tmp/x"
-    assert ConnectorConfig.parse({}).capture_dir is None
+@pytest.mark.parametrize("key", ["capture_dir", "dump_kv_dir"])
+def test_capture_and_dump_dirs_are_checked_settings(key: str) -> None:
+    assert getattr(ConnectorConfig.parse({key: "/tmp/x"}), key) == "/tmp/x"
+    assert getattr(ConnectorConfig.parse({}), key) is None
     for bad in ("", 5, ["/tmp"]):
-        with pytest.raises(ConfigError, match="capture_dir"):
-            ConnectorConfig.parse({"capture_dir": bad})
+        with pytest.raises(ConfigError, match=key):
+            ConnectorConfig.parse({key: bad})
 
 
 def test_every_tiny_serving_model_is_captured_at_tp_1_and_2() -> None:

@@ -31,7 +31,7 @@ from ..vllm_layers import layer_caches, memory_device, registered_memory
 from .capture import engine_capture, write_capture
 from .kvdump import dump_request
 from . import handshake
-from .config import ConnectorConfig
+from .config import ConfigError, ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
 from .metadata import LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, RemoteKey
 
@@ -143,6 +143,17 @@ class NixlkvWorker:
         self.geometry = self.dispatcher.local_geometry(
             self.engine_id, self.topology, layers, memory, device_id=device_id, mem_type=mem_type
         )
+        # before NIXL: a directory that cannot be written stops the engine with nothing to tear down
+        for key in ("capture_dir", "dump_kv_dir"):  # a dump is read through the capture record beside it
+            directory = getattr(self.config, key)
+            if not directory:
+                continue
+            record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
+                                    self.kv_cache_config, kv_caches, layers, self.model_facts)
+            try:
+                logger.info("nixlkv captured the KV cache geometry to %s", write_capture(directory, record))
+            except OSError as exc:
+                raise ConfigError(f"{key} {directory!r} cannot be written ({exc}); give a writable directory") from exc
         self.nixl = NixlRank(
             f"{self.engine_id}-tp{self.topology.tp_rank}",
             memory,
@@ -156,11 +167,7 @@ class NixlkvWorker:
         self.reader = Reader(
             self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
         )
-        for directory in dict.fromkeys(d for d in (self.config.capture_dir, self.config.dump_kv_dir) if d):
-            record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
-                                    self.kv_cache_config, kv_caches, layers, self.model_facts)
-            logger.info("nixlkv captured the KV cache geometry to %s", write_capture(directory, record))
-        if self.config.dump_kv_dir:  # a dump is read through the capture record written beside it
+        if self.config.dump_kv_dir:
             self._kv_caches = dict(kv_caches)
         logger.info(
             "nixlkv registered engine=%s rank=%d/%d regions=%d memory_ranges=%d",
