@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nixlkv.serving.bytecheck import (
-    DTYPE_BYTES, Dump, held_heads, judge_dir, judge_load, needed_from, read_dir, token_rows,
+    DTYPE_BYTES, Dump, held_heads, judge_dir, judge_load, needed_from, read_dir, run_control, token_rows,
 )
 from nixlkv.vllm.kvdump import dump_request, load_dump
 
@@ -260,6 +260,16 @@ def test_mamba_states_are_judged_per_channel_and_unit(p_tp: int, d_tp: int, tmp_
     later = [Dump({**p.meta, "num_tokens": p.meta["num_tokens"] + 1}, p.layers, p.record) for p in prefill["a-0"]]
     bad = judge_load("a-0", later, ds)
     assert not bad.ok and any("P's state is after 100 tokens, D goes on from 99" in t for t in bad.shown), bad.shown
+
+    def states(dumps: list[Dump]) -> list[Dump]:  # a model of state layers only (tiny-mamba2's kind)
+        return [Dump(x.meta, {n: a for n, a in x.layers.items() if "Mamba" in x.record["layers"][n]["spec"]}, x.record)
+                for x in dumps]
+
+    p_only = {r: states(v) for r, v in prefill.items()}
+    d_only = {r: {e: states(v) for e, v in engines.items()} for r, engines in decode.items()}
+    loads = [judge_load(r, p_only[r], d_only[r]["D"]) for r in d_only]
+    assert all(x.ok and x.state_units and not x.tokens for x in loads)
+    assert run_control(p_only, d_only, loads) == {"request": "a-0", "flip byte": True, "swap blocks": None, "bites": True}
 
 
 @pytest.mark.nixl

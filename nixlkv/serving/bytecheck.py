@@ -182,17 +182,15 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
                 _judge_state(verdict, name, d, prefill, q, p_tokens)
                 continue
             dside = _side(d, name, q, tail=True)
-            sources = {}
+            sources, readable = {}, dside.heads is not None
             for p in prefill:
-                if name not in p.layers:
-                    continue
-                pside = _side(p, name, p_tokens, tail=False)
-                if pside.heads is None:
-                    break
-                for i, h in enumerate(pside.heads):
-                    sources.setdefault(int(h), (p, pside, i))
-            if dside.heads is None or not sources:
-                verdict.unjudged[name] = "heads not a TP sharding of the model's (or P sent no rows)"
+                if name in p.layers:
+                    pside = _side(p, name, p_tokens, tail=False)
+                    readable &= pside.heads is not None
+                    for i, h in enumerate(pside.heads if pside.heads is not None else ()):
+                        sources.setdefault(int(h), (p, pside, i))
+            if not readable:
+                verdict.unjudged[name] = "heads not a TP sharding of the model's"
                 continue
             lo = max(needed_from(record, q), dside.first)
             need = np.arange(lo, q)
@@ -203,7 +201,8 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
             verdict.layers += 1
             for i, h in enumerate(dside.heads):
                 if int(h) not in sources:
-                    verdict.fail(f"{name}: no prefill rank holds head {int(h)}")
+                    if need.size:
+                        verdict.fail(f"{name}: no prefill rank sent head {int(h)}, which D needs")
                     continue
                 p, pside, j = sources[int(h)]
                 prow = need - pside.first
@@ -211,7 +210,7 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
                 if gone.any():
                     verdict.fail(f"{name}: P rank {p.meta['tp_rank']} no longer held tokens {need[gone][:4].tolist()} "
                                  f"(head {int(h)}) that D needs")
-                ok = ~gone
+                ok = ~gone & dside.held[rows]
                 mine = dside.tokens[rows[ok], i]
                 theirs = pside.tokens[prow[ok], j]
                 bad = np.flatnonzero((mine != theirs).any(axis=1))
@@ -237,6 +236,14 @@ class _State:
     whole: bytes | None  # a tp_replicated state: the conv and SSM bytes as one
 
 
+def _running_row(dump: Dump, name: str) -> int:
+    """Where in a state layer's list the running state is: vLLM appends the speculative scratch
+    blocks after it."""
+    ids = dump.meta["groups"][dump.meta["layers"][name]["group"]]["block_ids"]
+    spec = int(dump.record["layers"][name].get("facts", {}).get("num_speculative_blocks") or 0)
+    return len(ids) - 1 - min(spec, len(ids) - 1)
+
+
 def _state(dump: Dump, name: str) -> _State | str:
     """The rank's running state, or why it cannot be read."""
     from ..testing.oracle import mamba_state_coordinates
@@ -247,8 +254,8 @@ def _state(dump: Dump, name: str) -> _State | str:
     if model is None or kind is None or len(facts.get("shapes") or ()) != 2:
         return f"Mamba state without the model facts to read it (type {facts.get('mamba_type')!r})"
     lay = dump.meta["layers"][name]
-    ids = np.asarray(dump.meta["groups"][lay["group"]]["block_ids"])
-    row = ids.size - 1 - min(int(facts.get("num_speculative_blocks") or 0), ids.size - 1)  # scratch after it
+    ids = dump.meta["groups"][lay["group"]]["block_ids"]
+    row = _running_row(dump, name)
     if ids[row] == NULL_BLOCK:
         return "the running state is the null block"
     ratio = lay["kernel_blocks_per_block"]
@@ -341,35 +348,43 @@ def judge_dir(directory: Path | str, control: bool = True) -> ByteVerdict:
 
 
 def _corrupted(decode: list[Dump], how: str) -> list[Dump] | None:
-    """A copy of ``decode`` with one attention layer's rows damaged as a plan bug would: one byte
-    flipped in its last loaded token, or its first two loaded blocks swapped."""
-    for k, d in enumerate(decode):
-        for name, raw in d.layers.items():
-            record = d.record["layers"][name]
-            if "Mamba" in record.get("spec", "") or needed_from(record, int(d.meta["num_tokens"])):
-                continue  # a layer that needs every loaded token: any damage must show
-            ids = d.meta["groups"][d.meta["layers"][name]["group"]]["block_ids"]
-            live = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
-            bad = raw.copy()
-            if how == "flip byte":
+    """A copy of ``decode`` with one layer damaged as a plan bug would: in an attention layer that
+    needs every loaded token, its last loaded block's first row flipped or its first two loaded
+    blocks swapped; in a model of state layers only, the running state's first bytes flipped
+    (it has no blocks to swap)."""
+    for state in (False, True):
+        for k, d in enumerate(decode):
+            for name, raw in d.layers.items():
+                record = d.record["layers"][name]
+                if ("Mamba" in record.get("spec", "")) != state:
+                    continue
+                ids = d.meta["groups"][d.meta["layers"][name]["group"]]["block_ids"]
                 per = raw.shape[0] // len(ids)
-                bad[live[-1] * per] ^= 0xFF  # every byte of the last live block's first row
-            elif len(live) >= 2:
-                r = raw.shape[0] // len(ids)
-                a, b = live[0] * r, live[1] * r
-                bad[a:a + r], bad[b:b + r] = raw[b:b + r].copy(), raw[a:a + r].copy()
-            else:
-                continue
-            out = list(decode)
-            out[k] = Dump(d.meta, {**d.layers, name: bad}, d.record)
-            return out
+                live = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
+                bad = raw.copy()
+                if state:
+                    if how != "flip byte":
+                        continue
+                    bad[_running_row(d, name) * per].reshape(-1)[:8] ^= 0xFF
+                elif needed_from(record, int(d.meta["num_tokens"])):
+                    continue
+                elif how == "flip byte":
+                    bad[live[-1] * per] ^= 0xFF
+                elif len(live) >= 2:
+                    a, b = live[0] * per, live[1] * per
+                    bad[a:a + per], bad[b:b + per] = raw[b:b + per].copy(), raw[a:a + per].copy()
+                else:
+                    continue
+                out = list(decode)
+                out[k] = Dump(d.meta, {**d.layers, name: bad}, d.record)
+                return out
     return None
 
 
 def run_control(prefill: Mapping[str, list[Dump]], decode: Mapping[str, Mapping[str, list[Dump]]],
                 loads: Iterable[LoadVerdict]) -> dict[str, Any]:
     """The judge on corrupted copies of the largest load: both must be rejected."""
-    best = max(loads, key=lambda v: v.tokens)
+    best = max(loads, key=lambda v: v.tokens + v.state_units)
     ds = decode[best.request][best.decode_engine]
     out: dict[str, Any] = {"request": best.request}
     for how in ("flip byte", "swap blocks"):
