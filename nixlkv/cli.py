@@ -270,7 +270,7 @@ def cmd_serve_drill(args: argparse.Namespace) -> int:
     from .serving.drills import format_drills, run
 
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
-                   port=args.port, start_timeout_s=args.start_timeout)
+                   port=args.port, start_timeout_s=args.start_timeout, verify_bytes=args.verify_bytes)
     outs = [run(Case(model=args.model, connector=c), opts, tuple(args.policy or ("recompute", "fail")))
             for c in (args.connector or ["nixlkv"])]
     print(json.dumps(outs, indent=1, default=float) if args.json else "\n".join(format_drills(o) for o in outs))
@@ -436,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
     p.add_argument("--policy", action="append", choices=("recompute", "fail"),
                    help="D's kv_load_failure_policy (repeatable; default both)")
+    p.add_argument("--verify-bytes", action="store_true",
+                   help="the engines dump every request's blocks; after the drills, every load is judged "
+                   "per token and head against P's (nixlkv's connector only)")
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_drill)

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from . import models
-from .check import FIRST_ID, Case, Options, Servers, _transfer_facts, default_rule, prefill_on
+from .bytecheck import judge_dir
+from .check import FIRST_ID, Case, Options, Servers, _transfer_facts, default_rule, format_bytes, prefill_on
 from .client import CompletionError, complete, delta, kv_usage, scrape, settled_kv_usage
 from .compare import judge
 from .launch import ServeError
@@ -160,6 +161,10 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
 
         drills.append(_short_decode(srv, case, rng))
         drills.append(_other_cache_dtype(srv, case, rng, policy))
+    if srv.dump_dir is not None:  # --verify-bytes: every load of every drill, the engines stopped
+        verdict = judge_dir(srv.dump_dir).summary()
+        drills.append(Drill("bytes D loaded vs P's", verdict["ok"], {"bytes": verdict},
+                            "" if verdict["ok"] else format_bytes(verdict)))
     return drills
 
 
@@ -257,4 +262,6 @@ def format_drills(out: dict[str, Any]) -> str:
             keep = {k: v for k, v in d["facts"].items() if not isinstance(v, dict)}
             if keep:
                 lines.append(f"       {keep}")
+            if "bytes" in d["facts"]:
+                lines.append(f"       {format_bytes(d['facts']['bytes'])}")
     return "\n".join(lines)
