@@ -314,3 +314,21 @@ def test_a_dump_that_cannot_be_written_never_fails_the_request(tmp_path: Path, c
     finally:
         p.close()
         d.close()
+
+
+def test_the_summary_line_says_what_failed_and_what_was_not_judged() -> None:
+    from nixlkv.serving.check import format_bytes
+    from nixlkv.serving.drills import format_drills
+
+    good = {"ok": True, "loads": 3, "layers": 6, "token_heads": 120, "state_units": 0, "bytes": 960, "mismatches": 0,
+            "shown": [], "missing": [], "unjudged": [], "control": {"bites": True}}
+    assert format_bytes(good).startswith("bytes (D's loaded KV vs P's, per token and head or state unit): ok (3 loads")
+    assert "damaged copies rejected" in format_bytes(good) and "Mamba" not in format_bytes(good)
+    bad = {**good, "ok": False, "mismatches": 1, "shown": ["l0: D rank 0 head 1: 1 of 39 needed tokens differ"],
+           "unjudged": ["l3: heads not a TP sharding of the model's"], "control": {"bites": False, "flip byte": False}}
+    line = format_bytes(bad)
+    assert "FAIL" in line and "first: l0: D rank 0 head 1" in line and 'NOT JUDGED: ["l3' in line
+    assert "NOT REJECTED" in line
+    out = {"case": "c", "ok": False, "policies": {"recompute": [
+        {"name": "bytes D loaded vs P's", "ok": False, "why": line, "facts": {"bytes": bad}}]}}
+    assert format_drills(out).count("first: l0: D rank 0 head 1") == 2  # the reason, then the summary
