@@ -492,6 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScenarioError, NixlkvError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a serving case that cannot be run as asked (nixlkv.serving.check.Case)
+        if not args.command.startswith("serve"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `nixlkv strategies | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

