@@ -123,6 +123,11 @@ def test_every_kind_of_wrong_load_is_named() -> None:
     _fails(p, [dump("decode", 0, 1, kv, [7, 0, 8], 16, 39, 2, tail=True)], "in null blocks")
     nulled = [dump("prefill", r, 2, kv, [5, 0, 3], 16, 40, 2) for r in range(2)]
     _fails(nulled, [good], "no longer held tokens")
+    # a load whose token count D did not know is not judged, never passed
+    unknown = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2, tail=True)
+    unknown.meta["num_tokens"] = -1
+    v = judge_load("r", p, [unknown])
+    assert v.ok and v.layers == 0 and v.unjudged == {"l0": "D's token count unknown"}
     # D claims more tokens than P computed
     _fails(p, [dump("decode", 0, 1, model_kv(48, 2), [7, 2, 8], 16, 41, 2, tail=True)], "no longer held tokens [40]")
 

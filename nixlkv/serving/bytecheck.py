@@ -176,6 +176,9 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
     p_tokens = int(prefill[0].meta["num_tokens"])
     for d in decode:
         q = int(d.meta["num_tokens"])
+        if q < 0:  # the request did not say how many tokens the blocks hold: nothing to place them by
+            verdict.unjudged.update(dict.fromkeys(d.layers, "D's token count unknown"))
+            continue
         for name in d.layers:
             record = d.record["layers"][name]
             if "Mamba" in record.get("spec", ""):
