@@ -236,6 +236,11 @@ def test_several_engines_of_a_kind_get_ports_of_their_own_and_the_proxy_takes_th
         Case(model="tiny-mamba2-hybrid", prefix_caching=True)  # vLLM alone crashes (models.py)
     Case(model="tiny-mamba2-hybrid")
     monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    fp8 = check.Servers(Case(kv_cache_dtype="fp8"), check.Options(python="python", port=8100))
+    assert Case(kv_cache_dtype="fp8").label == "tiny-llama P1->D1 b32 kv-fp8 nixlkv"
+    for spec in (fp8.p_spec, fp8.d_spec):  # both engines, or the compat hash refuses the pairing
+        assert spec.argv("python")[-2:] == ["--kv-cache-dtype", "fp8"]
+    assert "--kv-cache-dtype" not in check.Servers(Case(), check.Options(python="python", port=8100)).p_spec.argv("python")
     srv = check.Servers(Case(prefills=3, decodes=2, p_tp=4, d_tp=4), check.Options(python="python", port=8100))
     specs = [srv.p_spec, *srv.more_p_specs, srv.d_spec, *srv.more_d_specs]
     ports = [s.port for s in specs] + [srv.opts.port + 2]  # engines and the proxy

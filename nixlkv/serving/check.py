@@ -57,6 +57,7 @@ class Case:
     prefix_caching: bool = False  # both engines cache prefixes (vLLM's default); adds the prefix-hit prompts
     prefills: int = 1  # prefill engines behind the proxy (taken in turn): D plans each engine after the first by rebasing
     decodes: int = 1  # decode engines behind the proxy (taken in turn): P serves each one's handshake and reads
+    kv_cache_dtype: str = "auto"  # both engines' --kv-cache-dtype (fp8: one byte per KV element)
 
     def __post_init__(self) -> None:
         for name in ("prefills", "decodes"):
@@ -77,7 +78,8 @@ class Case:
         cached = " prefix-cache" if self.prefix_caching else ""
         ps = f"{self.prefills}x" if self.prefills > 1 else ""
         ds = f"{self.decodes}x" if self.decodes > 1 else ""
-        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached} {self.connector}"
+        dtype = f" kv-{self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""
+        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype} {self.connector}"
 
 
 @dataclass
@@ -210,16 +212,18 @@ class Servers:
         # with verify_bytes, every engine dumps the blocks it hands over or loads here (nixlkv.vllm.kvdump)
         self.dump_dir = self.log_dir / "kv" if opts.verify_bytes and case.connector == "nixlkv" else None
         dumps = {"dump_kv_dir": str(self.dump_dir)} if self.dump_dir else {}
+        engine_args = ("--kv-cache-dtype", case.kv_cache_dtype) if case.kv_cache_dtype != "auto" else ()
         self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
-                                 extra_config={**dumps, **(p_extra or {})}, env={**env, **(p_env or {})})
+                                 extra_config={**dumps, **(p_extra or {})}, env={**env, **(p_env or {})},
+                                 extra_args=engine_args)
         self.more_p: list[Process] = []
         self.more_d: list[Process] = []
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
         self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  env={**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else env,
-                                 load_failure_policy=d_policy, extra_config=dict(dumps))
+                                 load_failure_policy=d_policy, extra_config=dict(dumps), extra_args=engine_args)
         # further engines (case.prefills, case.decodes): P's or D's configuration, each on ports of its own
         # after the proxy's, side channels 10 apart (vLLM's connector takes one port per TP rank)
         extra = [self.p_spec] * (case.prefills - 1) + [self.d_spec] * (case.decodes - 1)
