@@ -259,7 +259,8 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
         case = Case(model=args.model, connector=connector, p_tp=args.p_tp, d_tp=args.d_tp, p_block=args.p_block,
                     d_block=args.d_block, max_tokens=args.max_tokens, concurrency=args.concurrency, rule=args.rule,
                     prefix_caching=args.prefix_caching, prefills=args.prefills, decodes=args.decodes,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, p_args=tuple(args.prefill_arg or ()),
+                    d_args=tuple(args.decode_arg or ()))
         print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
         results.append(run_case(case, opts))
     print(to_json(results) if args.json else format_table(results))
@@ -426,6 +427,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="both engines cache prefixes (vLLM's default): adds prompts whose prefix D already holds")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="both engines' --kv-cache-dtype (e.g. fp8: one byte per KV element; default auto)")
+    p.add_argument("--prefill-arg", action="append", metavar="ARG",
+                   help="a further `vllm serve` argument for the prefill engine(s), repeatable "
+                   "(e.g. --prefill-arg=--max-num-batched-tokens=64)")
+    p.add_argument("--decode-arg", action="append", metavar="ARG",
+                   help="a further `vllm serve` argument for the decode engine(s), repeatable")
     p.add_argument("--verify-bytes", action="store_true",
                    help="the engines dump every request's blocks (dump_kv_dir) and D's loaded KV is judged "
                    "per token and head against P's (nixlkv's connector only)")

@@ -241,6 +241,12 @@ def test_several_engines_of_a_kind_get_ports_of_their_own_and_the_proxy_takes_th
     for spec in (fp8.p_spec, fp8.d_spec):  # both engines, or the compat hash refuses the pairing
         assert spec.argv("python")[-2:] == ["--kv-cache-dtype", "fp8"]
     assert "--kv-cache-dtype" not in check.Servers(Case(), check.Options(python="python", port=8100)).p_spec.argv("python")
+    chunked = Case(p_args=("--max-num-batched-tokens=64",), d_args=("--max-num-batched-tokens", "128"))
+    assert check.batched_tokens(chunked.p_args) == 64 and check.batched_tokens(chunked.d_args) == 128
+    assert check.Servers(chunked, check.Options(python="python", port=8100)).p_spec.argv("python")[-1] == \
+        "--max-num-batched-tokens=64"
+    assert check.seeded_prefill_chunks(chunked, 69) and not check.seeded_prefill_chunks(chunked, 64)
+    assert not check.seeded_prefill_chunks(Case(), 10_000)  # vLLM's default: the check cannot tell, runs the row
     srv = check.Servers(Case(prefills=3, decodes=2, p_tp=4, d_tp=4), check.Options(python="python", port=8100))
     specs = [srv.p_spec, *srv.more_p_specs, srv.d_spec, *srv.more_d_specs]
     ports = [s.port for s in specs] + [srv.opts.port + 2]  # engines and the proxy
