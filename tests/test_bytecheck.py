@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nixlkv.serving.bytecheck import (
-    DTYPE_BYTES, Dump, held_heads, judge_dir, judge_load, needed_from, read_dir, run_control, token_rows,
+    Dump, element_size, held_heads, judge_dir, judge_load, needed_from, read_dir, run_control, token_rows,
 )
 from nixlkv.vllm.kvdump import dump_request, load_dump
 
@@ -252,7 +252,7 @@ def test_mamba_states_are_judged_per_channel_and_unit(p_tp: int, d_tp: int, tmp_
     name = next(n for n in ds[0].layers if "Mamba" in ds[0].record["layers"][n]["spec"])
     assert judge_load("a-0", prefill["a-0"], ds).ok
     facts = ds[0].record["layers"][name]["facts"]
-    (channels, cols), dt = facts["shapes"][0], DTYPE_BYTES[facts["dtypes"][0]]
+    (channels, cols), dt = facts["shapes"][0], element_size(facts["dtypes"][0])
     x = 128 // d_tp  # this rank's x channels; B then C follow, 16 each
     page = ds[0].layers[name].copy()
     row = page.reshape(page.shape[0], -1)[-1]

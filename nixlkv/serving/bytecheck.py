@@ -24,6 +24,7 @@ conv state's scratch columns for speculative tokens are not compared.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..vllm.kvdump import load_dump
 
@@ -174,6 +176,24 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
     """Every needed (token, head) of every layer each decode rank loaded, against the prefill ranks."""
     verdict = LoadVerdict(request, decode[0].engine)
     p_tokens = int(prefill[0].meta["num_tokens"])
+
+    @functools.cache
+    def p_heads(name: str) -> dict[int, tuple[Dump, _Side, int]] | None:
+        """P's rows of a layer by global head (the first rank holding it); None: not a TP sharding."""
+        sources: dict[int, tuple[Dump, _Side, int]] = {}
+        for p in prefill:
+            if name in p.layers:
+                pside = _side(p, name, p_tokens, tail=False)
+                if pside.heads is None:
+                    return None
+                for i, h in enumerate(pside.heads):
+                    sources.setdefault(int(h), (p, pside, i))
+        return sources
+
+    @functools.cache
+    def p_states(name: str) -> list[tuple[Dump, _State | str]]:
+        return [(p, _state(p, name)) for p in prefill if name in p.layers]
+
     for d in decode:
         q = int(d.meta["num_tokens"])
         if q < 0:  # the request did not say how many tokens the blocks hold: nothing to place them by
@@ -181,18 +201,12 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
             continue
         for name in d.layers:
             record = d.record["layers"][name]
-            if "Mamba" in record.get("spec", ""):
-                _judge_state(verdict, name, d, prefill, q, p_tokens)
+            if _is_state(record):
+                _judge_state(verdict, name, d, p_states(name), q, p_tokens)
                 continue
             dside = _side(d, name, q, tail=True)
-            sources, readable = {}, dside.heads is not None
-            for p in prefill:
-                if name in p.layers:
-                    pside = _side(p, name, p_tokens, tail=False)
-                    readable &= pside.heads is not None
-                    for i, h in enumerate(pside.heads if pside.heads is not None else ()):
-                        sources.setdefault(int(h), (p, pside, i))
-            if not readable:
+            sources = p_heads(name)
+            if dside.heads is None or sources is None:
                 verdict.unjudged[name] = "heads not a TP sharding of the model's"
                 continue
             lo = max(needed_from(record, q), dside.first)
@@ -227,7 +241,11 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
 
 
 MAMBA_KINDS = {"MAMBA2": "mamba2", "MAMBA1": "mamba1", "GDN_ATTN": "gdn"}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of a dtype as a capture record names it (``bfloat16``, ``float32``, ...)."""
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 @dataclass
@@ -237,6 +255,11 @@ class _State:
     conv: dict[int, bytes]  # global conv channel -> its first kernel - 1 columns
     ssm: dict[int, bytes]  # global SSM unit -> its bytes
     whole: bytes | None  # a tp_replicated state: the conv and SSM bytes as one
+
+
+def _is_state(record: Mapping[str, Any]) -> bool:
+    """A Mamba-style state layer (judged per channel and unit, not per token)."""
+    return "Mamba" in record.get("spec", "")
 
 
 def _running_row(dump: Dump, name: str) -> int:
@@ -264,13 +287,13 @@ def _state(dump: Dump, name: str) -> _State | str:
     ratio = lay["kernel_blocks_per_block"]
     page = dump.layers[name][row * ratio: (row + 1) * ratio].reshape(-1)
     (conv_shape, ssm_shape), (conv_dt, ssm_dt) = facts["shapes"], facts["dtypes"]
-    conv_n = int(np.prod(conv_shape)) * DTYPE_BYTES[conv_dt]
-    ssm_n = int(np.prod(ssm_shape)) * DTYPE_BYTES[ssm_dt]
+    conv_n = int(np.prod(conv_shape)) * element_size(conv_dt)
+    ssm_n = int(np.prod(ssm_shape)) * element_size(ssm_dt)
     if facts.get("tp_replicated"):
         return _State({}, {}, page[: conv_n + ssm_n].tobytes())
     p = {"mamba_type": kind, "tp_replicated": False, **model}
     channels, units = mamba_state_coordinates(p, dump.meta["tp_size"], dump.meta["tp_rank"])
-    conv = page[:conv_n].reshape(conv_shape + [DTYPE_BYTES[conv_dt]])
+    conv = page[:conv_n].reshape(conv_shape + [element_size(conv_dt)])
     if model.get("conv_state_layout", "DS") == "SD":  # [columns, channels] -> [channels, columns]
         conv = conv.transpose(1, 0, 2)
     keep = int(model["conv_kernel"]) - 1
@@ -281,10 +304,11 @@ def _state(dump: Dump, name: str) -> _State | str:
                   {u: ssm[i].tobytes() for i, u in enumerate(units)}, None)
 
 
-def _judge_state(verdict: LoadVerdict, name: str, d: Dump, prefill: list[Dump], q: int, p_tokens: int) -> None:
-    """D's running state of a Mamba layer against P's, channel by channel and unit by unit."""
+def _judge_state(verdict: LoadVerdict, name: str, d: Dump, theirs: list[tuple[Dump, _State | str]], q: int,
+                 p_tokens: int) -> None:
+    """D's running state of a Mamba layer against P's (``theirs``, per prefill rank), channel by
+    channel and unit by unit."""
     mine = _state(d, name)
-    theirs = [(p, _state(p, name)) for p in prefill if name in p.layers]
     why = mine if isinstance(mine, str) else next((s for _, s in theirs if isinstance(s, str)), None)
     if why is not None or not theirs:
         verdict.unjudged[name] = why or "P sent no state"
@@ -300,10 +324,11 @@ def _judge_state(verdict: LoadVerdict, name: str, d: Dump, prefill: list[Dump], 
         if mine.whole != p0.whole:
             verdict.fail(f"{where}: the replicated state differs from P rank {theirs[0][0].meta['tp_rank']}'s")
         return
-    for part, got in (("conv channel", mine.conv), ("SSM unit", mine.ssm)):
-        source = {}
-        for _, st in theirs:
-            for k, v in getattr(st, "conv" if part == "conv channel" else "ssm").items():
+    for part, got, held in (("conv channel", mine.conv, [st.conv for _, st in theirs]),
+                            ("SSM unit", mine.ssm, [st.ssm for _, st in theirs])):
+        source: dict[int, bytes] = {}
+        for by_coordinate in held:
+            for k, v in by_coordinate.items():
                 source.setdefault(k, v)
         bad = [k for k, v in got.items() if source.get(k) != v]
         verdict.state_units += len(got)
@@ -359,7 +384,7 @@ def _corrupted(decode: list[Dump], how: str) -> list[Dump] | None:
         for k, d in enumerate(decode):
             for name, raw in d.layers.items():
                 record = d.record["layers"][name]
-                if ("Mamba" in record.get("spec", "")) != state:
+                if _is_state(record) != state:
                     continue
                 ids = d.meta["groups"][d.meta["layers"][name]["group"]]["block_ids"]
                 per = raw.shape[0] // len(ids)

@@ -426,6 +426,11 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
 PARALLEL_N = 3
 
 
+def parallel_prompt_len(block: int) -> int:
+    """The n=3 row's prompt: two blocks and some, so a read has whole blocks and a partial one."""
+    return 2 * block + 5
+
+
 def batched_tokens(args: tuple[str, ...]) -> int | None:
     """The ``--max-num-batched-tokens`` an engine's further arguments set (None: vLLM's default)."""
     for i, arg in enumerate(args):
@@ -459,7 +464,7 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     samples would prove nothing."""
     model = str(srv.model_dir)
     rng = np.random.default_rng(case.seed + 4)
-    prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=2 * block + 5).tolist()
+    prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=parallel_prompt_len(block)).tolist()
     ref = sample_n(srv.d_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
     srv.forget_on_decode()
     before = srv.decode_metrics()
@@ -586,7 +591,7 @@ def run_case(case: Case, opts: Options) -> Result:
             result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
             if rule == "exact":  # sampled tokens follow logprobs: only an exact case can ask identical samples
                 result.parallel = run_parallel_sampling(srv, case, block) \
-                    if not seeded_prefill_chunks(case, 2 * block + 5) else {"ok": True, "skipped": CHUNKED_SEEDS}
+                    if not seeded_prefill_chunks(case, parallel_prompt_len(block)) else {"ok": True, "skipped": CHUNKED_SEEDS}
             if several:
                 served = {kind: engines_served(urls, served_before[kind]) for kind, urls in several.items()}
                 result.engines = {"ok": all(v["ok"] for v in served.values()), "engines": served}

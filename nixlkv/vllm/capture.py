@@ -103,10 +103,16 @@ def model_facts(vllm_config: Any) -> dict[str, Any]:
 
 
 def write_capture(directory: str, record: Mapping[str, Any]) -> Path:
-    """Write one worker's record atomically (a reader polling the directory never sees half a file)."""
+    """Write one worker's record (atomically, :func:`write_atomically`)."""
     path = Path(directory) / f"{record['engine_id']}-tp{record['tp_rank']}.json"
+    return write_atomically(path, json.dumps(record, indent=1, sort_keys=True).encode())
+
+
+def write_atomically(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` whole or not at all: a reader polling the directory never sees
+    half a file (its folders are made as needed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
     return path

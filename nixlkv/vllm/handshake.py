@@ -17,11 +17,11 @@ description per region, ``RankGeometry.to_dict``) is still accepted and checked 
 The reader decodes ``[schema_version, compat_hash]`` first and refuses a different schema or
 compatibility hash before it looks at the payload; ``compat_inputs`` (what the hash is made of,
 optional: older peers do not send it) lets that refusal name the setting the engines differ in.
-Then every field is checked: types (msgspec), then each rank's geometry the reader plans with (``RankGeometry.from_dict``; a decode rank reads
-only some ranks, ``Dispatcher.needed_ranks``, and the others' geometry is never parsed: their
-agent metadata is all it uses, to tell them a request is done), then the cross-field facts (engine id and
-TP size agree on every rank, every rank present once, regions inside registered memory, counts
-and sizes bounded). Anything wrong raises :class:`HandshakeError` naming the field; nothing is
+Then every field is checked: types (msgspec), then each rank's geometry the reader plans with
+(``RankGeometry.from_dict``; a decode rank reads only some ranks, ``Dispatcher.needed_ranks``, and
+the others' geometry is never parsed: their agent metadata is all it uses, to tell them a request
+is done), then the cross-field facts (engine id and TP size agree on every rank, every rank
+present once, regions inside registered memory, counts and sizes bounded). Anything wrong raises :class:`HandshakeError` naming the field; nothing is
 planned or transferred from a payload that did not pass.
 """
 

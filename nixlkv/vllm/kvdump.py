@@ -15,6 +15,7 @@ copies every loaded byte once more and writes it to disk, per request.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .capture import write_atomically
 
 META_KEY = "__meta__"
 
@@ -73,14 +76,10 @@ def dump_request(
         "groups": groups, "layers": layers,
     }
     arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    out = request_dir(directory, prefill_request_id)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{role}-{engine_id}-tp{tp_rank}.npz"
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:  # atomically: a reader polling the directory never sees half a file
-        np.savez(fh, **arrays)
-    os.replace(tmp, path)
-    return path
+    data = io.BytesIO()
+    np.savez(data, **arrays)
+    return write_atomically(request_dir(directory, prefill_request_id) / f"{role}-{engine_id}-tp{tp_rank}.npz",
+                            data.getvalue())
 
 
 def load_dump(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -144,12 +144,10 @@ class NixlkvWorker:
             self.engine_id, self.topology, layers, memory, device_id=device_id, mem_type=mem_type
         )
         # before NIXL: a directory that cannot be written stops the engine with nothing to tear down
-        for key in ("capture_dir", "dump_kv_dir"):  # a dump is read through the capture record beside it
-            directory = getattr(self.config, key)
-            if not directory:
-                continue
-            record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
-                                    self.kv_cache_config, kv_caches, layers, self.model_facts)
+        dirs = {key: d for key in ("capture_dir", "dump_kv_dir") if (d := getattr(self.config, key))}
+        record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
+                                self.kv_cache_config, kv_caches, layers, self.model_facts) if dirs else None
+        for key, directory in dirs.items():  # a dump is read through the capture record beside it
             try:
                 logger.info("nixlkv captured the KV cache geometry to %s", write_capture(directory, record))
             except OSError as exc:
