@@ -252,6 +252,7 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
     from .serving.check import Case, Options, format_table, run_case, to_json
 
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   proxy_cmd=args.proxy_cmd,
                    port=args.port, start_timeout_s=args.start_timeout, negative_control=not args.no_negative_control,
                    quick=args.quick, verify_bytes=args.verify_bytes)
     results = []
@@ -260,7 +261,7 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
                     d_block=args.d_block, max_tokens=args.max_tokens, concurrency=args.concurrency, rule=args.rule,
                     prefix_caching=args.prefix_caching, prefills=args.prefills, decodes=args.decodes,
                     kv_cache_dtype=args.kv_cache_dtype, p_args=tuple(args.prefill_arg or ()),
-                    d_args=tuple(args.decode_arg or ()))
+                    d_args=tuple(args.decode_arg or ()), kv_both=args.kv_both)
         print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
         results.append(run_case(case, opts))
     print(to_json(results) if args.json else format_table(results))
@@ -272,6 +273,7 @@ def cmd_serve_drill(args: argparse.Namespace) -> int:
     from .serving.drills import format_drills, run
 
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   proxy_cmd=args.proxy_cmd,
                    port=args.port, start_timeout_s=args.start_timeout, verify_bytes=args.verify_bytes)
     outs = [run(Case(model=args.model, connector=c), opts, tuple(args.policy or ("recompute", "fail")))
             for c in (args.connector or ["nixlkv"])]
@@ -284,6 +286,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     from .serving.check import Case, Options
 
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   proxy_cmd=args.proxy_cmd,
                    port=args.port, start_timeout_s=args.start_timeout)
     rows = [run(Case(model=m, p_tp=args.p_tp, d_tp=args.d_tp), opts, prompt_len=args.prompt_len,
                 requests=args.requests, load_requests=args.load_requests, concurrency=args.concurrency)
@@ -307,6 +310,7 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
         rows = merge(json.loads(Path(p).read_text()) for p in args.merge)
     else:
         opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                       proxy_cmd=args.proxy_cmd,
                        port=args.port, start_timeout_s=args.start_timeout)
         cases = select(default_cases(), args.model, args.shape)
         connectors = tuple(args.connector or ("nixlkv", "vllm"))
@@ -342,6 +346,12 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", default=".serve-runs", help="server logs")
     p.add_argument("--port", type=int, default=8100, help="P's port; D, the proxy and side channels use the next ones")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become ready")
+    p.add_argument("--proxy-cmd", metavar="CMD",
+                   help="run your own P/D proxy instead of nixlkv's: its command line, with {port} (where the "
+                   "client sends requests), {python}, and the engines as {prefill_urls} {decode_urls} or "
+                   "{prefill_hosts} {prefill_ports} {decode_hosts} {decode_ports} (space-separated); e.g. "
+                   "\"{python} toy_proxy_server.py --port {port} --prefiller-hosts {prefill_hosts} "
+                   "--prefiller-ports {prefill_ports} --decoder-hosts {decode_hosts} --decoder-ports {decode_ports}\"")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -432,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(e.g. --prefill-arg=--max-num-batched-tokens=64)")
     p.add_argument("--decode-arg", action="append", metavar="ARG",
                    help="a further `vllm serve` argument for the decode engine(s), repeatable")
+    p.add_argument("--kv-both", action="store_true",
+                   help="start every engine with kv_role kv_both, as vLLM's own P/D test does (each request's "
+                   "kv_transfer_params decide whether an engine prefills for a remote decode or loads)")
     p.add_argument("--verify-bytes", action="store_true",
                    help="the engines dump every request's blocks (dump_kv_dir) and D's loaded KV is judged "
                    "per token and head against P's (nixlkv's connector only)")

@@ -255,6 +255,10 @@ def test_several_engines_of_a_kind_get_ports_of_their_own_and_the_proxy_takes_th
     channels = [c for s in specs for c in range(s.side_channel_port, s.side_channel_port + s.tp)]
     assert len(set(channels)) == len(channels) and not set(channels) & set(ports)
     assert [s.role for s in specs] == ["kv_producer"] * 3 + ["kv_consumer"] * 2 and all(s.tp == 4 for s in specs)
+    both = check.Servers(Case(prefills=2, kv_both=True), check.Options(python="python", port=8100))
+    assert Case(kv_both=True).label == "tiny-llama P1->D1 b32 kv_both nixlkv"
+    for spec in (both.p_spec, *both.more_p_specs, both.d_spec):  # each request's params decide its role
+        assert json.loads(spec.argv("python")[spec.argv("python").index("--kv-transfer-config") + 1])["kv_role"] == "kv_both"
     assert srv.p_urls == ["http://127.0.0.1:8100", "http://127.0.0.1:8103", "http://127.0.0.1:8104"]
     assert srv.d_urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8105"]
     one = check.Servers(Case(), check.Options(python="python"))
@@ -442,16 +446,19 @@ class StandIns:
 
     def __init__(self, prefill_params: object = None) -> None:
         self.seen: dict[str, list[dict]] = {"p": [], "d": []}
+        self.ids: dict[str, list[str | None]] = {"p": [], "d": []}  # the X-Request-Id each request carried
         self.prefill_params = {"remote_engine_id": "P0"} if prefill_params is None else prefill_params
 
     async def prefill(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.seen["p"].append(body)
+        self.ids["p"].append(request.headers.get("X-Request-Id"))
         return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": self.prefill_params})
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen["d"].append(body)
+        self.ids["d"].append(request.headers.get("X-Request-Id"))
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": "decoded"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -471,7 +478,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _run_proxy(stand: StandIns, requests: list[dict]) -> list[tuple[int, str]]:
+async def _run_proxy(stand: StandIns, requests: list[dict], headers: dict[str, str] | None = None) -> list[tuple[int, str]]:
     from aiohttp import ClientSession
 
     papp, dapp = web.Application(), web.Application()
@@ -486,7 +493,7 @@ async def _run_proxy(stand: StandIns, requests: list[dict]) -> list[tuple[int, s
     try:
         async with ClientSession() as s:
             for body in requests:
-                async with s.post(f"{xurl}/v1/completions", json=body) as r:
+                async with s.post(f"{xurl}/v1/completions", json=body, headers=headers) as r:
                     out.append((r.status, await r.text()))
     finally:
         for r in runners:
@@ -500,6 +507,18 @@ def test_proxy_prefills_on_p_then_decodes_on_d_with_ps_params() -> None:
     assert status == 200 and json.loads(text)["choices"][0]["text"] == "decoded"
     assert stand.seen["p"][0]["max_tokens"] == 1 and stand.seen["p"][0]["kv_transfer_params"]["do_remote_decode"]
     assert stand.seen["d"][0]["max_tokens"] == 5 and stand.seen["d"][0]["kv_transfer_params"] == {"remote_engine_id": "P0"}
+
+
+def test_proxy_sends_one_request_id_to_p_and_d() -> None:
+    """As vLLM's own proxy does: a request's lines in P's and D's logs share its id. A new id per
+    request where the client sent none; the client's own where it did."""
+    stand = StandIns()
+    body = {"model": "m", "prompt": [1], "max_tokens": 2}
+    asyncio.run(_run_proxy(stand, [body, body]))
+    assert stand.ids["p"] == stand.ids["d"] and all(stand.ids["p"]) and len(set(stand.ids["p"])) == 2
+    stand = StandIns()
+    asyncio.run(_run_proxy(stand, [body], headers={"X-Request-Id": "client-7"}))
+    assert stand.ids == {"p": ["client-7"], "d": ["client-7"]}
 
 
 def test_proxy_streams_ds_answer_through() -> None:
@@ -657,3 +676,44 @@ def test_where_d_alone_is_no_reference_the_row_passes_only_on_identical_answers_
     row = {"nixlkv": summarize(ours), "vllm": summarize(ours), "agreement": agreement(ours, ours)}
     judge_by_baseline(row, models.recipe("tiny-llama"))
     assert row["nixlkv"]["ok"] is False  # an exact reference is never replaced
+
+
+def test_a_proxy_of_the_users_gets_the_engines_in_the_form_it_asks_for(tmp_path) -> None:
+    """serve-check --proxy-cmd: the placeholders filled with the engines (one per engine,
+    space-separated, as argparse's nargs reads them), and a clear error for a command the check
+    could not reach or that names a field there is none of."""
+    from nixlkv.serving.launch import custom_proxy_process
+
+    cmd = ("{python} toy.py --port {port} --prefiller-hosts {prefill_hosts} --prefiller-ports {prefill_ports} "
+           "--decoder-hosts {decode_hosts} --decoder-ports {decode_ports} --urls {prefill_urls} {decode_urls}")
+    proc = custom_proxy_process(cmd, ["http://127.0.0.1:8100", "http://127.0.0.1:8103"], ["http://127.0.0.1:8101"],
+                                8102, "py", tmp_path)
+    assert proc.argv == ["py", "toy.py", "--port", "8102", "--prefiller-hosts", "127.0.0.1", "127.0.0.1",
+                         "--prefiller-ports", "8100", "8103", "--decoder-hosts", "127.0.0.1", "--decoder-ports", "8101",
+                         "--urls", "http://127.0.0.1:8100", "http://127.0.0.1:8103", "http://127.0.0.1:8101"]
+    assert proc.url == "http://127.0.0.1:8102" and proc.health is None  # ready once the port accepts
+    with pytest.raises(ValueError, match=r"must name \{port\}"):
+        custom_proxy_process("toy.py --prefill {prefill_urls}", ["u"], ["v"], 1, "py", tmp_path)
+    with pytest.raises(ValueError, match="names 'prefill_url', which is not one of"):
+        custom_proxy_process("toy.py --port {port} {prefill_url}", ["http://h:1"], ["http://h:2"], 3, "py", tmp_path)
+
+
+def test_a_proxy_without_a_health_path_is_ready_when_its_port_accepts(tmp_path) -> None:
+    import socket
+    import sys
+
+    from nixlkv.serving.launch import ServeError, custom_proxy_process
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = "{python} -m http.server {port} --bind 127.0.0.1"
+    proc = custom_proxy_process(serve, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], port, sys.executable, tmp_path)
+    try:
+        assert proc.start().wait_ready(30) < 30
+    finally:
+        proc.stop()
+    dead = custom_proxy_process("{python} -c 'import sys; sys.exit(3)' {port}", ["http://h:1"], ["http://h:2"], port,
+                                sys.executable, tmp_path)
+    with pytest.raises(ServeError, match="exited with 3 before it was ready"):
+        dead.start().wait_ready(30)

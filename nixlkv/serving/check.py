@@ -36,8 +36,10 @@ from .client import (
 )
 from .bytecheck import judge_dir
 from .compare import judge
-from .launch import LOOPBACK, EngineSpec, Process, ServeError, default_python, engine_process, proxy_process
+from .launch import (LOOPBACK, EngineSpec, Process, ServeError, custom_proxy_process, default_python, engine_process,
+                     proxy_process)
 from .proxy import PREFILL_PARAMS
+from ..vllm.config import ConnectorConfig
 
 FIRST_ID = len(models.SPECIAL_TOKENS)  # prompts avoid the special tokens
 
@@ -60,6 +62,7 @@ class Case:
     kv_cache_dtype: str = "auto"  # both engines' --kv-cache-dtype (fp8: one byte per KV element)
     p_args: tuple[str, ...] = ()  # further `vllm serve` arguments for the prefill engine(s)
     d_args: tuple[str, ...] = ()  # ... and for the decode engine(s)
+    kv_both: bool = False  # every engine started with kv_role kv_both (vLLM's own P/D test does): params decide
 
     def __post_init__(self) -> None:
         for name in ("prefills", "decodes"):
@@ -82,7 +85,8 @@ class Case:
         ds = f"{self.decodes}x" if self.decodes > 1 else ""
         dtype = f" kv-{self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""
         more = "".join(f" {side}[{' '.join(a)}]" for side, a in (("P", self.p_args), ("D", self.d_args)) if a)
-        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype}{more} {self.connector}"
+        both = " kv_both" if self.kv_both else ""
+        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype}{both}{more} {self.connector}"
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Options:
     quick: bool = False  # fewer prompts (CI's smoke case)
     verify_bytes: bool = False  # engines dump each request's blocks; D's loaded KV judged against P's (bytecheck)
     extra_env: dict[str, str] = field(default_factory=dict)
+    proxy_cmd: str | None = None  # the user's own proxy's command line (launch.custom_proxy_process); None: nixlkv's
 
 
 def prompt_lengths(block: int, max_model_len: int, max_tokens: int, quick: bool,
@@ -216,14 +221,15 @@ class Servers:
         self.dump_dir = self.log_dir / "kv" if opts.verify_bytes and case.connector == "nixlkv" else None
         dumps = {"dump_kv_dir": str(self.dump_dir)} if self.dump_dir else {}
         engine_args = ("--kv-cache-dtype", case.kv_cache_dtype) if case.kv_cache_dtype != "auto" else ()
-        self.p_spec = EngineSpec(self.model_dir, "kv_producer", base, base + 10, case.connector, case.p_tp,
+        p_role, d_role = ("kv_both", "kv_both") if case.kv_both else ("kv_producer", "kv_consumer")
+        self.p_spec = EngineSpec(self.model_dir, p_role, base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  extra_config={**dumps, **(p_extra or {})}, env={**env, **(p_env or {})},
                                  extra_args=engine_args + tuple(case.p_args))
         self.more_p: list[Process] = []
         self.more_d: list[Process] = []
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
-        self.d_spec = EngineSpec(self.model_dir, "kv_consumer", base + 1, base + 20, case.connector, case.d_tp,
+        self.d_spec = EngineSpec(self.model_dir, d_role, base + 1, base + 20, case.connector, case.d_tp,
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  env={**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else env,
                                  load_failure_policy=d_policy, extra_config=dict(dumps),
@@ -279,7 +285,11 @@ class Servers:
                  **{proc.name: proc.wait_ready(self.opts.start_timeout_s) for proc in self.more_p},
                  "decode": self.d.wait_ready(self.opts.start_timeout_s),
                  **{proc.name: proc.wait_ready(self.opts.start_timeout_s) for proc in self.more_d}}
-        self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir).start()
+        if self.opts.proxy_cmd:
+            self.proxy = custom_proxy_process(self.opts.proxy_cmd, self.p_urls, self.d_urls, self.opts.port + 2, py,
+                                              self.log_dir).start()
+        else:
+            self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir).start()
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
 
@@ -471,6 +481,14 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     got = sample_n(srv.proxy_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
     facts = _transfer_facts(delta(srv.decode_metrics(), before))
     held = max(settled_kv_usage(url, timeout_s=5.0, poll_s=0.1) for url in srv.p_urls)  # P frees on D's notification
+    freed_by_lease_s = None
+    if held > 0 and case.connector == "nixlkv":
+        # children P prefilled that no decode reads (a proxy that sends n > 1 to P; nixlkv's sends 1):
+        # still a failure, but they must go when their lease ends, or P leaks them
+        lease = ConnectorConfig().lease_s
+        t0 = time.monotonic()
+        if max(settled_kv_usage(url, timeout_s=lease + 15.0) for url in srv.p_urls) == 0:
+            freed_by_lease_s = round(time.monotonic() - t0 + 5.0, 1)
     same = got == ref
     other = [(prompt[0] + 1 - FIRST_ID) % (models.VOCAB_SIZE - FIRST_ID) + FIRST_ID, *prompt[1:]]
     control = sample_n(srv.d_url, model, other, case.max_tokens, PARALLEL_N, case.seed + 7) != ref
@@ -483,7 +501,7 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
         shared = facts.get("hit_tokens", 0) >= (PARALLEL_N - 1) * ((len(prompt) - 1) // d_block * d_block)
     return {"ok": same and reads_ok and held == 0 and control and shared is not False, "identical": same,
             "control_differs": control, "shared_from_cache": shared, "n": PARALLEL_N, "prompt_len": len(prompt),
-            "p_kv_usage_after": held, "facts": facts}
+            "p_kv_usage_after": held, "p_freed_after_s": freed_by_lease_s, "facts": facts}
 
 
 def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dict[str, Any]:
@@ -676,7 +694,10 @@ def format_table(results: list[Result]) -> str:
                          + (f"the others' blocks from D's cache: {pa['shared_from_cache']} "
                             f"({pa.get('facts', {}).get('hit_tokens', 0):.0f} tokens hit), "
                             if pa.get("shared_from_cache") is not None else "")
-                         + f"P's KV usage after: {pa.get('p_kv_usage_after')})")
+                         + f"P's KV usage after: {pa.get('p_kv_usage_after')})"
+                         + (f": P still held blocks no decode reads (does the proxy send n > 1 to P? nixlkv's sends "
+                            f"n=1), freed {pa['p_freed_after_s']} s after the answer, when their lease ended"
+                            if pa.get("p_freed_after_s") is not None else ""))
         for kind, served in (res.engines or {}).get("engines", {}).items():
             lines.append(f"   {kind} engines: {'ok' if served.get('ok') else 'FAIL'} (requests per engine "
                          f"{list(served.get('requests', {}).values())}, KV usage after "

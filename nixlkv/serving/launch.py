@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,7 +35,7 @@ class EngineSpec:
     """One vLLM engine of a P/D pair, as ``vllm serve`` arguments."""
 
     model: Path
-    role: str  # kv_producer | kv_consumer
+    role: str  # kv_producer | kv_consumer | kv_both
     port: int
     side_channel_port: int
     connector: str = "nixlkv"
@@ -90,8 +92,11 @@ class EngineSpec:
 class Process:
     """A child process in its own process group, logging to a file; stopped with its whole group."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, url: str | None) -> None:
-        self.name, self.argv, self.env, self.log, self.url = name, argv, env, log, url
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, url: str | None,
+                 health: str | None = "/health") -> None:
+        """``health``: the path that answers 200 once the process serves; None: ready once its port
+        accepts connections (a proxy of the user's, whose health path is its own)."""
+        self.name, self.argv, self.env, self.log, self.url, self.health = name, argv, env, log, url, health
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self.ready_s: float | None = None
@@ -119,8 +124,8 @@ class Process:
         return "\n".join(keep[-lines:])
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Block until ``url/health`` answers 200; the seconds from start. Raises ServeError quoting
-        the log if the process exits or the time runs out."""
+        """Block until ``url`` + the health path answers 200 (or, without one, its port accepts); the
+        seconds from start. Raises ServeError quoting the log if the process exits or the time runs out."""
         if self.url is None:
             raise ValueError(f"{self.name} has no URL to wait for")
         deadline = self.started_at + timeout_s
@@ -129,7 +134,12 @@ class Process:
                 raise ServeError(f"{self.name} exited with {self.proc.returncode if self.proc else '?'} before it "
                                  f"was ready; log {self.log}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                if self.health is None:
+                    host, port = self.url.rsplit("//", 1)[-1].rsplit(":", 1)
+                    socket.create_connection((host, int(port)), timeout=2).close()
+                    self.ready_s = time.monotonic() - self.started_at
+                    return self.ready_s
+                with urllib.request.urlopen(f"{self.url}{self.health}", timeout=2) as resp:
                     if resp.status == 200:
                         self.ready_s = time.monotonic() - self.started_at
                         return self.ready_s
@@ -176,6 +186,35 @@ def proxy_process(prefill: list[str], decode: list[str], port: int, python: str,
         argv += ["--decode", url]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return Process("proxy", argv, env, log_dir / "proxy.log", f"http://{LOOPBACK}:{port}")
+
+
+PROXY_FIELDS = ("port", "python", "prefill_urls", "decode_urls", "prefill_hosts", "prefill_ports",
+                "decode_hosts", "decode_ports")
+
+
+def custom_proxy_process(template: str, prefill: list[str], decode: list[str], port: int, python: str,
+                         log_dir: Path) -> Process:
+    """The user's own P/D proxy (``serve-check --proxy-cmd``): ``template`` is its command line with
+    ``{port}`` (where the check's client sends its requests), ``{python}`` (the serving environment's)
+    and the engines as ``{prefill_urls}``/``{decode_urls}`` or ``{prefill_hosts}``/``{prefill_ports}``/
+    ``{decode_hosts}``/``{decode_ports}`` (space-separated, one per engine). It is ready once
+    ``{port}`` accepts connections."""
+    def hosts_ports(urls: list[str]) -> tuple[str, str]:
+        pairs = [u.rsplit("//", 1)[-1].rsplit(":", 1) for u in urls]
+        return " ".join(h for h, _ in pairs), " ".join(p for _, p in pairs)
+
+    if "{port}" not in template:
+        raise ValueError("--proxy-cmd must name {port}: the port the check's client sends its requests to")
+    ph, pp = hosts_ports(prefill)
+    dh, dp = hosts_ports(decode)
+    values = dict(port=port, python=python, prefill_urls=" ".join(prefill), decode_urls=" ".join(decode),
+                  prefill_hosts=ph, prefill_ports=pp, decode_hosts=dh, decode_ports=dp)
+    try:
+        argv = shlex.split(template.format(**values))
+    except (KeyError, IndexError) as exc:
+        raise ValueError(f"--proxy-cmd names {exc}, which is not one of {{{'}, {'.join(PROXY_FIELDS)}}}") from None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return Process("proxy", argv, env, log_dir / "proxy.log", f"http://{LOOPBACK}:{port}", health=None)
 
 
 def default_python() -> str:

@@ -5,7 +5,9 @@
 For each completion it asks a prefill engine for one token with ``kv_transfer_params``
 ``{"do_remote_decode": true}`` (P computes the prompt and holds its KV), then sends the original
 request to a decode engine with the ``kv_transfer_params`` P returned (D reads the KV and
-decodes). Streaming answers are passed through as they come. Engines are taken in turn, each
+decodes). Both requests carry one ``X-Request-Id`` (the client's, or a new one), so a request's
+lines in P's and D's logs share its id (vLLM adds its own suffix inside each engine).
+Streaming answers are passed through as they come. Engines are taken in turn, each
 kind round-robin, and over every P x D requests every (P, D) pair once (:func:`pairings`), so that
 every decode engine meets every prefill engine.
 It speaks only the keys vLLM's NixlConnector uses, so it drives either connector.
@@ -18,6 +20,7 @@ import itertools
 import json
 import logging
 import math
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -104,6 +107,7 @@ class Proxy:
         if not isinstance(body, dict):
             return self._error(400, "request body must be a JSON object")
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        headers.setdefault("X-Request-Id", uuid.uuid4().hex)  # one id on P and D, as vLLM's own proxy sends
         if self._session is None:
             return self._error(503, "the proxy is starting")
         p_url, d_url = next(self._pairs)
