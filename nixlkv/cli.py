@@ -452,8 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)
     p = sub.add_parser("serve-drill", help="failures in real serving: P killed while D waits, P restarted on the "
-                       "same port, a decode that never came, the same params twice, D short of KV blocks, P with "
-                       "another --kv-cache-dtype (docs/serving.md)")
+                       "same port, a decode that never came, the same params twice, clients that hang up, D short of KV "
+                       "blocks, P with another --kv-cache-dtype (docs/serving.md)")
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
     p.add_argument("--policy", action="append", choices=("recompute", "fail"),

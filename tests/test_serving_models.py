@@ -138,3 +138,19 @@ def test_make_is_idempotent_and_rebuilds_a_stale_folder(tmp_path: Path) -> None:
 def test_unknown_recipe_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="tiny-gemma4"):
         models.recipe("tiny-nothing")
+
+
+def test_the_tiny_tokenizer_carries_a_chat_template_and_older_folders_get_it(tmp_path) -> None:
+    import jinja2
+
+    from nixlkv.serving.models import CHAT_TEMPLATE, write_tokenizer_config
+
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))  # a folder built before the template
+    write_tokenizer_config(tmp_path)
+    assert json.loads(path.read_text())["chat_template"] == CHAT_TEMPLATE
+    stamp = path.stat().st_mtime_ns
+    write_tokenizer_config(tmp_path)
+    assert path.stat().st_mtime_ns == stamp  # unchanged: not rewritten
+    text = jinja2.Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": "ba ke"}], add_generation_prompt=True)
+    assert text == "<s>user\nba ke</s>\n<s>assistant\n"

@@ -469,8 +469,8 @@ class StandIns:
         return out
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
+async def _serve(app: web.Application, **kwargs: object) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, **kwargs)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -717,3 +717,137 @@ def test_a_proxy_without_a_health_path_is_ready_when_its_port_accepts(tmp_path) 
                                 sys.executable, tmp_path)
     with pytest.raises(ServeError, match="exited with 3 before it was ready"):
         dead.start().wait_ready(30)
+
+
+def _chat_entry(tid: int, lp: float) -> dict:
+    return {"token": f"token_id:{tid}", "logprob": lp,
+            "top_logprobs": [{"token": f"token_id:{tid}", "logprob": lp}, {"token": "token_id:7", "logprob": lp - 1}]}
+
+
+def test_chat_answers_are_read_as_token_ids_streamed_or_not() -> None:
+    """client.chat reads /v1/chat/completions as vLLM answers it (logprobs.content, ids as
+    ``token_id:N``), whole or streamed, with the prompt's token count from its usage."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["messages"][0]["role"] == "user" and body["return_tokens_as_token_ids"] and body["logprobs"]
+        entries = [_chat_entry(11, -0.5), _chat_entry(12, -0.25)]
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"content": "ab"}, "logprobs": {"content": entries}}],
+                                      "usage": {"prompt_tokens": 40}})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for e in entries:
+            await out.write(f"data: {json.dumps({'choices': [{'delta': {'content': 'a'}, 'logprobs': {'content': [e]}}]})}\n\n".encode())
+        await out.write(f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 40}})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    async def run() -> list[Completion]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner, url = await _serve(app)
+        try:
+            msgs = [{"role": "user", "content": "hi"}]
+            loop = asyncio.get_running_loop()
+            return [await loop.run_in_executor(None, lambda s=s: client.chat(url, "m", msgs, 2, stream=s))
+                    for s in (False, True)]
+        finally:
+            await runner.cleanup()
+
+    for got in asyncio.run(run()):
+        assert got.token_ids == [11, 12] and got.logprobs == [-0.5, -0.25] and got.prompt_tokens == 40
+        assert got.top[1] == {12: -0.25, 7: -1.25}
+
+
+def test_a_client_that_hangs_up_is_told_where_it_got() -> None:
+    """serve-drill's hang-ups: closed before the answer began, during it, or after all of it."""
+    from nixlkv.serving.drills import _hang_up
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        await asyncio.sleep(0.3)  # P prefilling: no answer yet
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(5):
+            await out.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.1)
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    async def run() -> list[str]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", slow)
+        runner, url = await _serve(app)
+        try:
+            loop = asyncio.get_running_loop()
+            return [await loop.run_in_executor(None, _hang_up, url, {"prompt": [1]}, after)
+                    for after in (0.05, 0.45, 5.0)]
+        finally:
+            await asyncio.sleep(0.3)
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == ["before", "during", "whole"]
+
+
+def test_a_client_that_hangs_up_stops_the_proxys_request_upstream() -> None:
+    """The proxy as a real command: a client that gives up while P prefills cancels P's request
+    (vLLM then aborts it) and D never gets one, rather than both engines computing for nobody."""
+    import socket
+    import sys
+
+    from aiohttp import ClientSession, ClientTimeout
+
+    async def run() -> tuple[list[str], list[dict]]:
+        cancelled: list[str] = []
+        seen_d: list[dict] = []
+
+        async def slow_prefill(request: web.Request) -> web.Response:
+            await request.json()
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                cancelled.append("prefill")
+                raise
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "P"}})
+
+        async def decode(request: web.Request) -> web.Response:
+            seen_d.append(await request.json())
+            return web.json_response({"choices": [{"text": "y"}]})
+
+        papp, dapp = web.Application(), web.Application()
+        papp.router.add_post("/v1/completions", slow_prefill)
+        dapp.router.add_post("/v1/completions", decode)
+        pr, purl = await _serve(papp, handler_cancellation=True)
+        dr, durl = await _serve(dapp)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proxy = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "nixlkv.serving.proxy", "--prefill", purl, "--decode", durl, "--port", str(port))
+        try:
+            async with ClientSession() as s:
+                for _ in range(100):  # until the proxy serves
+                    try:
+                        async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                            if r.status == 200:
+                                break
+                    except OSError:
+                        await asyncio.sleep(0.1)
+                try:
+                    await s.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 2},
+                                 timeout=ClientTimeout(total=0.5))
+                except asyncio.TimeoutError:
+                    pass  # the client gave up
+            for _ in range(50):
+                if cancelled:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            proxy.terminate()
+            await proxy.wait()
+            await pr.cleanup()
+            await dr.cleanup()
+        return cancelled, seen_d
+
+    cancelled, seen_d = asyncio.run(run())
+    assert cancelled == ["prefill"] and not seen_d

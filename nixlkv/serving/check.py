@@ -32,7 +32,7 @@ import numpy as np
 
 from . import models
 from .client import (
-    Completion, CompletionError, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
+    Completion, CompletionError, chat, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
 )
 from .bytecheck import judge_dir
 from .compare import judge
@@ -398,6 +398,38 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
     return rows
 
 
+CHAT_LINES = 12  # sentences of the chat row's user message: a few hundred tokens, several blocks
+
+
+def run_chat(srv: Servers, case: Case, rule: str) -> Row:
+    """A conversation through ``/v1/chat/completions``, the API most clients call: P and D render the
+    same template, so D loads the rendered prompt from P (streamed through the proxy, as a chat
+    client reads it); judged against D alone's chat answer like any row."""
+    model = str(srv.model_dir)
+    messages = [{"role": "system", "content": "Answer in the words of the text."},
+                {"role": "user", "content": models.sample_text(case.seed + 5, CHAT_LINES)}]
+    try:
+        ref = chat(srv.d_url, model, messages, case.max_tokens)
+        natural = chat(srv.p_url, model, messages, case.max_tokens) if rule == "drift" and case.p_tp != case.d_tp \
+            else None
+        srv.forget_on_decode()
+        before = srv.decode_metrics()
+        got = chat(srv.proxy_url, model, messages, case.max_tokens, stream=True)
+        facts = _transfer_facts(delta(srv.decode_metrics(), before))
+    except (CompletionError, OSError) as exc:
+        return Row(CHAT_ROW, 0, {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}")
+    n = ref.prompt_tokens or 0
+    if not ref.token_ids or min(ref.token_ids + got.token_ids) < 0:  # judged on ids, never on text
+        return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
+                   "the chat answers carry no token ids (return_tokens_as_token_ids): nothing to judge")
+    verdict = judge(ref, got, rule, natural)
+    moved = n > 1 and facts["loaded_tokens"] >= n - 1 and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
+    return Row(CHAT_ROW, n, verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids)
+
+
+CHAT_ROW = "chat"
+
+
 def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_len: int) -> dict[str, Any]:
     """``concurrency`` prompts of different lengths at once through the proxy; each judged
     against D's own answer (by the drift rule: batching changes reduction order)."""
@@ -603,6 +635,7 @@ def run_case(case: Case, opts: Options) -> Result:
             served_before = {kind: [scrape(url) for url in urls] for kind, urls in several.items()}
             prompts = make_prompts(case, block, rec.max_model_len, opts.quick)
             result.rows = run_prompts(srv, case, rule, prompts)
+            result.rows.append(run_chat(srv, case, rule))
             if case.prefix_caching:
                 d_block = case.d_block or rec.block_size
                 result.rows += run_prefix_hits(srv, case, rule, block, d_block, rec.max_model_len, opts.quick)

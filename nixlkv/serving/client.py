@@ -112,6 +112,59 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, s
                       usage.get("prompt_tokens"), raw)
 
 
+def _absorb_chat(choice: dict[str, Any], ids: list[int], lps: list[float], top: list[dict[int, float]]) -> None:
+    """A chat choice (or streamed chunk's choice): its tokens are ``logprobs.content`` entries."""
+    for entry in (choice.get("logprobs") or {}).get("content") or []:
+        ids.append(_token_id(entry.get("token", "")))
+        lps.append(float(entry.get("logprob", 0.0)))
+        top.append({_token_id(a["token"]): float(a["logprob"]) for a in entry.get("top_logprobs") or []})
+
+
+def chat(base_url: str, model: str, messages: list[dict[str, str]], max_tokens: int, *, stream: bool = False,
+         timeout_s: float = 300.0) -> Completion:
+    """One chat completion (``/v1/chat/completions``, the API most clients speak), greedy, with
+    logprobs as token ids, like :func:`complete`; ``prompt_tokens`` from its usage."""
+    url = f"{base_url}/v1/chat/completions"
+    body: dict[str, Any] = {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
+        "top_logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "ignore_eos": True, "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    ids: list[int] = []
+    lps: list[float] = []
+    top: list[dict[int, float]] = []
+    t0 = time.perf_counter()
+    ttft = None
+    raw: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
+    with _post(url, body, timeout_s) as resp:
+        if not stream:
+            raw = json.loads(resp.read())
+            _absorb_chat(raw["choices"][0], ids, lps, top)
+            usage = raw.get("usage") or {}
+        else:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise CompletionError(url, 500, json.dumps(chunk["error"]))
+                for choice in chunk.get("choices") or []:
+                    before = len(ids)
+                    _absorb_chat(choice, ids, lps, top)
+                    if ttft is None and len(ids) > before:
+                        ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+                raw = chunk
+    return Completion(ids, lps, top, time.perf_counter() - t0, ttft, raw.get("kv_transfer_params"),
+                      usage.get("prompt_tokens"), raw)
+
+
 def sample_n(base_url: str, model: str, prompt: list[int], max_tokens: int, n: int, seed: int,
              timeout_s: float = 300.0) -> list[list[int]]:
     """``n`` seeded samples of ``prompt`` (temperature 1; vLLM seeds the children from ``seed``), as

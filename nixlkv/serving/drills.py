@@ -21,10 +21,23 @@ the engines' own metrics say about their KV blocks.
 6. **P started with another --kv-cache-dtype**: the handshake refuses P; the request is recomputed
    exactly (``recompute``) or fails (``fail``), D's log names the setting (nixlkv), D holds no
    blocks and P frees its blocks when the lease ends.
+7. **Clients that hang up** (run before 5 and 6, with P and D as started): streamed requests through
+   the proxy at once, each client closing its connection at another moment, from a few ms (P still
+   prefilling) to well into D's answer (D waiting for, reading or decoding from P's KV). Wherever
+   the abort lands, both engines must hold no blocks afterwards (P's freed by D's notification or at
+   the lease), both must still serve, and a request through the proxy must answer as D alone.
+8. **P short of KV blocks** (run before 5, P then restarted as it was): P restarted with room for
+   two of six concurrent requests through the proxy; each holds its blocks for D's read, so P must
+   wait for D's reads to free room before it prefills the next. Every answer must pass the drift rule
+   against D alone, P must have filled (its usage seen near full, else the drill tested nothing),
+   each request must have been read once, and neither engine holds blocks afterwards.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -35,7 +48,7 @@ import numpy as np
 from . import models
 from .bytecheck import judge_dir
 from .check import FIRST_ID, Case, Options, Servers, _transfer_facts, default_rule, format_bytes, prefill_on
-from .client import CompletionError, complete, delta, kv_usage, scrape, settled_kv_usage
+from .client import CompletionError, complete, delta, kv_usage, request_body, scrape, settled_kv_usage
 from .compare import judge
 from .launch import ServeError
 
@@ -159,6 +172,8 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
         drills.append(Drill("the same params sent twice", ok, facts, why))
 
+        drills.append(_hang_ups(srv, case, rng))
+        drills.append(_short_prefill(srv, case, rng))
         drills.append(_short_decode(srv, case, rng))
         drills.append(_other_cache_dtype(srv, case, rng, policy))
     if srv.dump_dir is not None:  # --verify-bytes: every load of every drill, the engines stopped
@@ -166,6 +181,126 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         drills.append(Drill("bytes D loaded vs P's", verdict["ok"], {"bytes": verdict},
                             "" if verdict["ok"] else format_bytes(verdict)))
     return drills
+
+
+HANG_UPS = 8  # concurrent requests of drill 7, each abandoned by its client at another moment
+HANG_UP_AFTER_S = (0.005, 1.5)  # the first client hangs up after this long, the last after that
+HANG_UP_TOKENS = 200  # each asks for this many: the late hang-ups land in D's answer
+FINISHED = "vllm:request_success_total"  # an engine's finished requests, per finish reason
+
+
+def _hang_up(url: str, body: dict[str, Any], after_s: float) -> str:
+    """Send ``body`` streamed and close the connection ``after_s`` seconds later, or when the answer
+    ends first: what a client that gives up does. Where it got: ``before`` the answer began,
+    ``during`` it, or the ``whole`` answer."""
+    host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=after_s)
+    t0 = time.monotonic()
+    got = 0
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while (left := after_s - (time.monotonic() - t0)) > 0:
+            conn.sock.settimeout(left)
+            chunk = resp.read1(4096)
+            if not chunk:
+                return "whole"
+            got += len(chunk)
+    except (TimeoutError, OSError):
+        pass
+    finally:
+        conn.close()
+    return "during" if got else "before"
+
+
+def _hang_ups(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
+    """Drill 7: clients that hang up at every moment of a P/D request."""
+    model, block = str(srv.model_dir), srv.recipe.block_size
+    room = srv.recipe.max_model_len - HANG_UP_TOKENS
+    prompts = [_prompt(rng, int(n)) for n in rng.integers(2 * block, min(8 * block, room), size=HANG_UPS)]
+    delays = np.geomspace(*HANG_UP_AFTER_S, HANG_UPS).tolist()
+    bodies = [request_body(model, p, HANG_UP_TOKENS, stream=True) for p in prompts]
+    before = {"p": scrape(srv.p_url), "d": scrape(srv.d_url)}
+    with ThreadPoolExecutor(HANG_UPS) as pool:
+        seen = list(pool.map(_hang_up, [srv.proxy_url] * HANG_UPS, bodies, delays))
+    facts: dict[str, Any] = {"hung_up_after_s": [round(d, 3) for d in delays], "clients": seen}
+    faults = []
+    if "before" not in seen or "during" not in seen:  # else the drill missed a phase of the request
+        faults.append(f"the hang-ups did not land both before and during the answers: {seen}")
+    time.sleep(1.0)  # the engines notice closed connections on their next step
+    # each engine's own count of the requests it finished (vLLM counts no client abort there)
+    p_done, d_done = (sum(v for k, v in delta(scrape(url), before[side]).items() if k.startswith(FINISHED))
+                      for side, url in (("p", srv.p_url), ("d", srv.d_url)))
+    facts["stopped_while_p_prefilled"] = HANG_UPS - p_done
+    facts["stopped_after_p"] = p_done - d_done  # at the proxy, or on D waiting for, reading or decoding the KV
+    facts["answered_whole"] = d_done
+    if p_done + d_done == 2 * HANG_UPS:
+        faults.append("every request finished on both engines: no hang-up stopped one, the drill tested nothing")
+    if _still_held(srv, facts, p_timeout_s=LEASE_S * 6 + 30):
+        faults.append("blocks still held after every client hung up")
+    prompt = _prompt(rng, 3 * block + 5)
+    try:
+        ref = complete(srv.d_url, model, prompt, case.max_tokens)
+        got = complete(srv.proxy_url, model, prompt, case.max_tokens, timeout_s=120)
+        verdict = judge(ref, got, default_rule(case))
+        facts["after_verdict"] = verdict.to_dict()
+        if not verdict.ok:
+            faults.append(f"the request after: {verdict.reason}")
+    except CompletionError as exc:
+        faults.append(f"the request after failed: {exc}")
+    return Drill("clients that hang up", not faults, facts, "; ".join(faults))
+
+
+P_FULL = 0.75  # drill 8's control: P's KV usage must reach this at some point of the run
+
+
+def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
+    """Drill 8: P with room for two of six concurrent requests, each holding its blocks for D."""
+    model, rec = str(srv.model_dir), srv.recipe
+    block = srv.p_spec.block_size
+    room = -(-rec.max_model_len // block) + 4  # the least vLLM starts with: one longest request, and 4 blocks
+    length = (room // 2 - 3) * block  # two of the requests fit at once (with their last, partial blocks), three do not
+    extra = srv.p_spec.extra_args
+    facts: dict[str, Any] = {"p_blocks": room,
+                             "restart_s": round(srv.restart_prefill((*extra, "--num-gpu-blocks-override", str(room))), 1)}
+    prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
+    refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
+    before = scrape(srv.d_url)
+    peak = [0.0]
+    done = threading.Event()
+
+    def watch() -> None:  # P's own usage, polled while the requests run
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], kv_usage(srv.p_url))
+            except OSError:
+                pass
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    faults = []
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, srv.proxy_url, model, p, case.max_tokens, timeout_s=600) for p in prompts]
+        for i, (ref, fut) in enumerate(zip(refs, futures)):
+            try:
+                v = judge(ref, fut.result(), "drift")  # batched on D: other GEMM shapes than the references
+                if not v.ok:
+                    faults.append(f"request {i}: {v.reason}")
+            except CompletionError as exc:
+                faults.append(f"request {i} failed: {exc}")
+    done.set()
+    watcher.join()
+    facts["p_peak_kv_usage"] = round(peak[0], 3)
+    facts["transfers"] = _transfer_facts(delta(scrape(srv.d_url), before)).get("transfers", 0.0)
+    if peak[0] < P_FULL:
+        faults.append(f"P's KV usage peaked at {peak[0]:.2f} (< {P_FULL}): it was never short, the drill tested nothing")
+    if case.connector == "nixlkv" and facts["transfers"] != len(prompts):
+        faults.append(f"{facts['transfers']:.0f} transfers for {len(prompts)} requests")
+    if _still_held(srv, facts, p_timeout_s=LEASE_S * 6 + 30):
+        faults.append("blocks still held after the requests ended")
+    facts["restored_s"] = round(srv.restart_prefill(extra), 1)  # P as it was, for the drills after
+    return Drill("P short of KV blocks", not faults, facts, "; ".join(faults))
 
 
 SHORT_REQUESTS = 6  # concurrent requests of drill 5, each a fifth of max_model_len long, asking for 3/10 more

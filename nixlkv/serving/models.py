@@ -244,6 +244,11 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + rng.choice(".!?") for _ in range(lines)]
 
 
+def sample_text(seed: int, lines: int) -> str:
+    """``lines`` sentences of the text the tokenizer was trained on (words it knows): a chat message."""
+    return " ".join(_corpus(seed, lines))
+
+
 def write_tokenizer(folder: Path, seed: int = 0) -> None:
     """A byte-level BPE tokenizer of VOCAB_SIZE tokens trained here, saved as transformers reads it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -257,13 +262,29 @@ def write_tokenizer(folder: Path, seed: int = 0) -> None:
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": 1 << 20, "add_bos_token": False,
-    }, indent=1))
+    write_tokenizer_config(folder)
     (folder / "special_tokens_map.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
     }))
+
+
+# A plain chat template (each message a role line and its text), so the engines serve
+# /v1/chat/completions as most clients call them.
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def write_tokenizer_config(folder: Path) -> None:
+    """The tokenizer's config, its chat template included; rewritten only where it differs (a
+    model built before the template was added gets it without new weights)."""
+    text = json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": 1 << 20, "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=1)
+    path = folder / "tokenizer_config.json"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
 
 
 def write_weights(folder: Path, rec: ModelRecipe) -> None:
@@ -294,6 +315,7 @@ def make(name: str, root: Path | str) -> Path:
     folder = Path(root) / name
     stamp = folder / STAMP
     if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == rec.fingerprint():
+        write_tokenizer_config(folder)
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     write_weights(folder, rec)

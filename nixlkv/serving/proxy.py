@@ -5,7 +5,8 @@
 For each completion it asks a prefill engine for one token with ``kv_transfer_params``
 ``{"do_remote_decode": true}`` (P computes the prompt and holds its KV), then sends the original
 request to a decode engine with the ``kv_transfer_params`` P returned (D reads the KV and
-decodes). Both requests carry one ``X-Request-Id`` (the client's, or a new one), so a request's
+decodes). A client that hangs up stops both: the engine aborts the request wherever it is.
+Both requests carry one ``X-Request-Id`` (the client's, or a new one), so a request's
 lines in P's and D's logs share its id (vLLM adds its own suffix inside each engine).
 Streaming answers are passed through as they come. Engines are taken in turn, each
 kind round-robin, and over every P x D requests every (P, D) pair once (:func:`pairings`), so that
@@ -150,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    web.run_app(Proxy(args.prefill, args.decode).app(), host=args.host, port=args.port, print=None)
+    # a client that hangs up cancels its handler, which closes the upstream request: the engine then
+    # aborts it (P prefilling, D loading or decoding) instead of computing for nobody
+    web.run_app(Proxy(args.prefill, args.decode).app(), host=args.host, port=args.port, print=None,
+                handler_cancellation=True)
     return 0
 
 
