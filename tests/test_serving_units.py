@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -719,6 +720,20 @@ def test_a_proxy_without_a_health_path_is_ready_when_its_port_accepts(tmp_path) 
         dead.start().wait_ready(30)
 
 
+async def _against(path: str, handler: Any, calls: list[Any]) -> list[Any]:
+    """Serve ``handler`` at ``path`` and run each blocking call (given the server's URL) in turn,
+    off the event loop; a moment for the handlers to finish before the server goes."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner, url = await _serve(app)
+    try:
+        loop = asyncio.get_running_loop()
+        return [await loop.run_in_executor(None, call, url) for call in calls]
+    finally:
+        await asyncio.sleep(0.3)
+        await runner.cleanup()
+
+
 def _chat_entry(tid: int, lp: float) -> dict:
     return {"token": f"token_id:{tid}", "logprob": lp,
             "top_logprobs": [{"token": f"token_id:{tid}", "logprob": lp}, {"token": "token_id:7", "logprob": lp - 1}]}
@@ -742,19 +757,9 @@ def test_chat_answers_are_read_as_token_ids_streamed_or_not() -> None:
         await out.write(b"data: [DONE]\n\n")
         return out
 
-    async def run() -> list[Completion]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", answer)
-        runner, url = await _serve(app)
-        try:
-            msgs = [{"role": "user", "content": "hi"}]
-            loop = asyncio.get_running_loop()
-            return [await loop.run_in_executor(None, lambda s=s: client.chat(url, "m", msgs, 2, stream=s))
-                    for s in (False, True)]
-        finally:
-            await runner.cleanup()
-
-    for got in asyncio.run(run()):
+    msgs = [{"role": "user", "content": "hi"}]
+    calls = [lambda url, s=s: client.chat(url, "m", msgs, 2, stream=s) for s in (False, True)]
+    for got in asyncio.run(_against("/v1/chat/completions", answer, calls)):
         assert got.token_ids == [11, 12] and got.logprobs == [-0.5, -0.25] and got.prompt_tokens == 40
         assert got.top[1] == {12: -0.25, 7: -1.25}
 
@@ -774,19 +779,8 @@ def test_a_client_that_hangs_up_is_told_where_it_got() -> None:
         await out.write(b"data: [DONE]\n\n")
         return out
 
-    async def run() -> list[str]:
-        app = web.Application()
-        app.router.add_post("/v1/completions", slow)
-        runner, url = await _serve(app)
-        try:
-            loop = asyncio.get_running_loop()
-            return [await loop.run_in_executor(None, _hang_up, url, {"prompt": [1]}, after)
-                    for after in (0.05, 0.45, 5.0)]
-        finally:
-            await asyncio.sleep(0.3)
-            await runner.cleanup()
-
-    assert asyncio.run(run()) == ["before", "during", "whole"]
+    calls = [lambda url, after=after: _hang_up(url, {"prompt": [1]}, after) for after in (0.05, 0.45, 5.0)]
+    assert asyncio.run(_against("/v1/completions", slow, calls)) == ["before", "during", "whole"]
 
 
 def test_a_client_that_hangs_up_stops_the_proxys_request_upstream() -> None:

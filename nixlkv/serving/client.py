@@ -12,6 +12,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,16 +81,27 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, s
     """One completion of ``prompt`` (token ids), greedy, with logprobs; streamed if asked (for TTFT)."""
     url = f"{base_url}/v1/completions"
     body = request_body(model, prompt, max_tokens, stream=stream, kv_transfer_params=kv_transfer_params)
+    return _exchange(url, body, stream, _absorb, timeout_s)
+
+
+Absorb = Callable[[dict[str, Any], list[int], list[float], list[dict[int, float]]], None]
+
+
+def _exchange(url: str, body: dict[str, Any], stream: bool, absorb: Absorb, timeout_s: float) -> Completion:
+    """Post ``body`` and read the answer, whole or streamed (server-sent events), each choice read
+    by ``absorb`` into token ids, logprobs and top alternatives; TTFT where streamed."""
     ids: list[int] = []
     lps: list[float] = []
     top: list[dict[int, float]] = []
     t0 = time.perf_counter()
     ttft = None
     raw: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
     with _post(url, body, timeout_s) as resp:
         if not stream:
             raw = json.loads(resp.read())
-            _absorb(raw["choices"][0], ids, lps, top)
+            absorb(raw["choices"][0], ids, lps, top)
+            usage = raw.get("usage") or {}
         else:
             for line in resp:
                 line = line.strip()
@@ -103,11 +115,11 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, s
                     raise CompletionError(url, 500, json.dumps(chunk["error"]))
                 for choice in chunk.get("choices") or []:
                     before = len(ids)
-                    _absorb(choice, ids, lps, top)
+                    absorb(choice, ids, lps, top)
                     if ttft is None and len(ids) > before:
                         ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
                 raw = chunk
-    usage = raw.get("usage") or {}
     return Completion(ids, lps, top, time.perf_counter() - t0, ttft, raw.get("kv_transfer_params"),
                       usage.get("prompt_tokens"), raw)
 
@@ -131,38 +143,7 @@ def chat(base_url: str, model: str, messages: list[dict[str, str]], max_tokens: 
     }
     if stream:
         body["stream_options"] = {"include_usage": True}
-    ids: list[int] = []
-    lps: list[float] = []
-    top: list[dict[int, float]] = []
-    t0 = time.perf_counter()
-    ttft = None
-    raw: dict[str, Any] = {}
-    usage: dict[str, Any] = {}
-    with _post(url, body, timeout_s) as resp:
-        if not stream:
-            raw = json.loads(resp.read())
-            _absorb_chat(raw["choices"][0], ids, lps, top)
-            usage = raw.get("usage") or {}
-        else:
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise CompletionError(url, 500, json.dumps(chunk["error"]))
-                for choice in chunk.get("choices") or []:
-                    before = len(ids)
-                    _absorb_chat(choice, ids, lps, top)
-                    if ttft is None and len(ids) > before:
-                        ttft = time.perf_counter() - t0
-                usage = chunk.get("usage") or usage
-                raw = chunk
-    return Completion(ids, lps, top, time.perf_counter() - t0, ttft, raw.get("kv_transfer_params"),
-                      usage.get("prompt_tokens"), raw)
+    return _exchange(url, body, stream, _absorb_chat, timeout_s)
 
 
 def sample_n(base_url: str, model: str, prompt: list[int], max_tokens: int, n: int, seed: int,
