@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -368,12 +369,20 @@ def prefill_on(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
     return c.kv_transfer_params
 
 
-def natural_answer(srv: Servers, case: Case, rule: str, prompt: list[int]) -> Completion | None:
+def natural_answer(srv: Servers, case: Case, rule: str, prompt: Any,
+                   ask: Callable[[str, str, Any, int], Completion] = complete) -> Completion | None:
     """P alone's answer (at P's TP size) where P and D differ in TP: the model's own TP noise,
-    measured in the same run, which the drift rule then allows (nixlkv.serving.compare)."""
+    measured in the same run, which the drift rule then allows (nixlkv.serving.compare). ``ask``:
+    how (:func:`complete` for token ids, :func:`chat` for messages)."""
     if rule != "drift" or case.p_tp == case.d_tp:
         return None
-    return complete(srv.p_url, str(srv.model_dir), prompt, case.max_tokens)
+    return ask(srv.p_url, str(srv.model_dir), prompt, case.max_tokens)
+
+
+def kv_moved(facts: dict[str, float], prompt_len: int) -> bool:
+    """D loaded the prompt (all but at most the token it recomputes for its logits) rather than
+    computing it, in at least one transfer."""
+    return facts["loaded_tokens"] >= prompt_len - 1 and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
 
 
 def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int]]) -> list[Row]:
@@ -391,10 +400,8 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             rows.append(Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"))
             continue
         verdict = judge(ref, got, rule, natural)
-        # D loaded the prompt (all but at most the tokens it must recompute) rather than computing it
-        moved = facts["loaded_tokens"] >= len(prompt) - 1 and facts["computed_tokens"] <= 1 \
-            and facts.get("transfers", 0) >= 1
-        rows.append(Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids))
+        rows.append(Row(name, len(prompt), verdict.to_dict(), facts, kv_moved(facts, len(prompt)), got.ttft_s,
+                        answer=got.token_ids))
     return rows
 
 
@@ -410,8 +417,7 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
                 {"role": "user", "content": models.sample_text(case.seed + 5, CHAT_LINES)}]
     try:
         ref = chat(srv.d_url, model, messages, case.max_tokens)
-        natural = chat(srv.p_url, model, messages, case.max_tokens) if rule == "drift" and case.p_tp != case.d_tp \
-            else None
+        natural = natural_answer(srv, case, rule, messages, ask=chat)
         srv.forget_on_decode()
         before = srv.decode_metrics()
         got = chat(srv.proxy_url, model, messages, case.max_tokens, stream=True)
@@ -423,8 +429,7 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
                    "the chat answers carry no token ids (return_tokens_as_token_ids): nothing to judge")
     verdict = judge(ref, got, rule, natural)
-    moved = n > 1 and facts["loaded_tokens"] >= n - 1 and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
-    return Row(CHAT_ROW, n, verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids)
+    return Row(CHAT_ROW, n, verdict.to_dict(), facts, n > 1 and kv_moved(facts, n), got.ttft_s, answer=got.token_ids)
 
 
 CHAT_ROW = "chat"

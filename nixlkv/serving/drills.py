@@ -48,11 +48,12 @@ import numpy as np
 from . import models
 from .bytecheck import judge_dir
 from .check import FIRST_ID, Case, Options, Servers, _transfer_facts, default_rule, format_bytes, prefill_on
-from .client import CompletionError, complete, delta, kv_usage, request_body, scrape, settled_kv_usage
+from .client import Completion, CompletionError, complete, delta, kv_usage, request_body, scrape, settled_kv_usage
 from .compare import judge
-from .launch import ServeError
+from .launch import ServeError, host_port
 
 LEASE_S = 4  # the drills' P lease: short, so that drill 3 ends in seconds
+LEASE_WAIT_S = LEASE_S * 6 + 30  # how long P may take to free blocks its lease holds (steps are slow here)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         prefill_on(srv.p_url, model, orphan)
         held = kv_usage(srv.p_url)
         t0 = time.monotonic()
-        freed = settled_kv_usage(srv.p_url, timeout_s=LEASE_S * 6 + 30)
+        freed = settled_kv_usage(srv.p_url, timeout_s=LEASE_WAIT_S)
         facts = {"lease_s": LEASE_S, "p_kv_usage_held": held, "p_kv_usage_after": freed,
                  "freed_after_s": round(time.monotonic() - t0, 1)}
         ok = held > 0 and freed == 0
@@ -193,8 +194,7 @@ def _hang_up(url: str, body: dict[str, Any], after_s: float) -> str:
     """Send ``body`` streamed and close the connection ``after_s`` seconds later, or when the answer
     ends first: what a client that gives up does. Where it got: ``before`` the answer began,
     ``during`` it, or the ``whole`` answer."""
-    host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=after_s)
+    conn = http.client.HTTPConnection(*host_port(url), timeout=after_s)
     t0 = time.monotonic()
     got = 0
     try:
@@ -236,7 +236,7 @@ def _hang_ups(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     facts["answered_whole"] = d_done
     if p_done + d_done == 2 * HANG_UPS:
         faults.append("every request finished on both engines: no hang-up stopped one, the drill tested nothing")
-    if _still_held(srv, facts, p_timeout_s=LEASE_S * 6 + 30):
+    if _still_held(srv, facts, p_timeout_s=LEASE_WAIT_S):
         faults.append("blocks still held after every client hung up")
     prompt = _prompt(rng, 3 * block + 5)
     try:
@@ -254,11 +254,33 @@ def _hang_ups(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
 P_FULL = 0.75  # drill 8's control: P's KV usage must reach this at some point of the run
 
 
+def _least_room(srv: Servers, block: int) -> int:
+    """The fewest KV blocks vLLM starts an engine with: one longest request, and 4 blocks."""
+    return -(-srv.recipe.max_model_len // block) + 4
+
+
+def _judged_at_once(srv: Servers, prompts: list[list[int]], refs: list[Completion], max_tokens: int) -> list[str]:
+    """``prompts`` through the proxy at once, each judged against its reference by the drift rule
+    (batched: other GEMM shapes than the one-at-a-time references); what went wrong, per request."""
+    model = str(srv.model_dir)
+    faults = []
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, srv.proxy_url, model, p, max_tokens, timeout_s=600) for p in prompts]
+        for i, (ref, fut) in enumerate(zip(refs, futures)):
+            try:
+                v = judge(ref, fut.result(), "drift")
+                if not v.ok:
+                    faults.append(f"request {i}: {v.reason}")
+            except CompletionError as exc:
+                faults.append(f"request {i} failed: {exc}")
+    return faults
+
+
 def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     """Drill 8: P with room for two of six concurrent requests, each holding its blocks for D."""
-    model, rec = str(srv.model_dir), srv.recipe
+    model = str(srv.model_dir)
     block = srv.p_spec.block_size
-    room = -(-rec.max_model_len // block) + 4  # the least vLLM starts with: one longest request, and 4 blocks
+    room = _least_room(srv, block)
     length = (room // 2 - 3) * block  # two of the requests fit at once (with their last, partial blocks), three do not
     extra = srv.p_spec.extra_args
     facts: dict[str, Any] = {"p_blocks": room,
@@ -279,16 +301,7 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    faults = []
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(complete, srv.proxy_url, model, p, case.max_tokens, timeout_s=600) for p in prompts]
-        for i, (ref, fut) in enumerate(zip(refs, futures)):
-            try:
-                v = judge(ref, fut.result(), "drift")  # batched on D: other GEMM shapes than the references
-                if not v.ok:
-                    faults.append(f"request {i}: {v.reason}")
-            except CompletionError as exc:
-                faults.append(f"request {i} failed: {exc}")
+    faults = _judged_at_once(srv, prompts, refs, case.max_tokens)
     done.set()
     watcher.join()
     facts["p_peak_kv_usage"] = round(peak[0], 3)
@@ -297,7 +310,7 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
         faults.append(f"P's KV usage peaked at {peak[0]:.2f} (< {P_FULL}): it was never short, the drill tested nothing")
     if case.connector == "nixlkv" and facts["transfers"] != len(prompts):
         faults.append(f"{facts['transfers']:.0f} transfers for {len(prompts)} requests")
-    if _still_held(srv, facts, p_timeout_s=LEASE_S * 6 + 30):
+    if _still_held(srv, facts, p_timeout_s=LEASE_WAIT_S):
         faults.append("blocks still held after the requests ended")
     facts["restored_s"] = round(srv.restart_prefill(extra), 1)  # P as it was, for the drills after
     return Drill("P short of KV blocks", not faults, facts, "; ".join(faults))
@@ -310,23 +323,14 @@ def _short_decode(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     """Drill 5: D with room for one longest request (and 4 blocks) serves six that need three times that."""
     model, rec = str(srv.model_dir), srv.recipe
     block = srv.d_spec.block_size
-    room = -(-rec.max_model_len // block) + 4
+    room = _least_room(srv, block)
     restart_s = srv.restart_decode(("--num-gpu-blocks-override", str(room)))
     facts: dict[str, Any] = {"d_blocks": room, "restart_s": round(restart_s, 1)}
     length, answer = rec.max_model_len // 5, 3 * rec.max_model_len // 10
     prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
     refs = [complete(srv.d_url, model, p, answer) for p in prompts]  # one at a time: each fits
     before = scrape(srv.d_url)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(complete, srv.proxy_url, model, p, answer, timeout_s=600) for p in prompts]
-        faults = []
-        for i, (ref, fut) in enumerate(zip(refs, futures)):
-            try:
-                v = judge(ref, fut.result(), "drift")  # batched: other GEMM shapes than the references
-                if not v.ok:
-                    faults.append(f"request {i}: {v.reason}")
-            except CompletionError as exc:
-                faults.append(f"request {i} failed: {exc}")
+    faults = _judged_at_once(srv, prompts, refs, answer)
     moved = delta(scrape(srv.d_url), before)
     facts["preemptions"] = moved.get("vllm:num_preemptions_total", 0.0)
     facts["transfers"] = _transfer_facts(moved).get("transfers", 0.0)
@@ -368,7 +372,7 @@ def _other_cache_dtype(srv: Servers, case: Case, rng: np.random.Generator, polic
         facts["setting_named"] = said in srv.d.log.read_text(errors="replace") if srv.d else False
         if not facts["setting_named"]:
             faults.append(f"D's log does not say {said!r}")
-    if _still_held(srv, facts, p_timeout_s=LEASE_S * 6 + 30):  # P's blocks are freed by the lease
+    if _still_held(srv, facts, p_timeout_s=LEASE_WAIT_S):  # P's blocks are freed by the lease
         faults.append("blocks still held after the request ended")
     try:
         complete(srv.d_url, model, prompt[:5], 2)

@@ -135,8 +135,7 @@ class Process:
                                  f"was ready; log {self.log}:\n{self.log_tail()}")
             try:
                 if self.health is None:
-                    host, port = self.url.rsplit("//", 1)[-1].rsplit(":", 1)
-                    socket.create_connection((host, int(port)), timeout=2).close()
+                    socket.create_connection(host_port(self.url), timeout=2).close()
                     self.ready_s = time.monotonic() - self.started_at
                     return self.ready_s
                 with urllib.request.urlopen(f"{self.url}{self.health}", timeout=2) as resp:
@@ -188,8 +187,10 @@ def proxy_process(prefill: list[str], decode: list[str], port: int, python: str,
     return Process("proxy", argv, env, log_dir / "proxy.log", f"http://{LOOPBACK}:{port}")
 
 
-PROXY_FIELDS = ("port", "python", "prefill_urls", "decode_urls", "prefill_hosts", "prefill_ports",
-                "decode_hosts", "decode_ports")
+def host_port(url: str) -> tuple[str, int]:
+    """``http://host:port`` -> (host, port)."""
+    host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
+    return host, int(port)
 
 
 def custom_proxy_process(template: str, prefill: list[str], decode: list[str], port: int, python: str,
@@ -200,8 +201,8 @@ def custom_proxy_process(template: str, prefill: list[str], decode: list[str], p
     ``{decode_hosts}``/``{decode_ports}`` (space-separated, one per engine). It is ready once
     ``{port}`` accepts connections."""
     def hosts_ports(urls: list[str]) -> tuple[str, str]:
-        pairs = [u.rsplit("//", 1)[-1].rsplit(":", 1) for u in urls]
-        return " ".join(h for h, _ in pairs), " ".join(p for _, p in pairs)
+        pairs = [host_port(u) for u in urls]
+        return " ".join(h for h, _ in pairs), " ".join(str(p) for _, p in pairs)
 
     if "{port}" not in template:
         raise ValueError("--proxy-cmd must name {port}: the port the check's client sends its requests to")
@@ -212,7 +213,7 @@ def custom_proxy_process(template: str, prefill: list[str], decode: list[str], p
     try:
         argv = shlex.split(template.format(**values))
     except (KeyError, IndexError) as exc:
-        raise ValueError(f"--proxy-cmd names {exc}, which is not one of {{{'}, {'.join(PROXY_FIELDS)}}}") from None
+        raise ValueError(f"--proxy-cmd names {exc}, which is not one of {{{'}, {'.join(values)}}}") from None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return Process("proxy", argv, env, log_dir / "proxy.log", f"http://{LOOPBACK}:{port}", health=None)
 
