@@ -136,17 +136,19 @@ class Reader:
             return rp  # auto: this plan is posted directly
         if self.mode == "auto" and not staged.can_help:
             return rp
-        agent = self.nixl.agent
         buffer = self._ensure_buffer()
         dev = buffer.device.index or 0
-        halves = []
-        for h in range(2):
-            rows = staged.staging_rows(buffer.data_ptr() + h * self.half, dev)
-            halves.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.nixl.mem_type))
-        remote = {
-            p: agent.prep_xfer_dlist(agents[p], rows, plan.remote[p].mem_type) for p, rows in staged.remote_descs.items()
-        }
-        self.nixl._prepped.extend([*halves, *remote.values()])
+        halves: list[object] = []
+        remote: dict[int, object] = {}
+        try:
+            for h in range(2):  # the same rows for every engine of one layout: shared
+                halves.append(self.nixl.prep_local(staged.staging_rows(buffer.data_ptr() + h * self.half, dev)))
+            for p, rows in staged.remote_descs.items():
+                remote[p] = self.nixl.prep_remote(agents[p], rows, plan.remote[p].mem_type)
+        except Exception:
+            self.nixl.release_lists([*halves, *remote.values()])
+            self.nixl.release_prepared(rp.prepared)
+            raise
         rp.staged, rp.staging_lists, rp.remote_lists = staged, tuple(halves), remote
         return rp
 

@@ -7,10 +7,13 @@ request is one ``make_prepped_xfer`` per remote rank with the IDs ``TransferPlan
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .agent import make_agent
 from .core.errors import NixlkvError
@@ -59,6 +62,15 @@ class PreparedPlan:
 
 
 @dataclass
+class _SharedList:
+    """A prepped list of this rank's own descriptor rows and how many plans hold it."""
+
+    rows: np.ndarray
+    handle: object
+    users: int
+
+
+@dataclass
 class InFlight:
     handles: list[object] = field(default_factory=list)
     posted_at: float = 0.0
@@ -90,7 +102,11 @@ class NixlRank:
         self.agent = make_agent(self.name, backends, num_threads, capture_telemetry, progress_delay_us)
         regs = [(int(a), int(n), device_id, "") for a, n in memory]
         self._reg = self.agent.register_memory(regs, mem_type)
-        self._prepped: list[object] = []
+        self._prepped: list[object] = []  # every prepped list, each once
+        # Local lists by their rows: plans that describe the same local bytes (every prefill engine
+        # of one layout, a restarted one) share one prepped list, as vLLM keeps its local handles.
+        self._local_lists: list[_SharedList] = []
+        self._lists_lock = threading.Lock()  # handshakes prepare on their thread; the engine releases
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -100,14 +116,59 @@ class NixlRank:
         return name.decode() if isinstance(name, bytes) else name
 
     def prepare(self, plan: TransferPlan, agents: Mapping[int, str]) -> PreparedPlan:
-        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.local_descs, self.mem_type)
-        self._prepped.append(local)
+        local = self.prep_local(plan.local_descs)
         remote = {}
-        for rank, rows in plan.remote_descs.items():
-            handle = self.agent.prep_xfer_dlist(agents[rank], rows, plan.remote[rank].mem_type)
-            self._prepped.append(handle)
-            remote[rank] = handle
+        try:
+            for rank, rows in plan.remote_descs.items():
+                remote[rank] = self.prep_remote(agents[rank], rows, plan.remote[rank].mem_type)
+        except Exception:
+            self.release_lists([local, *remote.values()])
+            raise
         return PreparedPlan(plan, local, remote, dict(agents))
+
+    def prep_remote(self, agent: str, rows: np.ndarray, mem_type: str) -> object:
+        """A prepped list of a remote agent's descriptor rows (its own: every engine's addresses differ)."""
+        handle = self.agent.prep_xfer_dlist(agent, rows, mem_type)
+        with self._lists_lock:
+            self._prepped.append(handle)
+        return handle
+
+    def prep_local(self, rows: np.ndarray) -> object:
+        """A prepped list of this rank's own descriptor ``rows``: the one already prepped for the
+        same rows where there is one (each user gives it back with :meth:`release_lists`)."""
+        found = self._take_local(rows)
+        if found is not None:
+            return found
+        handle = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.mem_type)  # outside the lock: milliseconds
+        with self._lists_lock:
+            twin = self._find_local(rows)  # another handshake prepared the same rows meanwhile
+            if twin is None:
+                self._local_lists.append(_SharedList(rows, handle, 1))
+                self._prepped.append(handle)
+                return handle
+            twin.users += 1
+        self._release_dlist(handle)
+        return twin.handle
+
+    def _take_local(self, rows: np.ndarray) -> object | None:
+        with self._lists_lock:
+            entry = self._find_local(rows)
+            if entry is None:
+                return None
+            entry.users += 1
+            return entry.handle
+
+    def _find_local(self, rows: np.ndarray) -> _SharedList | None:
+        for entry in self._local_lists:
+            if entry.rows is rows or (entry.rows.shape == rows.shape and entry.rows.dtype == rows.dtype
+                                      and np.array_equal(entry.rows, rows)):
+                return entry
+        return None
+
+    @property
+    def local_lists(self) -> int:
+        """Local descriptor lists prepped now (each shared by the plans with its rows)."""
+        return len(self._local_lists)
 
     def post(self, prepared: PreparedPlan, resolved: ResolvedRequest, remote_request_id: str) -> InFlight:
         """Post every READ (each carries the notification, delivered after its data) and tell the
@@ -192,14 +253,26 @@ class NixlRank:
         return error
 
     def release_lists(self, handles: Iterable[object]) -> None:
-        """Give back prepped descriptor lists no READ will use again (a remote that went away)."""
+        """Give back prepped descriptor lists no READ will use again (a remote that went away); a
+        shared local list is released when its last plan gives it back."""
         for handle in handles:
-            if any(handle is h for h in self._prepped):
+            with self._lists_lock:
+                shared = next((e for e in self._local_lists if e.handle is handle), None)
+                if shared is not None:
+                    shared.users -= 1
+                    if shared.users > 0:
+                        continue
+                    self._local_lists.remove(shared)
+                if not any(handle is h for h in self._prepped):
+                    continue
                 self._prepped = [h for h in self._prepped if h is not handle]
-                try:
-                    self.agent.release_dlist_handle(handle)
-                except Exception:  # already gone with its remote: nothing left to free
-                    pass
+            self._release_dlist(handle)
+
+    def _release_dlist(self, handle: object) -> None:
+        try:
+            self.agent.release_dlist_handle(handle)
+        except Exception:  # already gone with its remote: nothing left to free
+            pass
 
     def release_prepared(self, prepared: PreparedPlan) -> None:
         """Give back a plan's lists once no READ of it is in flight."""
@@ -220,12 +293,11 @@ class NixlRank:
         return self.agent.get_new_notifs()
 
     def close(self) -> None:
-        for handle in self._prepped:
-            try:
-                self.agent.release_dlist_handle(handle)
-            except Exception:
-                pass
-        self._prepped.clear()
+        with self._lists_lock:
+            handles, self._prepped = self._prepped, []
+            self._local_lists.clear()
+        for handle in handles:
+            self._release_dlist(handle)
         try:
             self.agent.deregister_memory(self._reg)
         except Exception:

@@ -339,6 +339,9 @@ def test_plan_case_runs_the_hybrid_shape_at_1k(dispatcher) -> None:
         assert row["descs_ids_ours"] == row["descs_ids_vllm"] == 2 * (4 + 96)
         assert row["descs_posted_ours"] == row["descs_posted_vllm"] > 0
         assert row["registered_ours"] > 0 and row["registered_vllm"] > 0
+        # several prefill engines of the layout: each brings its remote rows, the local list counts once
+        assert row["registered_ours"] < row["registered_ours_engines"] < bench_run.ENGINES * row["registered_ours"]
+        assert row["registered_vllm"] < row["registered_vllm_engines"]
         assert row["plan_us_ours_p50"] > 0 and row["plan_us_vllm_p50"] > 0
 
 

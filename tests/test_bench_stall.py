@@ -18,4 +18,8 @@ def test_bench_handshake_reports_every_figure() -> None:
                 "handshake_nixl_ms", "post_step_before_ms"):
         assert math.isfinite(out[key]) and out[key] >= 0, key
     assert out["handshake_nixl_ms"] > 0 and out["post_step_before_ms"] > out["post_step_ms"]
-    assert "handshake runs" in markdown(out)
+    # The second engine of the layout prepares its remote lists only: one per rank it reads
+    # (P TP2 -> D TP1: two), where the first also prepared D's local list.
+    assert out["lists_first_engine"] == 3 and out["lists_second_engine"] == 2 and out["local_lists"] == 1
+    assert math.isfinite(out["second_engine_nixl_ms"]) and out["second_engine_nixl_ms"] > 0
+    assert "handshake runs" in markdown(out) and "second prefill engine" in markdown(out)

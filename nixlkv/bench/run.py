@@ -27,6 +27,7 @@ from .shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, PATTERNS, Case, block_ids
 from .vllm_baseline import VllmPlanner
 
 TOKENS = (1024, 8192, 131072)
+ENGINES = 4  # prefill engines of one layout a decode rank reads, for the registered descriptors
 TRANSFER_LAYERS = 8  # real transfers move 8 of the model's layers: ~0.25 GB per request at TP1
 # Cases not measured, with why: reported next to the table so a reader does not assume coverage.
 NOT_MEASURED: dict[str, str] = {}
@@ -233,7 +234,13 @@ def plan_case(
     merged_staged = staged.posted if staged is not None else None
     (t_choose,) = interleaved([lambda: choose("auto", plan, usable, resolved, costs)], max(5, reps // 4), warmup=1)
     merged_vllm = sum(posted_after_merge(r.local_rows, r.local_ids, vllm.remote_rows[r.remote_rank], r.remote_ids) for r in v_reads)
-    reg_ours = int(plan.local_descs[:, 4].sum()) + sum(int(d[:, 4].sum()) for d in plan.remote_descs.values())
+    reg_local = int(plan.local_descs[:, 4].sum())
+    reg_ours = reg_local + sum(int(d[:, 4].sum()) for d in plan.remote_descs.values())
+    # A decode rank reading ENGINES prefill engines of the layout: nixlkv shares its local list
+    # between their plans (NixlRank.prep_local), vLLM keeps its local and split handles; each
+    # engine brings its own remote rows on both sides.
+    reg_vllm = vllm.registered_descriptors()
+    reg_vllm_remote = int(sum(int(r[:, 4].sum()) for r in vllm.remote_rows.values()))
     return {
         "label": case.label,
         "shape": case.shape.name,
@@ -263,7 +270,10 @@ def plan_case(
         "descs_posted_vllm": merged_vllm,
         "descs_ratio": merged_ours / merged_vllm,
         "registered_ours": reg_ours,
-        "registered_vllm": vllm.registered_descriptors(),
+        "registered_vllm": reg_vllm,
+        "registered_ours_engines": reg_local + ENGINES * (reg_ours - reg_local),
+        "registered_vllm_engines": reg_vllm + (ENGINES - 1) * reg_vllm_remote,
+        "registered_ratio_engines": (reg_local + ENGINES * (reg_ours - reg_local)) / (reg_vllm + (ENGINES - 1) * reg_vllm_remote),
         "handshake_ms_ours": hs_ours.p50 * 1e3,
         "handshake_ms_vllm": hs_vllm.p50 * 1e3,
         "handshake_ratio": hs_ours.p50 / hs_vllm.p50,
@@ -394,6 +404,7 @@ HETERO_KEYS = {  # P4->D2, contiguous
     "descs_posted_vllm_hetero": "descs_posted_vllm",
     "registered_ours_hetero": "registered_ours",
     "registered_vllm_hetero": "registered_vllm",
+    "registered_ratio_vs_vllm_4_engines_hetero": "registered_ratio_engines",
     "handshake_ratio_vs_vllm_hetero": "handshake_ratio",
     "handshake_first_ratio_vs_vllm_hetero": "handshake_first_ratio",
     "handshake_ms_first_ours_hetero": "handshake_ms_first_ours",

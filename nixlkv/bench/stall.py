@@ -6,7 +6,9 @@ one process, D stepped the way its model runner steps the connector (``start_loa
 ``get_finished`` per step) from the step that names the new remote until the request is loaded.
 Reported in one run: the steps while the handshake runs, the step that takes it and posts the
 READs, and the NIXL work of the handshake (adding the remote agents, preparing the descriptor
-lists) that this step also paid before it moved to the handshake thread.
+lists) that this step also paid before it moved to the handshake thread; and the NIXL work of a
+second prefill engine of the same layout that the same decode engine meets next (its own remote
+lists only: the local list is prepared once and shared).
 """
 
 from __future__ import annotations
@@ -70,19 +72,26 @@ def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, re
     sc = scenario(layers, p_tp, d_tp, num_blocks)
     config = ConnectorConfig(nixl_progress_delay_us=1000)
     p = _workers(sc, "prefill", "P", config)
-    server = serve(p, "P")
+    q = _workers(sc, "prefill", "Q", config)  # another prefill engine of the same layout
+    server, other = serve(p, "P"), serve(q, "Q")
     runs = []
     try:
         for i in range(reps):
-            d = _workers(sc, "decode", f"D{i}", config)  # a fresh D each time: every handshake is new
+            d = _workers(sc, "decode", f"D{i}", config)  # a fresh D each time: every first handshake is new
             try:
-                runs.append(_one(p, d, server.port, f"req-{i}"))
+                first = _one(p, d, "P", server.port, f"req-{i}")
+                second = _one(q, d, "Q", other.port, f"req-q-{i}")  # the same D meets Q next
+                first["second_engine_nixl_ms"] = second["handshake_nixl_ms"]
+                first["second_engine_lists"] = second["lists_prepared"]
+                first["local_lists"] = max(w.nixl.local_lists for w in d)
+                runs.append(first)
             finally:
                 for w in d:
                     w.shutdown()
     finally:
         server.close()
-        for w in p:
+        other.close()
+        for w in (*p, *q):
             w.shutdown()
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
@@ -96,14 +105,21 @@ def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, re
         "handshake_nixl_ms": med("handshake_nixl_ms"),
         # Before, the step that took the handshake also added the agents and prepared the lists.
         "post_step_before_ms": med("post_step_ms") + med("handshake_nixl_ms"),
+        # A second prefill engine of the layout: its remote lists only (the local list is shared).
+        "second_engine_nixl_ms": med("second_engine_nixl_ms"),
+        "second_vs_first_nixl": med("second_engine_nixl_ms") / med("handshake_nixl_ms"),
+        "lists_first_engine": runs[0]["lists_prepared"],
+        "lists_second_engine": runs[0]["second_engine_lists"],
+        "local_lists": max(r["local_lists"] for r in runs),
     }
 
 
-def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], port: int, rid: str) -> dict[str, Any]:
+def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], engine_id: str, port: int, rid: str) -> dict[str, Any]:
     during: list[float] = []  # steps that ended with the handshake still in progress
     post_ms = 0.0  # the step that took the finished handshake and posted the READs
     done: set[int] = set()
-    meta: NixlkvMetadata | None = hand_over(p, "P", port, rid, blocks=8)
+    lists_before = sum(len(w.nixl._prepped) for w in d)
+    meta: NixlkvMetadata | None = hand_over(p, engine_id, port, rid, blocks=8)
     deadline = time.monotonic() + 120
     while len(done) < len(d) and time.monotonic() < deadline:
         waiting_before = any(rid in w._waiting for w in d)
@@ -125,13 +141,14 @@ def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], port: int, rid: str) -> d
         time.sleep(0.001)  # the model's forward pass, elsewhere
     if len(done) < len(d):
         raise RuntimeError("the bench request was not loaded in 120 s")
-    nixl = max(remote.nixl_seconds for w in d for remote in w._remotes.values())
+    nixl = max(remote.nixl_seconds for w in d for key, remote in w._remotes.items() if key[0] == engine_id)
     return {
         "steps_during_handshake": len(during),
         "max_step_during_handshake_ms": 1e3 * max(during, default=0.0),
         "median_step_during_handshake_ms": 1e3 * float(np.median(during)) if during else 0.0,
         "post_step_ms": post_ms,
         "handshake_nixl_ms": 1e3 * nixl,
+        "lists_prepared": sum(len(w.nixl._prepped) for w in d) - lists_before,  # NIXL descriptor lists it added
     }
 
 
@@ -146,4 +163,9 @@ def markdown(out: dict[str, Any]) -> str:
         f"| the step that takes the finished handshake and posts the READs | {out['post_step_ms']:.2f} |",
         f"| that step before (plus adding the agents and preparing the lists there) | {out['post_step_before_ms']:.2f} |",
         f"| of which the NIXL work now on the handshake thread | {out['handshake_nixl_ms']:.2f} |",
+        "",
+        f"A second prefill engine of the same layout, handshaken by the same decode engine: NIXL work "
+        f"{out['second_engine_nixl_ms']:.2f} ms ({out['second_vs_first_nixl']:.2f} of the first's), "
+        f"{out['lists_second_engine']} descriptor lists prepared where the first prepared {out['lists_first_engine']} "
+        f"(the local list is shared: {out['local_lists']} per decode rank).",
     ])
