@@ -318,9 +318,10 @@ class NixlkvWorker:
                     self._fail(rid, self._waiting.pop(rid), f"handshake failed: {exc}")
                 continue
             logger.info(
-                "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s nixl_ms=%.1f",
+                "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s nixl_ms=%.1f "
+                "local_lists=%d",
                 key[0], engine.tp_size, list(plan.covered), list(plan.read_ranks),
-                plan.registered_descriptors(), 1e3 * remote.nixl_seconds,
+                plan.registered_descriptors(), 1e3 * remote.nixl_seconds, self.nixl.local_lists,
             )
             for rid in [rid for rid, req in self._waiting.items() if req.key == key]:
                 req = self._waiting.pop(rid)
