@@ -61,7 +61,7 @@ class PreparedPlan:
     agents: dict[int, str]  # remote rank -> NIXL agent name
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: rows are arrays
 class _SharedList:
     """A prepped list of this rank's own descriptor rows and how many plans hold it."""
 
@@ -262,7 +262,7 @@ class NixlRank:
                     shared.users -= 1
                     if shared.users > 0:
                         continue
-                    self._local_lists.remove(shared)
+                    self._local_lists = [e for e in self._local_lists if e is not shared]
                 if not any(handle is h for h in self._prepped):
                     continue
                 self._prepped = [h for h in self._prepped if h is not handle]

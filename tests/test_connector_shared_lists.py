@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 SIDE = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
 
 
-def _prefill(engine_id: str, prompts: dict[str, int]) -> tuple[PDEngine, dict[str, dict]]:
-    p = PDEngine(PDCase(), "prefill", engine_id, dict(SIDE))
+def _prefill(case: PDCase, engine_id: str, prompts: dict[str, int]) -> tuple[PDEngine, dict[str, dict]]:
+    p = PDEngine(case, "prefill", engine_id, dict(SIDE))
     for rid, i in prompts.items():
         p.add(rid, prompt(i, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
     while len(p.outputs) < len(prompts):
@@ -46,10 +46,14 @@ def _release(d: PDEngine, key: tuple) -> None:
     assert not worker._retiring
 
 
-def test_prefill_engines_of_one_layout_share_the_local_list() -> None:
-    p1, params1 = _prefill("P1", {"a": 0})
-    p2, params2 = _prefill("P2", {"b": 1, "c": 2})
-    d = PDEngine(PDCase(), "decode", "D", {**SIDE, "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
+# direct: P1 -> D1, one local list; staged: P2 -> D1 read as whole prefill pages into D's staging
+# buffer, whose two halves' lists are local lists too (three per decode rank), shared alike.
+@pytest.mark.parametrize("mode, case, lists", [("direct", PDCase(), 1), ("staged", PDCase(p_tp=2), 3)])
+def test_prefill_engines_of_one_layout_share_the_local_list(mode: str, case: PDCase, lists: int) -> None:
+    p1, params1 = _prefill(case, "P1", {"a": 0})
+    p2, params2 = _prefill(case, "P2", {"b": 1, "c": 2})
+    d = PDEngine(case, "decode", "D", {**SIDE, "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0,
+                                       "descriptor_mode": mode})
     try:
         oracle.fill_decode(d.ranks[0])
         d.add("a", prompt(0, 40), 2, params1["a"])
@@ -58,18 +62,27 @@ def test_prefill_engines_of_one_layout_share_the_local_list() -> None:
         worker = d.workers[0]._worker
         remotes = {key[0]: r for key, r in worker._remotes.items()}
         assert set(remotes) == {params1["a"]["remote_engine_id"], params2["b"]["remote_engine_id"]}
-        first, second = (remotes[params["a" if params is params1 else "b"]["remote_engine_id"]].prepared.prepared
-                         for params in (params1, params2))
-        assert first.local is second.local and worker.nixl.local_lists == 1  # prepared once
+        one, two = (remotes[params["a" if params is params1 else "b"]["remote_engine_id"]].prepared
+                    for params in (params1, params2))
+        first, second = one.prepared, two.prepared
+        assert first.local is second.local and worker.nixl.local_lists == lists  # prepared once
+        assert len(one.staging_lists) == len(two.staging_lists) == lists - 1
+        assert all(a is b for a, b in zip(one.staging_lists, two.staging_lists))
         assert first.remote[0] is not second.remote[0]  # each engine's own rows
-        assert len(worker.nixl._prepped) == 1 + len(first.remote) + len(second.remote)
+        remote_lists = {id(h) for rp in (one, two) for h in (*rp.prepared.remote.values(), *rp.remote_lists.values())}
+        assert len(worker.nixl._prepped) == lists + len(remote_lists)
+        if mode == "staged":
+            assert worker.reader.staged_requests == 2  # both loads went through the staging buffer
 
         # P1 given up: the list stays for P2, whose next request still loads through it.
         (key1,) = [key for key in worker._remotes if key[0] == params1["a"]["remote_engine_id"]]
         _release(d, key1)
         d.add("c", prompt(2, 40), 2, params2["c"])
         _load(d, [p1, p2], {"a", "b", "c"})  # fails where P1's release freed the shared list
-        assert worker.nixl.local_lists == 1 and len(worker.nixl._prepped) == 1 + len(second.remote)
+        assert worker.nixl.local_lists == lists
+        assert len(worker.nixl._prepped) == lists + len(second.remote) + len(two.remote_lists)
+        if mode == "staged":
+            assert worker.reader.staged_requests == 3
         expected = d.expected(0, {rid: d.recv_blocks[rid] for rid in ("a", "b", "c")})
         assert oracle.compare(d.ranks[0], expected) is None
 
