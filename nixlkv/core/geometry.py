@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 import functools
-from functools import cached_property
 import marshal
 import operator
 import struct
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .cached import cached_property
 from .errors import HandshakeError, IncompatibleGeometry
 
 MAX_RUNS_PER_BOX = 1 << 16
@@ -152,7 +152,12 @@ class PageLayout:
         if self.parts:
             return self.parts
         strides = self.strides()
-        return (PagePart(0, tuple((n, s, strides[n]) for n, s in self.axes)),)
+        axes = tuple((n, s, strides[n]) for n, s in self.axes)
+        if all(type(s) is int for _, s in self.axes):  # what the part would check, this page did
+            part = _new(PagePart)
+            part.__dict__.update(offset=0, axes=axes)
+            return (part,)
+        return (PagePart(0, axes),)
 
     def inner(self, axis: str) -> PageLayout:
         """The page inside one step of its outermost ``axis`` (one kernel page of ``kblock``)."""
@@ -837,7 +842,7 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         raise HandshakeError(f"region_columns must be a map of the columns {list(REGION_COLUMNS)}, got {type(columns).__name__}")
     described_bytes = [_description_bytes(cd) for cd in described]
     known = [_described_class(k, cd, b) for k, (cd, b) in enumerate(zip(described, described_bytes))]
-    # every description remembered (plain data): then so may the layout be
+    # every description remembered (marshal wrote it): then so may the layout be
     plain = key is not None and all(b is not None and _DESCRIBED.get(b) is entry for b, entry in zip(described_bytes, known))
     missing = [c for c in REGION_COLUMNS if c not in columns]
     if missing:
@@ -865,7 +870,7 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
     for name, col, limit in (("base", bases, ADDRESS_LIMIT), ("group", groups, ADDRESS_LIMIT), ("class", classes, len(known))):
         _check_int_column(name, col, limit, every_int)
     layout = _ColumnLayout(known, list(names), list(groups), list(classes))
-    if plain:  # every description remembered as plain data, every column exact str / int: the bytes say it all
+    if plain:  # every description remembered, every column exact str / int: the bytes say it all
         if len(_LAYOUTS) >= MEMO_LAYOUTS:  # bounded; clear() is one atomic step for threads
             _LAYOUTS.clear()
         _LAYOUTS[key] = layout
@@ -911,7 +916,7 @@ _LAYOUTS: dict[bytes, _ColumnLayout] = {}
 
 
 MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)
-# marshal bytes of a plain class description -> (its validated region's fields, its geometry_key):
+# marshal bytes of a class description -> (its validated region's fields, its geometry_key):
 # the ranks of every engine of a model send the same few descriptions.
 _DESCRIBED: dict[bytes, tuple[dict[str, Any], tuple[Any, ...]]] = {}
 
@@ -934,11 +939,11 @@ def _description_bytes(cd: Any) -> bytes | None:
 
 def _described_class(k: int, cd: Any, key: bytes | None) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """``region_classes[k]`` parsed and checked as a region (its name, base and group left to the
-    columns): the region's fields and its :func:`geometry_key`. A description made of plain data
-    only (what msgpack and JSON decode to) is remembered by its ``marshal`` bytes ``key``
-    (:func:`_description_bytes`), which are exact: they name every value's type (``True``, ``1``
-    and ``1.0`` differ) and marshal refuses subclasses of the built-in types. So one seen before
-    is not parsed again, and only plain ones are remembered."""
+    columns): the region's fields and its :func:`geometry_key`. A description is remembered by its
+    ``marshal`` bytes ``key`` (:func:`_description_bytes`), which are exact: they name every
+    value's type (``True``, ``1`` and ``1.0`` differ), and marshal writes only the built-in types
+    themselves (it refuses subclasses and every other object). Equal bytes are an equal
+    description, which parses alike, so one seen before is not parsed again."""
     known = _DESCRIBED.get(key) if key is not None else None
     if known is not None:
         return known
@@ -952,34 +957,11 @@ def _described_class(k: int, cd: Any, key: bytes | None) -> tuple[dict[str, Any]
     except HandshakeError as exc:
         raise HandshakeError(f"region_classes[{k}]: {exc}") from None
     known = (region.__dict__, geometry_key(region))
-    if key is not None and _plain(cd):
+    if key is not None:
         if len(_DESCRIBED) >= MEMO_DESCRIPTIONS:  # bounded; clear() is one atomic step for threads
             _DESCRIBED.clear()
         _DESCRIBED[key] = known
     return known
-
-
-_PLAIN_SCALARS = frozenset((str, int, float, bool, type(None)))
-_STR_ONLY = frozenset((str,))
-
-
-def _plain(value: Any) -> bool:
-    """Built of dicts with string keys, lists, strings, ints, floats, bools and None only: a value
-    that is what it says (no subclass, no object of its own), so it may be remembered."""
-    todo = [value]
-    scalars, keys = _PLAIN_SCALARS, _STR_ONLY
-    while todo:
-        v = todo.pop()
-        t = type(v)
-        if t is dict:
-            if not keys.issuperset(map(type, v)):
-                return False
-            todo += v.values()
-        elif t is list:
-            todo += v
-        elif t not in scalars:
-            return False
-    return True
 
 
 def _check_int_column(key: str, col: list[Any] | tuple[Any, ...], limit: int, every_int: bool = False) -> None:

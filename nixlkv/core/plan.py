@@ -13,12 +13,13 @@ import operator
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from .errors import PlanError, PlanValidationError, RequestError
+from .cached import cached_property
 from .geometry import COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
 from .strategy import OwnedTail, Strategy, count_mismatch_message, null_block_message
 from .token_blocks import PHASE_ZERO
