@@ -261,11 +261,27 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
                     d_block=args.d_block, max_tokens=args.max_tokens, concurrency=args.concurrency, rule=args.rule,
                     prefix_caching=args.prefix_caching, prefills=args.prefills, decodes=args.decodes,
                     kv_cache_dtype=args.kv_cache_dtype, p_args=tuple(args.prefill_arg or ()),
-                    d_args=tuple(args.decode_arg or ()), kv_both=args.kv_both)
+                    d_args=tuple(args.decode_arg or ()), kv_both=args.kv_both,
+                    connector_config=tuple(_connector_config(args.connector_config or ())))
         print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
         results.append(run_case(case, opts))
     print(to_json(results) if args.json else format_table(results))
     return 0 if all(r.ok for r in results) else 1
+
+
+def _connector_config(items: Sequence[str]) -> list[tuple[str, Any]]:
+    """``KEY=VALUE`` items as kv_connector_extra_config entries: VALUE read as JSON where it is
+    JSON (``1000``, ``true``), else as the string it is (``staged``)."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--connector-config takes KEY=VALUE (e.g. descriptor_mode=staged), got {item!r}")
+        try:
+            out.append((key, json.loads(value)))
+        except json.JSONDecodeError:
+            out.append((key, value))
+    return out
 
 
 def cmd_serve_drill(args: argparse.Namespace) -> int:
@@ -448,6 +464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--verify-bytes", action="store_true",
                    help="the engines dump every request's blocks (dump_kv_dir) and D's loaded KV is judged "
                    "per token and head against P's (nixlkv's connector only)")
+    p.add_argument("--connector-config", action="append", metavar="KEY=VALUE",
+                   help="a kv_connector_extra_config entry for every engine, repeatable (e.g. "
+                   "--connector-config descriptor_mode=staged; VALUE is read as JSON where it is JSON)")
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)

@@ -845,3 +845,30 @@ def test_a_client_that_hangs_up_stops_the_proxys_request_upstream() -> None:
 
     cancelled, seen_d = asyncio.run(run())
     assert cancelled == ["prefill"] and not seen_d
+
+
+def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monkeypatch) -> None:
+    """``--connector-config KEY=VALUE``: a kv_connector_extra_config entry for every engine (JSON
+    values typed, others strings); with ``descriptor_mode`` staged, the case passes only if every
+    load of its rows went through the staging buffer (D's ``staged_loads`` counter)."""
+    from nixlkv.cli import _connector_config
+
+    assert _connector_config(["descriptor_mode=staged", "staging_bytes=2097152", "x=true"]) == [
+        ("descriptor_mode", "staged"), ("staging_bytes", 2097152), ("x", True)]
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _connector_config(["descriptor_mode"])
+    case = Case(prefills=2, connector_config=(("descriptor_mode", "staged"),))
+    assert case.label == "tiny-llama 2xP1->D1 b32 descriptor_mode=staged nixlkv"
+    srv = check.Servers(case, check.Options(python="python", port=8100))
+    for spec in (srv.p_spec, *srv.more_p_specs, srv.d_spec):
+        argv = spec.argv("python")
+        extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert extra["descriptor_mode"] == "staged"
+    facts = _transfer_facts(parse_metrics('vllm:nixlkv_xfer_time_seconds_count{engine="0"} 2.0\n'
+                                          'vllm:nixlkv_staged_loads_total{engine="0"} 2.0\n'))
+    assert facts["staged_loads"] == 2
+    row = lambda transfers, staged: check.Row("r", 40, {"ok": True}, {"transfers": transfers, "staged_loads": staged},  # noqa: E731
+                                              True, 0.1)
+    assert check.staged_loads([row(2, 2), row(1, 1)]) == {"ok": True, "transfers": 3, "staged_loads": 3}
+    assert not check.staged_loads([row(2, 2), row(1, 0)])["ok"]  # one load went direct
+    assert not check.staged_loads([row(0, 0)])["ok"]  # nothing loaded: nothing shown

@@ -64,6 +64,8 @@ class Case:
     p_args: tuple[str, ...] = ()  # further `vllm serve` arguments for the prefill engine(s)
     d_args: tuple[str, ...] = ()  # ... and for the decode engine(s)
     kv_both: bool = False  # every engine started with kv_role kv_both (vLLM's own P/D test does): params decide
+    # kv_connector_extra_config entries for every engine (e.g. ("descriptor_mode", "staged"))
+    connector_config: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("prefills", "decodes"):
@@ -87,7 +89,8 @@ class Case:
         dtype = f" kv-{self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""
         more = "".join(f" {side}[{' '.join(a)}]" for side, a in (("P", self.p_args), ("D", self.d_args)) if a)
         both = " kv_both" if self.kv_both else ""
-        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype}{both}{more} {self.connector}"
+        cfg = "".join(f" {k}={v}" for k, v in self.connector_config)
+        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype}{both}{more}{cfg} {self.connector}"
 
 
 @dataclass
@@ -151,6 +154,7 @@ def _transfer_facts(d: dict[str, float]) -> dict[str, float]:
             facts["descriptors"] = d.get(f"{prefix}num_descriptors_sum", 0.0)
             failed = [v for k, v in d.items() if k.startswith(prefix) and "failed_transfers" in k]
             facts["failed_transfers"] = sum(failed)
+            facts["staged_loads"] = sum(v for k, v in d.items() if k.startswith(prefix) and "staged_loads" in k)
             break
     return facts
 
@@ -185,6 +189,7 @@ class Result:
     parallel: dict[str, Any] | None = None  # n > 1 seeded samples through the proxy (exact cases)
     engines: dict[str, Any] | None = None  # several engines of a kind: the requests each one served
     bytes: dict[str, Any] | None = None  # --verify-bytes: D's loaded KV judged against P's (bytecheck)
+    staged: dict[str, Any] | None = None  # descriptor_mode staged: the rows' loads that went through staging
 
     @property
     def ok(self) -> bool:
@@ -194,8 +199,9 @@ class Result:
         parallel_ok = self.parallel is None or self.parallel.get("ok", False)
         engines_ok = self.engines is None or self.engines.get("ok", False)
         bytes_ok = self.bytes is None or self.bytes.get("ok", False)
+        staged_ok = self.staged is None or self.staged.get("ok", False)
         return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
-            and engines_ok and bytes_ok
+            and engines_ok and bytes_ok and staged_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -220,7 +226,7 @@ class Servers:
         cached = case.prefix_caching
         # with verify_bytes, every engine dumps the blocks it hands over or loads here (nixlkv.vllm.kvdump)
         self.dump_dir = self.log_dir / "kv" if opts.verify_bytes and case.connector == "nixlkv" else None
-        dumps = {"dump_kv_dir": str(self.dump_dir)} if self.dump_dir else {}
+        dumps = {"dump_kv_dir": str(self.dump_dir), **dict(case.connector_config)} if self.dump_dir else dict(case.connector_config)
         engine_args = ("--kv-cache-dtype", case.kv_cache_dtype) if case.kv_cache_dtype != "auto" else ()
         p_role, d_role = ("kv_both", "kv_both") if case.kv_both else ("kv_producer", "kv_consumer")
         self.p_spec = EngineSpec(self.model_dir, p_role, base, base + 10, case.connector, case.p_tp,
@@ -644,6 +650,8 @@ def run_case(case: Case, opts: Options) -> Result:
             if case.prefix_caching:
                 d_block = case.d_block or rec.block_size
                 result.rows += run_prefix_hits(srv, case, rule, block, d_block, rec.max_model_len, opts.quick)
+            if case.connector == "nixlkv" and dict(case.connector_config).get("descriptor_mode") == "staged":
+                result.staged = staged_loads(result.rows)
             result.concurrent = run_concurrent(srv, case, rule, block, rec.max_model_len)
             if rule == "exact":  # sampled tokens follow logprobs: only an exact case can ask identical samples
                 result.parallel = run_parallel_sampling(srv, case, block) \
@@ -660,6 +668,14 @@ def run_case(case: Case, opts: Options) -> Result:
     result.case["log_dir"] = str(srv.log_dir)
     result.refusal = refusal_in(srv.log_dir / "decode.log")
     return result
+
+
+def staged_loads(rows: list[Row]) -> dict[str, Any]:
+    """With ``descriptor_mode`` staged: every load of the rows went through the staging buffer
+    (D's ``staged_loads`` counter), so a row that passed proves the staged path, not the direct one."""
+    transfers = sum(r.facts.get("transfers", 0) for r in rows)
+    staged = sum(r.facts.get("staged_loads", 0) for r in rows)
+    return {"ok": transfers > 0 and staged == transfers, "transfers": transfers, "staged_loads": staged}
 
 
 def engines_served(urls: list[str], before: list[dict[str, float]]) -> dict[str, Any]:
@@ -748,6 +764,10 @@ def format_table(results: list[Result]) -> str:
                          f" ({reasons})")
         if res.bytes is not None:
             lines.append("   " + format_bytes(res.bytes))
+        if res.staged is not None:
+            st = res.staged
+            lines.append(f"   staged: {'ok' if st.get('ok') else 'FAIL'} ({st.get('staged_loads', 0):.0f} of "
+                         f"{st.get('transfers', 0):.0f} loads of the rows through the staging buffer)")
         lines.append(f"   logs: {res.case.get('log_dir')}")
     return "\n".join(lines)
 

@@ -130,12 +130,13 @@ class NixlkvStats(KVConnectorStats):
     # Counted events. D: failed_transfers, failed_handshakes, heartbeats_sent (request ids named),
     # remotes_released (dropped handshakes whose NIXL lists and agents were given back),
     # unreleased_transfers (requests given up on whose READs NIXL would not release at once: their
-    # blocks stay held) and release_retries (the retries until it did);
+    # blocks stay held), release_retries (the retries until it did) and staged_loads (loads read
+    # through the staging buffer);
     # P: expired_leases, ignored_notifications (not nixlkv's or malformed), lease_extensions (a
     # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held).
     COUNTERS = ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications",
                 "heartbeats_sent", "lease_extensions", "stale_heartbeats", "remotes_released",
-                "unreleased_transfers", "release_retries")
+                "unreleased_transfers", "release_retries", "staged_loads")
 
     def reset(self) -> None:
         self.data = {"bytes": [], "descriptors": [], "transfer_s": [], "post_s": [], **dict.fromkeys(self.COUNTERS, 0)}

@@ -40,6 +40,7 @@ COUNTERS = {
     "remotes_released": "Dropped handshakes (restarted or failed prefill engines) whose NIXL state was freed.",
     "unreleased_transfers": "Failed or timed-out loads whose READs NIXL would not release at once (blocks kept held).",
     "release_retries": "Release retries of such READs before their request was reported failed.",
+    "staged_loads": "Loads read through the staging buffer (descriptor_mode staged, or auto choosing it) (decode side).",
 }
 
 

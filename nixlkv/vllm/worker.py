@@ -429,6 +429,8 @@ class NixlkvWorker:
                 del self._flights[rid]
                 elapsed = now - f.flight.posted_at
                 self.stats.record(f.flight.nbytes, f.flight.descriptors, elapsed, f.flight.post_seconds)
+                if f.flight.mode == "staged":
+                    self.stats.count("staged_loads")
                 if any(f.request.local_block_ids):
                     self._dump("decode", f.request.remote_request_id, rid, f.request.local_block_ids,
                                f.request.num_tokens)
