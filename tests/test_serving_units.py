@@ -867,8 +867,11 @@ def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monke
     facts = _transfer_facts(parse_metrics('vllm:nixlkv_xfer_time_seconds_count{engine="0"} 2.0\n'
                                           'vllm:nixlkv_staged_loads_total{engine="0"} 2.0\n'))
     assert facts["staged_loads"] == 2
-    row = lambda transfers, staged: check.Row("r", 40, {"ok": True}, {"transfers": transfers, "staged_loads": staged},  # noqa: E731
-                                              True, 0.1)
+    def row(transfers: float, staged: float, nbytes: float = 4096.0) -> check.Row:
+        return check.Row("r", 40, {"ok": True}, {"transfers": transfers, "staged_loads": staged, "bytes": nbytes},
+                         True, 0.1)
+
     assert check.staged_loads([row(2, 2), row(1, 1)]) == {"ok": True, "transfers": 3, "staged_loads": 3}
-    assert not check.staged_loads([row(2, 2), row(1, 0)])["ok"]  # one load went direct
+    assert check.staged_loads([row(2, 2), row(1, 0, nbytes=0)])["ok"]  # P only told: no READ to stage
+    assert not check.staged_loads([row(2, 2), row(1, 0)])["ok"]  # one load read directly
     assert not check.staged_loads([row(0, 0)])["ok"]  # nothing loaded: nothing shown

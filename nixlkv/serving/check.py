@@ -671,11 +671,13 @@ def run_case(case: Case, opts: Options) -> Result:
 
 
 def staged_loads(rows: list[Row]) -> dict[str, Any]:
-    """With ``descriptor_mode`` staged: every load of the rows went through the staging buffer
-    (D's ``staged_loads`` counter), so a row that passed proves the staged path, not the direct one."""
-    transfers = sum(r.facts.get("transfers", 0) for r in rows)
+    """With ``descriptor_mode`` staged: every load of the rows that read bytes went through the
+    staging buffer (D's ``staged_loads`` counter), so a row that passed proves the staged path, not
+    the direct one. A load with nothing to read (a prompt D computes whole: P is only told) has no
+    READ to stage."""
+    reading = sum(r.facts.get("transfers", 0) for r in rows if r.facts.get("bytes", 0) > 0)
     staged = sum(r.facts.get("staged_loads", 0) for r in rows)
-    return {"ok": transfers > 0 and staged == transfers, "transfers": transfers, "staged_loads": staged}
+    return {"ok": reading > 0 and staged == reading, "transfers": reading, "staged_loads": staged}
 
 
 def engines_served(urls: list[str], before: list[dict[str, float]]) -> dict[str, Any]:
