@@ -291,7 +291,9 @@ def cmd_serve_drill(args: argparse.Namespace) -> int:
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                    proxy_cmd=args.proxy_cmd,
                    port=args.port, start_timeout_s=args.start_timeout, verify_bytes=args.verify_bytes)
-    outs = [run(Case(model=args.model, connector=c), opts, tuple(args.policy or ("recompute", "fail")))
+    config = tuple(_connector_config(args.connector_config or ()))
+    outs = [run(Case(model=args.model, connector=c, connector_config=config), opts,
+                tuple(args.policy or ("recompute", "fail")))
             for c in (args.connector or ["nixlkv"])]
     print(json.dumps(outs, indent=1, default=float) if args.json else "\n".join(format_drills(o) for o in outs))
     return 0 if all(o["ok"] for o in outs) else 1
@@ -480,6 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--verify-bytes", action="store_true",
                    help="the engines dump every request's blocks; after the drills, every load is judged "
                    "per token and head against P's (nixlkv's connector only)")
+    p.add_argument("--connector-config", action="append", metavar="KEY=VALUE",
+                   help="a kv_connector_extra_config entry for every engine, repeatable (e.g. "
+                   "--connector-config descriptor_mode=staged)")
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_drill)
