@@ -847,7 +847,7 @@ def test_a_client_that_hangs_up_stops_the_proxys_request_upstream() -> None:
     assert cancelled == ["prefill"] and not seen_d
 
 
-def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monkeypatch) -> None:
+def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monkeypatch, tmp_path) -> None:
     """``--connector-config KEY=VALUE``: a kv_connector_extra_config entry for every engine (JSON
     values typed, others strings); with ``descriptor_mode`` staged, the case passes only if every
     load of its rows went through the staging buffer (D's ``staged_loads`` counter)."""
@@ -857,6 +857,7 @@ def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monke
         ("descriptor_mode", "staged"), ("staging_bytes", 2097152), ("x", True)]
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         _connector_config(["descriptor_mode"])
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
     case = Case(prefills=2, connector_config=(("descriptor_mode", "staged"),))
     assert case.label == "tiny-llama 2xP1->D1 b32 descriptor_mode=staged nixlkv"
     srv = check.Servers(case, check.Options(python="python", port=8100))
