@@ -22,4 +22,6 @@ def test_bench_handshake_reports_every_figure() -> None:
     # (P TP2 -> D TP1: two), where the first also prepared D's local list.
     assert out["lists_first_engine"] == 3 and out["lists_second_engine"] == 2 and out["local_lists"] == 1
     assert math.isfinite(out["second_engine_nixl_ms"]) and out["second_engine_nixl_ms"] > 0
+    assert 0 < out["handshake_lists_ms"] < out["handshake_nixl_ms"]  # a part of the NIXL work
+    assert 0 < out["second_engine_lists_ms"] < out["second_engine_nixl_ms"]
     assert "handshake runs" in markdown(out) and "second prefill engine" in markdown(out)

@@ -82,6 +82,7 @@ def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, re
                 first = _one(p, d, "P", server.port, f"req-{i}")
                 second = _one(q, d, "Q", other.port, f"req-q-{i}")  # the same D meets Q next
                 first["second_engine_nixl_ms"] = second["handshake_nixl_ms"]
+                first["second_engine_lists_ms"] = second["handshake_lists_ms"]
                 first["second_engine_lists"] = second["lists_prepared"]
                 first["local_lists"] = max(w.nixl.local_lists for w in d)
                 runs.append(first)
@@ -103,10 +104,12 @@ def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, re
         "median_step_during_handshake_ms": med("median_step_during_handshake_ms"),
         "post_step_ms": med("post_step_ms"),
         "handshake_nixl_ms": med("handshake_nixl_ms"),
+        "handshake_lists_ms": med("handshake_lists_ms"),
         # Before, the step that took the handshake also added the agents and prepared the lists.
         "post_step_before_ms": med("post_step_ms") + med("handshake_nixl_ms"),
         # A second prefill engine of the layout: its remote lists only (the local list is shared).
         "second_engine_nixl_ms": med("second_engine_nixl_ms"),
+        "second_engine_lists_ms": med("second_engine_lists_ms"),
         "second_vs_first_nixl": med("second_engine_nixl_ms") / med("handshake_nixl_ms"),
         "lists_first_engine": runs[0]["lists_prepared"],
         "lists_second_engine": runs[0]["second_engine_lists"],
@@ -141,13 +144,16 @@ def _one(p: list[NixlkvWorker], d: list[NixlkvWorker], engine_id: str, port: int
         time.sleep(0.001)  # the model's forward pass, elsewhere
     if len(done) < len(d):
         raise RuntimeError("the bench request was not loaded in 120 s")
-    nixl = max(remote.nixl_seconds for w in d for key, remote in w._remotes.items() if key[0] == engine_id)
+    mine = [remote for w in d for key, remote in w._remotes.items() if key[0] == engine_id]
+    nixl = max(remote.nixl_seconds for remote in mine)
+    lists = max(remote.prepare_seconds for remote in mine)
     return {
         "steps_during_handshake": len(during),
         "max_step_during_handshake_ms": 1e3 * max(during, default=0.0),
         "median_step_during_handshake_ms": 1e3 * float(np.median(during)) if during else 0.0,
         "post_step_ms": post_ms,
         "handshake_nixl_ms": 1e3 * nixl,
+        "handshake_lists_ms": 1e3 * lists,  # of which preparing the descriptor lists (the rest: adding agents)
         "lists_prepared": sum(len(w.nixl._prepped) for w in d) - lists_before,  # NIXL descriptor lists it added
     }
 
@@ -163,9 +169,12 @@ def markdown(out: dict[str, Any]) -> str:
         f"| the step that takes the finished handshake and posts the READs | {out['post_step_ms']:.2f} |",
         f"| that step before (plus adding the agents and preparing the lists there) | {out['post_step_before_ms']:.2f} |",
         f"| of which the NIXL work now on the handshake thread | {out['handshake_nixl_ms']:.2f} |",
+        f"| ... of which preparing the descriptor lists (the rest: adding the remote agents) "
+        f"| {out['handshake_lists_ms']:.2f} |",
         "",
         f"A second prefill engine of the same layout, handshaken by the same decode engine: NIXL work "
-        f"{out['second_engine_nixl_ms']:.2f} ms ({out['second_vs_first_nixl']:.2f} of the first's), "
+        f"{out['second_engine_nixl_ms']:.2f} ms ({out['second_vs_first_nixl']:.2f} of the first's; "
+        f"lists {out['second_engine_lists_ms']:.2f} ms), "
         f"{out['lists_second_engine']} descriptor lists prepared where the first prepared {out['lists_first_engine']} "
         f"(the local list is shared: {out['local_lists']} per decode rank).",
     ])

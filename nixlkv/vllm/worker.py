@@ -59,6 +59,7 @@ class _Remote:
     generation: str | None = None
     pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
     nixl_seconds: float = 0.0  # adding its agents and preparing its lists, on the handshake thread
+    prepare_seconds: float = 0.0  # of which preparing the lists
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _Handshaken:
     agents: dict[int, str]  # remote rank -> NIXL agent name
     prepared: ReaderPlan
     nixl_seconds: float  # adding the agents and preparing the lists (an engine step's stall before)
+    prepare_seconds: float  # of which preparing the lists
 
 
 @dataclass
@@ -282,11 +284,13 @@ class NixlkvWorker:
         try:
             for r in plan.covered:
                 agents[r] = self.nixl.add_remote(engine.agent_metadata[r])
+            t1 = time.perf_counter()
             prepared = self.reader.prepare(plan, agents)
         except Exception as exc:
             exc.added_agents = set(agents.values())  # forgotten on the engine thread (see _progress)
             raise
-        return _Handshaken(engine, plan, agents, prepared, time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        return _Handshaken(engine, plan, agents, prepared, t2 - t0, t2 - t1)
 
     def _live_agents(self) -> set[str]:
         return {name for r in self._remotes.values() for name in r.agents.values()}
@@ -301,7 +305,7 @@ class NixlkvWorker:
                 done: _Handshaken = remote.future.result()
                 engine, plan = done.engine, done.plan
                 remote.agents, remote.prepared = done.agents, done.prepared
-                remote.nixl_seconds = done.nixl_seconds
+                remote.nixl_seconds, remote.prepare_seconds = done.nixl_seconds, done.prepare_seconds
                 remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
                 del self._remotes[key]
@@ -319,9 +323,10 @@ class NixlkvWorker:
                 continue
             logger.info(
                 "nixlkv handshake done engine=%s remote_tp=%d covered=%s read_ranks=%s descriptors=%s nixl_ms=%.1f "
-                "local_lists=%d",
+                "(lists %.1f) local_lists=%d",
                 key[0], engine.tp_size, list(plan.covered), list(plan.read_ranks),
-                plan.registered_descriptors(), 1e3 * remote.nixl_seconds, self.nixl.local_lists,
+                plan.registered_descriptors(), 1e3 * remote.nixl_seconds, 1e3 * remote.prepare_seconds,
+                self.nixl.local_lists,
             )
             for rid in [rid for rid, req in self._waiting.items() if req.key == key]:
                 req = self._waiting.pop(rid)
