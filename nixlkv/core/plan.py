@@ -61,6 +61,10 @@ class ResolvedRequest:
     reads: tuple[ReadOp, ...]
     notify_only: tuple[int, ...]
     consumers: int
+    # Per pairing of the plan, the block pairs its READs were written from: ``(local, remote,
+    # phase or None)``. What a descriptor mode is chosen on (``core.staging``: counts from
+    # blocks, not from descriptor IDs); None where the request was not resolved by a plan.
+    pairs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None = None
 
     @property
     def num_descriptors(self) -> int:
@@ -107,12 +111,13 @@ def _read_op(remote_rank: int, local_ids: np.ndarray, remote_ids: np.ndarray, nb
     return op
 
 
-def _resolved(reads: tuple[ReadOp, ...], notify_only: tuple[int, ...], consumers: int) -> ResolvedRequest:
+def _resolved(reads: tuple[ReadOp, ...], notify_only: tuple[int, ...], consumers: int, pairs: Any = None) -> ResolvedRequest:
     out = _new(ResolvedRequest)
-    set_reads, set_notify, set_consumers = _RESOLVED_SLOTS
+    set_reads, set_notify, set_consumers, set_pairs = _RESOLVED_SLOTS
     set_reads(out, reads)
     set_notify(out, notify_only)
     set_consumers(out, consumers)
+    set_pairs(out, pairs)
     return out
 
 
@@ -601,7 +606,7 @@ class TransferPlan:
                         add(starts[0], lp, out=local_ids.reshape(rows, k))
                     written[p] = remote_ids
                     reads.append(_read_op(p, local_ids, remote_ids, block_bytes * k))
-                return _resolved(tuple(reads), notify, self.consumers)
+                return _resolved(tuple(reads), notify, self.consumers, ((lp, rp, None),))
         pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
                  for pairing, lane in zip(self.pairings, self._owned)]
         reads = []
@@ -647,7 +652,7 @@ class TransferPlan:
         else:
             read = {r.remote_rank for r in reads}
             notify_only = tuple(p for p in self.covered if p not in read)
-        return _resolved(tuple(reads), notify_only, self.consumers)
+        return _resolved(tuple(reads), notify_only, self.consumers, pairs)
 
     def _pair(
         self, pairing: GroupPairing, lane: tuple[Any, ...] | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],

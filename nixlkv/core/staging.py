@@ -17,7 +17,7 @@ and the scatter program. The executor (``nixlkv.staged``) owns the buffer and do
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -136,6 +136,10 @@ class StagedRequest:
     def staged_bytes(self) -> int:
         return sum(rnd.staged_bytes for rnd in self.rounds)
 
+    def counts(self) -> StagedCounts:
+        return StagedCounts(self.posted, self.staged_bytes, self.scatter_bytes,
+                            sum(len(r.scatters) for r in self.rounds), len(self.rounds))
+
 
 @dataclass(frozen=True)
 class TransferCosts:
@@ -167,15 +171,28 @@ class TransferCosts:
     def direct(self, posted: int, nbytes: int) -> float:
         return posted * self.per_descriptor_s + nbytes / self.nixl_bytes_per_s
 
-    def staged(self, req: StagedRequest, posted: int) -> float:
-        scatters = sum(len(r.scatters) for r in req.rounds)
+    def staged(self, counts: StagedCounts) -> float:
         return (
-            posted * self.per_descriptor_s
-            + req.staged_bytes / self.nixl_bytes_per_s
-            + req.scatter_bytes / self.copy_bytes_per_s
-            + scatters * self.per_scatter_s
-            + len(req.rounds) * self.per_round_s
+            counts.posted * self.per_descriptor_s
+            + counts.staged_bytes / self.nixl_bytes_per_s
+            + counts.scatter_bytes / self.copy_bytes_per_s
+            + counts.scatters * self.per_scatter_s
+            + counts.rounds * self.per_round_s
         )
+
+
+@dataclass(frozen=True)
+class StagedCounts:
+    """What posting one request staged costs, in the units :class:`TransferCosts` prices: the
+    same figures its staged program has (:meth:`StagedRequest.counts`), and what posting it
+    directly would post (``posted_direct``, where known)."""
+
+    posted: int  # descriptors NIXL posts for the staged READs, after its merge
+    staged_bytes: int  # bytes the staged READs move (whole remote spans)
+    scatter_bytes: int  # bytes the local copies move
+    scatters: int
+    rounds: int
+    posted_direct: int | None = None
 
 
 class StagedPlan:
@@ -248,6 +265,115 @@ class StagedPlan:
         # The smallest descriptor a direct READ posts where staging would merge more (sliced rows
         # never merge, runs only grow): with it, auto decides from counts, per plan, not per request.
         self.min_direct_bytes = int(self._local_len[helps].min()) if self.can_help else 0
+        self._remote_dense = {p: rows[:, 1] == rows[:, 3] for p, rows in plan.remote_descs.items()}
+        self._local_dense = local_dense
+        # What counts() reads of every entry of every READ the plan makes (TransferPlan's entries:
+        # one per pairing and phase), so that a request is counted from its block pairs alone.
+        self._entries = {p: [self._entry(p, e) for e in entries] for p, entries in plan._rank_entries}
+
+    def _entry(self, p: int, entry: tuple) -> _Entry:
+        key, phase, lstarts, rstarts, _ = entry
+        lrow = np.searchsorted(self._local_starts, lstarts.ravel().astype(np.int64), side="right") - 1
+        rrow = np.searchsorted(self._remote_starts[p], rstarts.ravel().astype(np.int64), side="right") - 1
+        span = self._seg_span[lrow]
+        dense_both = self._local_dense[lrow] & self._remote_dense[p][rrow]
+        sdense = self._span_dense[span]
+        return _Entry(key, phase, lrow, rrow, dense_both, int(np.count_nonzero(dense_both)), span, self._span_len[span],
+                      sdense, int(np.count_nonzero(sdense)), int(self._span_len[span].sum()), int(self._local_len[lrow].sum()))
+
+    def counts(self, resolved: ResolvedRequest) -> StagedCounts | None:
+        """What :meth:`stage` would give for ``resolved`` (posted descriptors, staged and scattered
+        bytes, scatters, rounds) and what its direct READs post (:func:`posted_direct`), counted
+        from the request's block pairs (``resolved.pairs``) in O(blocks + rows): no staged program
+        and no pass over its descriptor IDs. Exact (the tests compare both with the program's
+        own figures). None where pages are read by several segments (deduplicated in first-use
+        order: :meth:`stage` says) or the request carries no block pairs."""
+        pairs = resolved.pairs
+        if pairs is None or self._shared_spans:
+            return None
+        seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]] = []  # (entry, local, remote blocks, READ)
+        for k, read in enumerate(resolved.reads):
+            for e in self._entries.get(read.remote_rank, ()):
+                lp, rp, phase = pairs[e.key]
+                if phase is None:
+                    if e.phase:
+                        continue  # every pair is in phase 0
+                else:
+                    in_phase = phase == e.phase
+                    lp, rp = lp[in_phase], rp[in_phase]
+                if lp.size:
+                    seq.append((e, lp.astype(np.int64, copy=False), rp.astype(np.int64, copy=False), k))
+        if not seq:
+            return StagedCounts(0, 0, 0, 0, 0, 0)
+        direct = pages = staged_bytes = scatter_bytes = joins = 0
+        runs_r: list[np.ndarray] = []  # per element: where its remote blocks run on (i -> i + 1)
+        for e, lp, rp, _ in seq:
+            m, rows = lp.size, e.lrow.size
+            on_r = np.diff(rp) == 1
+            runs_r.append(on_r)
+            direct += rows * m - e.n_dense_both * int(np.count_nonzero(on_r & (np.diff(lp) == 1)))
+            pages += rows * m
+            joins += e.n_sdense * int(np.count_nonzero(on_r))
+            staged_bytes += m * e.sum_span
+            scatter_bytes += m * e.sum_local
+        # Items: every row of every element, in the order its pages are read.
+        rows_of = [e.lrow.size for e, *_ in seq]
+        cat = np.concatenate
+        item_m = np.repeat(np.array([lp.size for _, lp, _, _ in seq], dtype=np.int64), rows_of)
+        item_len = cat([e.span_len for e, *_ in seq])
+        span = cat([e.span for e, *_ in seq])
+        sdense = cat([e.sdense for e, *_ in seq])
+        lrow, rrow = cat([e.lrow for e, *_ in seq]), cat([e.rrow for e, *_ in seq])
+        dense_both = cat([e.dense_both for e, *_ in seq])
+        read = np.repeat(np.array([k for *_, k in seq], dtype=np.int64), rows_of)
+        firsts = np.array([(lp[0], lp[-1], rp[0], rp[-1]) for _, lp, rp, _ in seq], dtype=np.int64)
+        lfirst, llast, rfirst, rlast = np.repeat(firsts, rows_of, axis=0).T
+        # Where one item's last page and the next's first continue each other: the same remote
+        # span (staged), the same rows of one READ (direct), and the next block on both.
+        same_span = span[1:] == span[:-1]
+        span_join = same_span & sdense[1:] & (rfirst[1:] == rlast[:-1] + 1)
+        direct -= int(np.count_nonzero(
+            (read[1:] == read[:-1]) & (lrow[1:] == lrow[:-1]) & (rrow[1:] == rrow[:-1]) & dense_both[1:]
+            & (lfirst[1:] == llast[:-1] + 1) & (rfirst[1:] == rlast[:-1] + 1)))
+        joins += int(np.count_nonzero(span_join))
+        scatters = item_m.size - int(np.count_nonzero(same_span))  # one per item, but a same-span neighbour
+        # Rounds: the slots stage() gives (_place), run by run of equal span length; a round
+        # that ends inside a run of joined pages or of one scatter splits it.
+        page_at = np.add.accumulate(item_m) - item_m  # each item's first page
+        cuts = [0, *(np.flatnonzero(item_len[1:] != item_len[:-1]) + 1).tolist(), item_len.size]
+        total_pages = int(page_at[-1] + item_m[-1])
+        ends = [*page_at[cuts[1:-1]].tolist(), total_pages]
+        breaks: list[np.ndarray] = []
+        cur_round, cursor = 0, 0
+        for a, end in zip(cuts[:-1], ends):
+            length, start = int(item_len[a]), int(page_at[a])
+            per_round = self.staging_bytes // length
+            n = end - start
+            first = -(-cursor // length)
+            if first >= per_round:
+                cur_round, first = cur_round + 1, 0
+            if first + n > per_round:
+                breaks.append(np.arange(per_round - first, n, per_round, dtype=np.int64) + start)
+            last = first + n - 1
+            cur_round += last // per_round
+            cursor = (last % per_round + 1) * length
+        if breaks:
+            at = cat(breaks)
+            item = np.searchsorted(page_at, at, side="right") - 1
+            inside = at - page_at[item]
+            edge = inside == 0  # a round starts with an item: the boundary with the one before splits
+            before = item[edge] - 1
+            joins -= int(np.count_nonzero(span_join[before]))
+            scatters += int(np.count_nonzero(same_span[before]))
+            within = ~edge  # a round starts inside an item: its scatter splits, and a join there
+            scatters += int(np.count_nonzero(within))
+            elem = np.repeat(np.arange(len(seq)), rows_of)[item[within]]
+            block = inside[within]
+            hit = sdense[item[within]]
+            for j in np.unique(elem[hit]).tolist():
+                mine = hit & (elem == j)
+                joins -= int(np.count_nonzero(runs_r[j][block[mine] - 1]))
+        return StagedCounts(pages - joins, staged_bytes, scatter_bytes, scatters, cur_round + 1, direct)
 
     def staging_rows(self, base: int, device_id: int) -> np.ndarray:
         """One dense row per span length over the whole buffer at ``base``: slot ``k`` of length
@@ -381,6 +507,26 @@ class StagedPlan:
         )
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One entry of a plan's READ (a pairing in a phase) as :meth:`StagedPlan.counts` reads it:
+    per row, its local and remote row, whether both are dense, its span, the span's length and
+    whether it is dense; and their counts and sums."""
+
+    key: int
+    phase: int
+    lrow: np.ndarray
+    rrow: np.ndarray
+    dense_both: np.ndarray
+    n_dense_both: int
+    span: np.ndarray
+    span_len: np.ndarray
+    sdense: np.ndarray
+    n_sdense: int
+    sum_span: int
+    sum_local: int
+
+
 def _runs(*keys: np.ndarray) -> np.ndarray:
     """Boundaries of the runs of equal consecutive key tuples: ``[0, ..., n]``."""
     n = keys[0].size
@@ -439,8 +585,13 @@ def choose(
     nbytes = request_bytes(plan, resolved)
     if nbytes / costs.copy_bytes_per_s >= resolved.num_descriptors * costs.per_descriptor_s:
         return Choice("direct", None)  # the copy alone costs more than every descriptor could save
-    staged = staged_plan.stage(resolved)
-    pd, ps = posted_direct(plan, resolved), staged.posted
-    if costs.staged(staged, ps) < costs.direct(pd, nbytes):
-        return Choice("staged", staged, pd, ps)
+    counts = staged_plan.counts(resolved)  # from the block pairs: no staged program built to decide
+    if counts is None:  # pages read by several segments: the program itself says what it posts
+        staged = staged_plan.stage(resolved)
+        counts = replace(staged.counts(), posted_direct=posted_direct(plan, resolved))
+    else:
+        staged = None
+    pd, ps = counts.posted_direct, counts.posted
+    if costs.staged(counts) < costs.direct(pd, nbytes):
+        return Choice("staged", staged or staged_plan.stage(resolved), pd, ps)
     return Choice("direct", staged, pd, ps)
