@@ -14,7 +14,7 @@ import pytest
 from nixlkv.bench.shapes import LLAMA_8B, LLAMA_70B, Case, fabricate_rank
 from nixlkv.core import Dispatcher, covered_remote_ranks
 from nixlkv.core.plan import ResolvedRequest
-from nixlkv.core.staging import StagedPlan, StagingError, TransferCosts, choose, posted_direct
+from nixlkv.core.staging import StagedPlan, StagingError, TransferCosts, choose, decide, posted_direct
 from nixlkv.testing import oracle
 from nixlkv.testing.rehearsal import build, request_blocks
 from nixlkv.testing.scenario import load
@@ -147,6 +147,8 @@ def test_auto_builds_the_staged_program_only_when_it_stages(dispatcher, monkeypa
     close = TransferCosts(per_descriptor_s=6e-6, copy_bytes_per_s=2.8e9, nixl_bytes_per_s=6e9)
     assert choose("auto", plan, sp, resolved, close).mode == "direct" and calls == []
     cheap = TransferCosts(per_descriptor_s=6e-6, copy_bytes_per_s=1e12)
+    decided = decide("auto", plan, sp, resolved, cheap)  # the decision alone builds nothing
+    assert decided.mode == "staged" and decided.staged is None and calls == []
     staged = choose("auto", plan, sp, resolved, cheap)
     assert staged.mode == "staged" and len(calls) == 1 and staged.posted_staged == staged.staged.posted
     by_hand = ResolvedRequest(resolved.reads, resolved.notify_only, resolved.consumers)

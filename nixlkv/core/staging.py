@@ -565,7 +565,23 @@ def choose(
     resolved: ResolvedRequest,
     costs: TransferCosts | None = None,
 ) -> Choice:
-    """Pick how one request is posted. ``staged`` refuses (StagingError) where no staging plan
+    """Pick how one request is posted (:func:`decide`), with the staged program built where it
+    stages: what a reader posts."""
+    choice = decide(mode, plan, staged_plan, resolved, costs)
+    if choice.mode == "staged" and choice.staged is None:
+        choice = replace(choice, staged=staged_plan.stage(resolved))
+    return choice
+
+
+def decide(
+    mode: str,
+    plan: TransferPlan,
+    staged_plan: StagedPlan | None,
+    resolved: ResolvedRequest,
+    costs: TransferCosts | None = None,
+) -> Choice:
+    """How one request is posted, without building its staged program where the block pairs
+    tell (:meth:`StagedPlan.counts`). ``staged`` refuses (StagingError) where no staging plan
     could be built; ``auto`` stages only where the plan can merge more that way and the measured
     costs say the extra local copy is cheaper than the descriptors it saves."""
     check_mode(mode)
@@ -576,7 +592,7 @@ def choose(
             raise StagingError("descriptor_mode 'staged' was asked for, but this plan has no staging buffer")
         return Choice("direct", None)
     if mode == "staged":
-        return Choice("staged", staged_plan.stage(resolved))
+        return Choice("staged", None)
     if not staged_plan.can_help:
         return Choice("direct", None)
     costs = costs or TransferCosts()
@@ -586,12 +602,9 @@ def choose(
     if nbytes / costs.copy_bytes_per_s >= resolved.num_descriptors * costs.per_descriptor_s:
         return Choice("direct", None)  # the copy alone costs more than every descriptor could save
     counts = staged_plan.counts(resolved)  # from the block pairs: no staged program built to decide
+    staged = None
     if counts is None:  # pages read by several segments: the program itself says what it posts
         staged = staged_plan.stage(resolved)
         counts = replace(staged.counts(), posted_direct=posted_direct(plan, resolved))
-    else:
-        staged = None
     pd, ps = counts.posted_direct, counts.posted
-    if costs.staged(counts) < costs.direct(pd, nbytes):
-        return Choice("staged", staged or staged_plan.stage(resolved), pd, ps)
-    return Choice("direct", staged, pd, ps)
+    return Choice("staged" if costs.staged(counts) < costs.direct(pd, nbytes) else "direct", staged, pd, ps)
