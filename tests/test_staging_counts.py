@@ -6,6 +6,7 @@ buffers that force many rounds, and on random block-id patterns."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,17 @@ def test_auto_builds_the_staged_program_only_when_it_stages(dispatcher, monkeypa
     assert staged.mode == "staged" and len(calls) == 1 and staged.posted_staged == staged.staged.posted
     by_hand = ResolvedRequest(resolved.reads, resolved.notify_only, resolved.consumers)
     assert choose("auto", plan, sp, by_hand, cheap).mode == "staged" and len(calls) == 2  # decided on the program it posts
+
+
+def test_reads_changed_after_resolving_are_decided_from_the_program(dispatcher) -> None:
+    """A request whose READs no longer match the block pairs they were written from (a test's
+    fault, a caller trimming a READ) is not counted from the pairs: the program decides."""
+    local = fabricate_rank(dispatcher, LLAMA_8B, "decode", 2, 0, 600, num_layers=3)
+    remote = {r: fabricate_rank(dispatcher, LLAMA_8B, "prefill", 4, r, 600, num_layers=3) for r in (0, 1)}
+    plan = dispatcher.plan(local, remote)
+    resolved = plan.resolve([list(range(10, 110))], [list(range(200, 300))], None)
+    sp = StagedPlan(plan, 1 << 30)
+    assert sp.counts(resolved) is not None
+    first, *rest = resolved.reads
+    trimmed = dataclasses.replace(first, local_ids=first.local_ids[:-3], remote_ids=first.remote_ids[:-3])
+    assert sp.counts(dataclasses.replace(resolved, reads=(trimmed, *rest))) is None

@@ -63,7 +63,8 @@ class ResolvedRequest:
     consumers: int
     # Per pairing of the plan, the block pairs its READs were written from: ``(local, remote,
     # phase or None)``. What a descriptor mode is chosen on (``core.staging``: counts from
-    # blocks, not from descriptor IDs); None where the request was not resolved by a plan.
+    # blocks, not from descriptor IDs); None where the request was not resolved by a plan (a
+    # request whose READs are changed afterwards should drop them; counts refuse READs of other sizes).
     pairs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None = None
 
     @property

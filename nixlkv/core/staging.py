@@ -293,6 +293,7 @@ class StagedPlan:
             return None
         seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]] = []  # (entry, local, remote blocks, READ)
         for k, read in enumerate(resolved.reads):
+            ids = 0
             for e in self._entries.get(read.remote_rank, ()):
                 lp, rp, phase = pairs[e.key]
                 if phase is None:
@@ -303,6 +304,9 @@ class StagedPlan:
                     lp, rp = lp[in_phase], rp[in_phase]
                 if lp.size:
                     seq.append((e, lp.astype(np.int64, copy=False), rp.astype(np.int64, copy=False), k))
+                    ids += e.lrow.size * lp.size
+            if ids != read.local_ids.size:
+                return None  # READs not written from these pairs (changed since): the program decides
         if not seq:
             return StagedCounts(0, 0, 0, 0, 0, 0)
         direct = pages = staged_bytes = scatter_bytes = joins = 0
