@@ -168,3 +168,96 @@ def test_reads_changed_after_resolving_are_decided_from_the_program(dispatcher) 
     first, *rest = resolved.reads
     trimmed = dataclasses.replace(first, local_ids=first.local_ids[:-3], remote_ids=first.remote_ids[:-3])
     assert sp.counts(dataclasses.replace(resolved, reads=(trimmed, *rest))) is None
+
+
+def _programs_differ(a, b) -> str | None:
+    """Where two staged programs differ (None: the same rounds, READs, scatters and figures)."""
+    if (len(a.rounds), a.last_round, a.posted, a.notify_only, a.consumers) != (
+            len(b.rounds), b.last_round, b.posted, b.notify_only, b.consumers):
+        return "rounds, last rounds, posted count or notifications"
+    for r, (ra, rb) in enumerate(zip(a.rounds, b.rounds)):
+        if ra.staged_bytes != rb.staged_bytes or len(ra.reads) != len(rb.reads) or len(ra.scatters) != len(rb.scatters):
+            return f"round {r}: bytes or counts"
+        for x, y in zip(ra.reads, rb.reads):
+            if x.remote_rank != y.remote_rank or not np.array_equal(x.local_ids, y.local_ids) \
+                    or not np.array_equal(x.remote_ids, y.remote_ids):
+                return f"round {r}: a READ"
+        for x, y in zip(ra.scatters, rb.scatters):
+            fields = ("segment", "local_address", "local_stride", "slot_len", "delta", "nbytes")
+            if any(getattr(x, f) != getattr(y, f) for f in fields) or not np.array_equal(x.local_blocks, y.local_blocks) \
+                    or not np.array_equal(x.slots, y.slots):
+                return f"round {r}: a scatter"
+    return None
+
+
+def test_the_program_laid_out_from_block_pairs_is_the_program_from_ids(dispatcher) -> None:
+    """Where every remote page is read by one segment, stage() lays the program out from the
+    block pairs (slices and progressions); it is the same program, READ by READ and scatter by
+    scatter, as the one built from the descriptor IDs, on every scenario at four buffers."""
+    compared = 0
+    for path in sorted(SCENARIOS.iterdir()):
+        scenario = load(path)
+        if scenario.expect_error is not None:
+            continue
+        try:
+            engines = build(scenario, dispatcher)
+        except Exception:
+            continue
+        p_blocks, d_blocks = request_blocks(scenario, engines)
+        for plan in engines.plans:
+            resolved = plan.resolve(oracle.id_lists(d_blocks), oracle.id_lists(p_blocks), scenario.request.num_tokens)
+            for staging_bytes in _buffers(plan):
+                try:
+                    sp = StagedPlan(plan, staging_bytes)
+                except StagingError:
+                    continue
+                seq = sp._sequence(resolved)
+                if not seq:
+                    continue
+                assert sp._written_from(resolved, seq)
+                diff = _programs_differ(sp._stage_by_blocks(resolved, seq), sp._stage_by_ids(resolved))
+                assert diff is None, f"{path.name} at {staging_bytes} B: {diff}"
+                compared += 1
+    assert compared > 500
+
+
+@pytest.mark.parametrize(("shape", "p_tp", "d_tp"), [(LLAMA_8B, 4, 2), (LLAMA_8B, 8, 2), (LLAMA_70B, 8, 4)])
+def test_the_program_from_block_pairs_on_random_block_runs(dispatcher, shape, p_tp, d_tp) -> None:
+    rng = np.random.default_rng(7 * p_tp + d_tp)
+    nb = 600
+    local = fabricate_rank(dispatcher, shape, "decode", d_tp, 0, nb, num_layers=3)
+    remote = {r: fabricate_rank(dispatcher, shape, "prefill", p_tp, r, nb, num_layers=3)
+              for r in covered_remote_ranks(0, d_tp, p_tp)}
+    plan = dispatcher.plan(local, remote)
+    for trial in range(30):
+        n = int(rng.integers(1, 200))
+        mean = float(rng.choice([1.0, 4.0, 500.0]))
+        resolved = plan.resolve([_runs_pattern(n - int(rng.integers(0, min(n, 5))), nb, rng, mean)],
+                                [_runs_pattern(n, nb, rng, mean)], None)
+        for staging_bytes in _buffers(plan):
+            sp = StagedPlan(plan, staging_bytes)
+            seq = sp._sequence(resolved)
+            assert _programs_differ(sp._stage_by_blocks(resolved, seq), sp._stage_by_ids(resolved)) is None, (trial, staging_bytes)
+
+
+def test_a_read_changed_after_resolving_is_staged_from_its_ids(dispatcher, monkeypatch) -> None:
+    """Negative control: a READ whose IDs are not what its block pairs give (two remote IDs
+    swapped, as a test's fault does) is staged from the IDs, so the program carries the change
+    (and the byte check sees it); the comparison of the two layouts sees it too."""
+    local = fabricate_rank(dispatcher, LLAMA_8B, "decode", 2, 0, 600, num_layers=3)
+    remote = {r: fabricate_rank(dispatcher, LLAMA_8B, "prefill", 4, r, 600, num_layers=3) for r in (0, 1)}
+    plan = dispatcher.plan(local, remote)
+    resolved = plan.resolve([list(range(10, 110))], [list(range(200, 300))], None)
+    sp = StagedPlan(plan, 1 << 30)
+    first, *rest = resolved.reads
+    swapped = first.remote_ids.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    faulted = dataclasses.replace(resolved, reads=(dataclasses.replace(first, remote_ids=swapped), *rest))
+    seq = sp._sequence(faulted)
+    assert seq and not sp._written_from(faulted, seq)
+    calls = []
+    real = StagedPlan._stage_by_ids
+    monkeypatch.setattr(StagedPlan, "_stage_by_ids", lambda self, r: calls.append(r) or real(self, r))
+    program = sp.stage(faulted)
+    assert calls == [faulted]
+    assert _programs_differ(program, sp._stage_by_blocks(faulted, seq)) is not None

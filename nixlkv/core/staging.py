@@ -281,17 +281,15 @@ class StagedPlan:
         return _Entry(key, phase, lrow, rrow, dense_both, int(np.count_nonzero(dense_both)), span, self._span_len[span],
                       sdense, int(np.count_nonzero(sdense)), int(self._span_len[span].sum()), int(self._local_len[lrow].sum()))
 
-    def counts(self, resolved: ResolvedRequest) -> StagedCounts | None:
-        """What :meth:`stage` would give for ``resolved`` (posted descriptors, staged and scattered
-        bytes, scatters, rounds) and what its direct READs post (:func:`posted_direct`), counted
-        from the request's block pairs (``resolved.pairs``) in O(blocks + rows): no staged program
-        and no pass over its descriptor IDs. Exact (the tests compare both with the program's
-        own figures). None where pages are read by several segments (deduplicated in first-use
-        order: :meth:`stage` says) or the request carries no block pairs."""
+    def _sequence(self, resolved: ResolvedRequest) -> list[tuple[_Entry, np.ndarray, np.ndarray, int]] | None:
+        """The request's READs as the plan wrote them: per READ (its index ``k``), per entry of it
+        with pairs, ``(entry, local blocks, remote blocks, k)``; each of the entry's rows reads the
+        remote blocks into the local ones, rows in order. None where pages are read by several
+        segments, the request carries no block pairs, or its READs were not written from them."""
         pairs = resolved.pairs
         if pairs is None or self._shared_spans:
             return None
-        seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]] = []  # (entry, local, remote blocks, READ)
+        seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]] = []
         for k, read in enumerate(resolved.reads):
             ids = 0
             for e in self._entries.get(read.remote_rank, ()):
@@ -306,7 +304,23 @@ class StagedPlan:
                     seq.append((e, lp.astype(np.int64, copy=False), rp.astype(np.int64, copy=False), k))
                     ids += e.lrow.size * lp.size
             if ids != read.local_ids.size:
-                return None  # READs not written from these pairs (changed since): the program decides
+                return None  # READs not written from these pairs (changed since)
+        return seq
+
+    def counts(self, resolved: ResolvedRequest) -> StagedCounts | None:
+        """What :meth:`stage` would give for ``resolved`` (posted descriptors, staged and scattered
+        bytes, scatters, rounds) and what its direct READs post (:func:`posted_direct`), counted
+        from the request's block pairs (``resolved.pairs``) in O(blocks + rows): no staged program
+        and no pass over its descriptor IDs. Exact (the tests compare both with the program's
+        own figures). None where pages are read by several segments (deduplicated in first-use
+        order: :meth:`stage` says) or the request carries no block pairs."""
+        seq = self._sequence(resolved)
+        if seq is None:
+            return None
+        return self._counts(seq)
+
+    def _counts(self, seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]]) -> StagedCounts:
+        """:meth:`counts` of a request's READs as :meth:`_sequence` gives them."""
         if not seq:
             return StagedCounts(0, 0, 0, 0, 0, 0)
         direct = pages = staged_bytes = scatter_bytes = joins = 0
@@ -390,6 +404,112 @@ class StagedPlan:
         """The rounds of one request: whole remote pages into staging slots, in the request's order
         (so consecutive remote blocks sit in consecutive slots and NIXL merges them), each remote
         page read once, at most ``staging_bytes`` per round."""
+        seq = self._sequence(resolved)
+        if seq and self._written_from(resolved, seq):
+            return self._stage_by_blocks(resolved, seq)
+        return self._stage_by_ids(resolved)
+
+    def _written_from(self, resolved: ResolvedRequest, seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]]) -> bool:
+        """Whether every READ's IDs are the ones its block pairs give (row start + block, row by
+        row): then the program may be laid out from the pairs. A READ changed after resolving (a
+        fault a test injects) is staged from its IDs, which says what is wrong with them."""
+        at = [0] * len(resolved.reads)
+        for e, lp, rp, k in seq:
+            read = resolved.reads[k]
+            n = e.lrow.size * lp.size
+            a = at[k]
+            at[k] = a + n
+            lids = np.asarray(read.local_ids[a : a + n]).reshape(e.lrow.size, lp.size)
+            rids = np.asarray(read.remote_ids[a : a + n]).reshape(e.lrow.size, lp.size)
+            if not (np.array_equal(lids, self._local_starts[e.lrow][:, None] + lp)
+                    and np.array_equal(rids, self._remote_starts[read.remote_rank][e.rrow][:, None] + rp)):
+                return False
+        return True
+
+    def _stage_by_blocks(self, resolved: ResolvedRequest, seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]]) -> StagedRequest:
+        """:meth:`_stage_by_ids`'s program where every remote page is read by one segment, laid out
+        from the block pairs: pages run row by row in the READs' order, so each round's READ, each
+        scatter and each slot is a slice or an arithmetic progression (O(rounds + rows) records and
+        a few passes over the pages, not a pass per step over every descriptor ID)."""
+        rows_of = [e.lrow.size for e, *_ in seq]
+        item_m = np.repeat(np.array([lp.size for _, lp, _, _ in seq], dtype=np.int64), rows_of)
+        item_len = np.concatenate([e.span_len for e, *_ in seq])
+        item_seg = np.concatenate([e.lrow for e, *_ in seq])
+        item_read = np.repeat(np.array([k for *_, k in seq], dtype=np.int64), rows_of)
+        page_at = np.add.accumulate(item_m) - item_m  # each item's first page
+        total = int(page_at[-1] + item_m[-1])
+        remote_ids = np.empty(total, dtype=np.int64)
+        local_blocks = np.empty(total, dtype=np.int64)
+        at = 0
+        for e, lp, rp, _ in seq:
+            n = e.lrow.size * lp.size
+            np.add(self._span_row_start[e.span][:, None], rp, out=remote_ids[at : at + n].reshape(e.lrow.size, lp.size))
+            local_blocks[at : at + n].reshape(e.lrow.size, lp.size)[:] = lp
+            at += n
+        # Slots as _place gives them, run by run of equal span length; a round begins at a break.
+        slots = np.empty(total, dtype=np.int64)
+        staging_ids = np.empty(total, dtype=np.int64)
+        cuts = [0, *(np.flatnonzero(item_len[1:] != item_len[:-1]) + 1).tolist(), item_len.size]
+        ends = [*page_at[cuts[1:-1]].tolist(), total]
+        breaks: list[int] = []
+        cursor = 0
+        for a, end in zip(cuts[:-1], ends):
+            length, start = int(item_len[a]), int(page_at[a])
+            per_round = self.staging_bytes // length
+            n = end - start
+            first = -(-cursor // length)
+            if first >= per_round:
+                breaks.append(start)
+                first = 0
+            _fill_cyclic(slots[start:end], first, per_round, 0)
+            _fill_cyclic(staging_ids[start:end], first, per_round, self._len_row_start[length])
+            breaks.extend(range(start + per_round - first, end, per_round))
+            last = first + n - 1
+            cursor = (last % per_round + 1) * length
+        # READs: one per (round, rank); scatters: one per (round, segment). Both are slices.
+        edge_items = np.arange(1, item_m.size)
+        read_edges = page_at[edge_items[item_read[1:] != item_read[:-1]]].tolist()
+        seg_edges = page_at[edge_items[item_seg[1:] != item_seg[:-1]]].tolist()
+        bounds = np.asarray(breaks, dtype=np.int64)
+        item_bytes = np.concatenate([[0], np.add.accumulate(item_m * item_len)])
+
+        def runs(edges: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+            """Slices ``[a, b)`` between the edges and the breaks: starts, ends, rounds, items."""
+            cut = np.unique(np.asarray([0, *edges, *breaks, total], dtype=np.int64))
+            starts, stops = cut[:-1], cut[1:]
+            return (starts.tolist(), stops.tolist(), np.searchsorted(bounds, starts, side="right").tolist(),
+                    (np.searchsorted(page_at, starts, side="right") - 1).tolist())
+
+        def bytes_before(x: np.ndarray) -> np.ndarray:
+            t = np.minimum(np.searchsorted(page_at, x, side="right") - 1, item_m.size - 1)
+            return item_bytes[t] + (x - page_at[t]) * item_len[t]
+
+        num_rounds = len(breaks) + 1
+        reads: list[list[ReadOp]] = [[] for _ in range(num_rounds)]
+        staged_bytes = [0] * num_rounds
+        last_round: dict[int, int] = {}
+        starts, stops, rounds, items = runs(read_edges)
+        moved = (bytes_before(np.asarray(stops)) - bytes_before(np.asarray(starts))).tolist()
+        for a, b, r, t, nbytes in zip(starts, stops, rounds, items, moved):
+            rank = resolved.reads[int(item_read[t])].remote_rank
+            reads[r].append(ReadOp(rank, staging_ids[a:b], remote_ids[a:b]))
+            staged_bytes[r] += nbytes
+            last_round[rank] = r
+        scatters: list[list[Scatter]] = [[] for _ in range(num_rounds)]
+        starts, stops, rounds, items = runs(seg_edges)
+        for a, b, r, t in zip(starts, stops, rounds, items):
+            i = int(item_seg[t])
+            scatters[r].append(Scatter(
+                segment=i, local_address=int(self._local_addr[i]), local_stride=int(self._local_stride[i]),
+                local_blocks=local_blocks[a:b], slot_len=int(item_len[t]), slots=slots[a:b],
+                delta=int(self._seg_delta[i]), nbytes=int(self._local_len[i]),
+            ))
+        out = [Round(tuple(reads[r]), tuple(scatters[r]), staged_bytes[r]) for r in range(num_rounds)]
+        return StagedRequest(tuple(out), resolved.notify_only, resolved.consumers, last_round, self._counts(seq).posted)
+
+    def _stage_by_ids(self, resolved: ResolvedRequest) -> StagedRequest:
+        """:meth:`stage` from the READs' descriptor IDs: every plan, pages read by several
+        segments included (each read once, in first-use order)."""
         plan = self.plan
         parts = []
         for read in resolved.reads:
@@ -509,6 +629,19 @@ class StagedPlan:
             for rnd in staged.rounds
             for r in rnd.reads
         )
+
+
+def _fill_cyclic(out: np.ndarray, first: int, period: int, base: int) -> None:
+    """``out[k] = base + (first + k) % period``, written as copies of one period (an integer
+    modulo per element costs several times more)."""
+    pattern = np.arange(base, base + period, dtype=out.dtype)
+    head = min(out.size, period - first)
+    out[:head] = pattern[first : first + head]
+    full, tail = divmod(out.size - head, period)
+    if full:
+        out[head : head + full * period].reshape(full, period)[:] = pattern
+    if tail:
+        out[head + full * period :] = pattern[:tail]
 
 
 @dataclass(frozen=True)
