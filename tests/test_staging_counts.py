@@ -57,11 +57,9 @@ def _runs_pattern(n: int, pool: int, rng: np.random.Generator, mean_run: float) 
     return out[:n]
 
 
-def test_counts_equal_the_staged_program_on_every_scenario(dispatcher) -> None:
-    """Every scenario that plans (mixed kinds, windows, MLA, Mamba, phases of different block
-    sizes, prefix hits), each decode rank, four staging buffers: the counts are the program's, or
-    None exactly where pages are shared between segments (then auto builds the program)."""
-    counted = shared = 0
+def _every_scenario_request(dispatcher):
+    """Every scenario that plans, each decode rank's plan with the scenario's request resolved,
+    at each of :func:`_buffers` a staging plan can be built for: ``(name, plan, resolved, sp)``."""
     for path in sorted(SCENARIOS.iterdir()):
         scenario = load(path)
         if scenario.expect_error is not None:
@@ -78,13 +76,22 @@ def test_counts_equal_the_staged_program_on_every_scenario(dispatcher) -> None:
                     sp = StagedPlan(plan, staging_bytes)
                 except StagingError:
                     continue
-                got = _counted(sp, resolved)
-                if got is None:
-                    assert sp._shared_spans, f"{path.name}: counts gave up on a plan without shared pages"
-                    shared += 1
-                    continue
-                assert got == _program_figures(sp, plan, resolved), f"{path.name} at {staging_bytes} B"
-                counted += 1
+                yield f"{path.name} at {staging_bytes} B", plan, resolved, sp
+
+
+def test_counts_equal_the_staged_program_on_every_scenario(dispatcher) -> None:
+    """Every scenario that plans (mixed kinds, windows, MLA, Mamba, phases of different block
+    sizes, prefix hits), each decode rank, four staging buffers: the counts are the program's, or
+    None exactly where pages are shared between segments (then auto builds the program)."""
+    counted = shared = 0
+    for name, plan, resolved, sp in _every_scenario_request(dispatcher):
+        got = _counted(sp, resolved)
+        if got is None:
+            assert sp._shared_spans, f"{name}: counts gave up on a plan without shared pages"
+            shared += 1
+            continue
+        assert got == _program_figures(sp, plan, resolved), name
+        counted += 1
     assert counted > 500 and shared > 0  # the check ran, on both kinds of plan
 
 
@@ -93,7 +100,8 @@ def test_counts_equal_the_staged_program_on_every_scenario(dispatcher) -> None:
 ])
 def test_counts_equal_the_staged_program_on_random_block_runs(dispatcher, shape, p_tp, d_tp) -> None:
     """Random requests: runs of consecutive ids of every mean length, local lists shorter than the
-    remote one (a prefix D holds), staging rounds breaking inside runs and at their edges."""
+    remote one (a prefix D holds), staging rounds breaking inside runs and at their edges. The
+    counts are the program's, and the program laid out from the pairs is the one from the IDs."""
     rng = np.random.default_rng(p_tp * 10 + d_tp)
     nb = 600
     local = fabricate_rank(dispatcher, shape, "decode", d_tp, 0, nb, num_layers=3)
@@ -112,6 +120,8 @@ def test_counts_equal_the_staged_program_on_random_block_runs(dispatcher, shape,
             except StagingError:
                 continue
             assert _counted(sp, resolved) == _program_figures(sp, plan, resolved), (trial, staging_bytes)
+            # the program laid out from the pairs is the one built from the IDs
+            assert _programs_differ(sp._stage_by_blocks(resolved, sp._sequence(resolved)), sp._stage_by_ids(resolved)) is None
 
 
 def test_the_comparison_can_fail(dispatcher) -> None:
@@ -195,49 +205,15 @@ def test_the_program_laid_out_from_block_pairs_is_the_program_from_ids(dispatche
     block pairs (slices and progressions); it is the same program, READ by READ and scatter by
     scatter, as the one built from the descriptor IDs, on every scenario at four buffers."""
     compared = 0
-    for path in sorted(SCENARIOS.iterdir()):
-        scenario = load(path)
-        if scenario.expect_error is not None:
+    for name, _, resolved, sp in _every_scenario_request(dispatcher):
+        seq = sp._sequence(resolved)
+        if not seq:
             continue
-        try:
-            engines = build(scenario, dispatcher)
-        except Exception:
-            continue
-        p_blocks, d_blocks = request_blocks(scenario, engines)
-        for plan in engines.plans:
-            resolved = plan.resolve(oracle.id_lists(d_blocks), oracle.id_lists(p_blocks), scenario.request.num_tokens)
-            for staging_bytes in _buffers(plan):
-                try:
-                    sp = StagedPlan(plan, staging_bytes)
-                except StagingError:
-                    continue
-                seq = sp._sequence(resolved)
-                if not seq:
-                    continue
-                assert sp._written_from(resolved, seq)
-                diff = _programs_differ(sp._stage_by_blocks(resolved, seq), sp._stage_by_ids(resolved))
-                assert diff is None, f"{path.name} at {staging_bytes} B: {diff}"
-                compared += 1
+        assert sp._written_from(resolved, seq)
+        diff = _programs_differ(sp._stage_by_blocks(resolved, seq), sp._stage_by_ids(resolved))
+        assert diff is None, f"{name}: {diff}"
+        compared += 1
     assert compared > 500
-
-
-@pytest.mark.parametrize(("shape", "p_tp", "d_tp"), [(LLAMA_8B, 4, 2), (LLAMA_8B, 8, 2), (LLAMA_70B, 8, 4)])
-def test_the_program_from_block_pairs_on_random_block_runs(dispatcher, shape, p_tp, d_tp) -> None:
-    rng = np.random.default_rng(7 * p_tp + d_tp)
-    nb = 600
-    local = fabricate_rank(dispatcher, shape, "decode", d_tp, 0, nb, num_layers=3)
-    remote = {r: fabricate_rank(dispatcher, shape, "prefill", p_tp, r, nb, num_layers=3)
-              for r in covered_remote_ranks(0, d_tp, p_tp)}
-    plan = dispatcher.plan(local, remote)
-    for trial in range(30):
-        n = int(rng.integers(1, 200))
-        mean = float(rng.choice([1.0, 4.0, 500.0]))
-        resolved = plan.resolve([_runs_pattern(n - int(rng.integers(0, min(n, 5))), nb, rng, mean)],
-                                [_runs_pattern(n, nb, rng, mean)], None)
-        for staging_bytes in _buffers(plan):
-            sp = StagedPlan(plan, staging_bytes)
-            seq = sp._sequence(resolved)
-            assert _programs_differ(sp._stage_by_blocks(resolved, seq), sp._stage_by_ids(resolved)) is None, (trial, staging_bytes)
 
 
 def test_a_read_changed_after_resolving_is_staged_from_its_ids(dispatcher, monkeypatch) -> None:

@@ -334,11 +334,8 @@ class StagedPlan:
             joins += e.n_sdense * int(np.count_nonzero(on_r))
             staged_bytes += m * e.sum_span
             scatter_bytes += m * e.sum_local
-        # Items: every row of every element, in the order its pages are read.
-        rows_of = [e.lrow.size for e, *_ in seq]
+        rows_of, item_m, item_len, page_at, total_pages = _items(seq)
         cat = np.concatenate
-        item_m = np.repeat(np.array([lp.size for _, lp, _, _ in seq], dtype=np.int64), rows_of)
-        item_len = cat([e.span_len for e, *_ in seq])
         span = cat([e.span for e, *_ in seq])
         sdense = cat([e.sdense for e, *_ in seq])
         lrow, rrow = cat([e.lrow for e, *_ in seq]), cat([e.rrow for e, *_ in seq])
@@ -355,28 +352,10 @@ class StagedPlan:
             & (lfirst[1:] == llast[:-1] + 1) & (rfirst[1:] == rlast[:-1] + 1)))
         joins += int(np.count_nonzero(span_join))
         scatters = item_m.size - int(np.count_nonzero(same_span))  # one per item, but a same-span neighbour
-        # Rounds: the slots stage() gives (_place), run by run of equal span length; a round
-        # that ends inside a run of joined pages or of one scatter splits it.
-        page_at = np.add.accumulate(item_m) - item_m  # each item's first page
-        cuts = [0, *(np.flatnonzero(item_len[1:] != item_len[:-1]) + 1).tolist(), item_len.size]
-        total_pages = int(page_at[-1] + item_m[-1])
-        ends = [*page_at[cuts[1:-1]].tolist(), total_pages]
-        breaks: list[np.ndarray] = []
-        cur_round, cursor = 0, 0
-        for a, end in zip(cuts[:-1], ends):
-            length, start = int(item_len[a]), int(page_at[a])
-            per_round = self.staging_bytes // length
-            n = end - start
-            first = -(-cursor // length)
-            if first >= per_round:
-                cur_round, first = cur_round + 1, 0
-            if first + n > per_round:
-                breaks.append(np.arange(per_round - first, n, per_round, dtype=np.int64) + start)
-            last = first + n - 1
-            cur_round += last // per_round
-            cursor = (last % per_round + 1) * length
+        # Rounds: a round that begins inside a run of joined pages or of one scatter splits it.
+        _, breaks = self._layout(item_len, page_at, total_pages)
         if breaks:
-            at = cat(breaks)
+            at = np.asarray(breaks, dtype=np.int64)
             item = np.searchsorted(page_at, at, side="right") - 1
             inside = at - page_at[item]
             edge = inside == 0  # a round starts with an item: the boundary with the one before splits
@@ -391,7 +370,29 @@ class StagedPlan:
             for j in np.unique(elem[hit]).tolist():
                 mine = hit & (elem == j)
                 joins -= int(np.count_nonzero(runs_r[j][block[mine] - 1]))
-        return StagedCounts(pages - joins, staged_bytes, scatter_bytes, scatters, cur_round + 1, direct)
+        return StagedCounts(pages - joins, staged_bytes, scatter_bytes, scatters, len(breaks) + 1, direct)
+
+    def _layout(self, item_len: np.ndarray, page_at: np.ndarray, total: int) -> tuple[list[tuple[int, int, int, int, int]], list[int]]:
+        """The slots :meth:`_place` gives a request's pages laid out item by item (``item_len``:
+        each item's span length, ``page_at``: its first page): per run of equal span length
+        ``(start page, end page, its first slot, slots per round, length)``, and the pages where
+        a round begins, ascending."""
+        cuts = [0, *(np.flatnonzero(item_len[1:] != item_len[:-1]) + 1).tolist(), item_len.size]
+        ends = [*page_at[cuts[1:-1]].tolist(), total]
+        runs: list[tuple[int, int, int, int, int]] = []
+        breaks: list[int] = []
+        cursor = 0
+        for a, end in zip(cuts[:-1], ends):
+            length, start = int(item_len[a]), int(page_at[a])
+            per_round = self.staging_bytes // length
+            first = -(-cursor // length)
+            if first >= per_round:  # no slot of this length left: the run starts a round
+                breaks.append(start)
+                first = 0
+            breaks.extend(range(start + per_round - first, end, per_round))
+            runs.append((start, end, first, per_round, length))
+            cursor = ((first + end - start - 1) % per_round + 1) * length
+        return runs, breaks
 
     def staging_rows(self, base: int, device_id: int) -> np.ndarray:
         """One dense row per span length over the whole buffer at ``base``: slot ``k`` of length
@@ -431,13 +432,9 @@ class StagedPlan:
         from the block pairs: pages run row by row in the READs' order, so each round's READ, each
         scatter and each slot is a slice or an arithmetic progression (O(rounds + rows) records and
         a few passes over the pages, not a pass per step over every descriptor ID)."""
-        rows_of = [e.lrow.size for e, *_ in seq]
-        item_m = np.repeat(np.array([lp.size for _, lp, _, _ in seq], dtype=np.int64), rows_of)
-        item_len = np.concatenate([e.span_len for e, *_ in seq])
+        rows_of, item_m, item_len, page_at, total = _items(seq)
         item_seg = np.concatenate([e.lrow for e, *_ in seq])
         item_read = np.repeat(np.array([k for *_, k in seq], dtype=np.int64), rows_of)
-        page_at = np.add.accumulate(item_m) - item_m  # each item's first page
-        total = int(page_at[-1] + item_m[-1])
         remote_ids = np.empty(total, dtype=np.int64)
         local_blocks = np.empty(total, dtype=np.int64)
         at = 0
@@ -449,23 +446,10 @@ class StagedPlan:
         # Slots as _place gives them, run by run of equal span length; a round begins at a break.
         slots = np.empty(total, dtype=np.int64)
         staging_ids = np.empty(total, dtype=np.int64)
-        cuts = [0, *(np.flatnonzero(item_len[1:] != item_len[:-1]) + 1).tolist(), item_len.size]
-        ends = [*page_at[cuts[1:-1]].tolist(), total]
-        breaks: list[int] = []
-        cursor = 0
-        for a, end in zip(cuts[:-1], ends):
-            length, start = int(item_len[a]), int(page_at[a])
-            per_round = self.staging_bytes // length
-            n = end - start
-            first = -(-cursor // length)
-            if first >= per_round:
-                breaks.append(start)
-                first = 0
+        runs_of_length, breaks = self._layout(item_len, page_at, total)
+        for start, end, first, per_round, length in runs_of_length:
             _fill_cyclic(slots[start:end], first, per_round, 0)
             _fill_cyclic(staging_ids[start:end], first, per_round, self._len_row_start[length])
-            breaks.extend(range(start + per_round - first, end, per_round))
-            last = first + n - 1
-            cursor = (last % per_round + 1) * length
         # READs: one per (round, rank); scatters: one per (round, segment). Both are slices.
         edge_items = np.arange(1, item_m.size)
         read_edges = page_at[edge_items[item_read[1:] != item_read[:-1]]].tolist()
@@ -629,6 +613,17 @@ class StagedPlan:
             for rnd in staged.rounds
             for r in rnd.reads
         )
+
+
+def _items(seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]]) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray, int]:
+    """A request's items (every row of every element of :meth:`StagedPlan._sequence`, in the
+    order their pages are read): rows per element, and per item its pages, its span length and
+    its first page; and the pages in all."""
+    rows_of = [e.lrow.size for e, *_ in seq]
+    item_m = np.repeat(np.array([lp.size for _, lp, _, _ in seq], dtype=np.int64), rows_of)
+    item_len = np.concatenate([e.span_len for e, *_ in seq])
+    page_at = np.add.accumulate(item_m) - item_m
+    return rows_of, item_m, item_len, page_at, int(page_at[-1] + item_m[-1])
 
 
 def _fill_cyclic(out: np.ndarray, first: int, period: int, base: int) -> None:
