@@ -373,10 +373,11 @@ class StagedPlan:
         return StagedCounts(pages - joins, staged_bytes, scatter_bytes, scatters, len(breaks) + 1, direct)
 
     def _layout(self, item_len: np.ndarray, page_at: np.ndarray, total: int) -> tuple[list[tuple[int, int, int, int, int]], list[int]]:
-        """The slots :meth:`_place` gives a request's pages laid out item by item (``item_len``:
-        each item's span length, ``page_at``: its first page): per run of equal span length
-        ``(start page, end page, its first slot, slots per round, length)``, and the pages where
-        a round begins, ascending."""
+        """Where a request's pages go in the staging buffer, laid out item by item (``item_len``:
+        each item's span length, ``page_at``: its first page; ``total`` pages): each run of
+        equal span lengths continues in the current round at the next slot aligned to its length,
+        spilling into new rounds. Per run ``(start page, end page, its first slot, slots per
+        round, length)``, and the pages where a round begins, ascending."""
         cuts = [0, *(np.flatnonzero(item_len[1:] != item_len[:-1]) + 1).tolist(), item_len.size]
         ends = [*page_at[cuts[1:-1]].tolist(), total]
         runs: list[tuple[int, int, int, int, int]] = []
@@ -443,7 +444,7 @@ class StagedPlan:
             np.add(self._span_row_start[e.span][:, None], rp, out=remote_ids[at : at + n].reshape(e.lrow.size, lp.size))
             local_blocks[at : at + n].reshape(e.lrow.size, lp.size)[:] = lp
             at += n
-        # Slots as _place gives them, run by run of equal span length; a round begins at a break.
+        # Slots run by run of equal span length (_layout); a round begins at a break.
         slots = np.empty(total, dtype=np.int64)
         staging_ids = np.empty(total, dtype=np.int64)
         runs_of_length, breaks = self._layout(item_len, page_at, total)
@@ -581,27 +582,15 @@ class StagedPlan:
 
     def _place(self, page_span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round, slot) per page, pages in order: each run of equal-length pages continues in the
-        current round at the next slot aligned to its length, spilling into new rounds."""
+        current round at the next slot aligned to its length, spilling into new rounds
+        (:meth:`_layout`, every page an item of its own)."""
         n = page_span.size
-        lengths = self._span_len[page_span]
-        rnd = np.zeros(n, dtype=np.int64)
-        slot = np.zeros(n, dtype=np.int64)
-        cuts = np.concatenate([[0], np.nonzero(np.diff(lengths))[0] + 1, [n]])
-        cur_round, cursor = 0, 0
-        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-            L = int(lengths[a])
-            per_round = self.staging_bytes // L
-            first = -(-cursor // L)
-            if first >= per_round:
-                cur_round, first = cur_round + 1, 0
-            # positions first, first + 1, ... wrap every per_round slots: tiled, not divided
-            m = b - a
-            laps = -(-(first + m) // per_round)
-            slot[a:b] = np.tile(np.arange(per_round, dtype=np.int64), laps)[first : first + m]
-            rnd[a:b] = np.repeat(np.arange(cur_round, cur_round + laps, dtype=np.int64), per_round)[first : first + m]
-            cur_round = int(rnd[b - 1])
-            cursor = int(slot[b - 1] + 1) * L
-        return rnd, slot
+        pages = np.arange(n, dtype=np.int64)
+        runs, breaks = self._layout(self._span_len[page_span], pages, n)
+        slot = np.empty(n, dtype=np.int64)
+        for start, end, first, per_round, _ in runs:
+            _fill_cyclic(slot[start:end], first, per_round, 0)
+        return np.searchsorted(np.asarray(breaks, dtype=np.int64), pages, side="right"), slot
 
     def posted(self, staged: StagedRequest) -> int:
         """Descriptors NIXL posts for a staged request (after its merge), recomputed from its IDs
