@@ -118,7 +118,7 @@ def group_id_floor(
         if paired:
             both = ids.reshape(2, 1, sizes[0])
             for starts, dst in both_out:
-                np.add(starts, both, out=dst)
+                np.add(both, starts, out=dst)
             return
         views = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         lids, rids = views[: len(local)], views[len(local) :]
@@ -126,8 +126,8 @@ def group_id_floor(
             at = 0
             for lg, rg, rows in read:
                 k = rows * sizes_l[lg]
-                np.add(offsets[rows], lids[lg], out=lo[at : at + k].reshape(rows, sizes_l[lg]))
-                np.add(offsets[rows], rids[rg], out=ro[at : at + k].reshape(rows, sizes_r[rg]))
+                np.add(lids[lg], offsets[rows], out=lo[at : at + k].reshape(rows, sizes_l[lg]))
+                np.add(rids[rg], offsets[rows], out=ro[at : at + k].reshape(rows, sizes_r[rg]))
                 at += k
 
     floor.out = out  # type: ignore[attr-defined]  # what it wrote, per READ: (local IDs, remote IDs)

@@ -441,7 +441,7 @@ class StagedPlan:
         at = 0
         for e, lp, rp, _ in seq:
             n = e.lrow.size * lp.size
-            np.add(self._span_row_start[e.span][:, None], rp, out=remote_ids[at : at + n].reshape(e.lrow.size, lp.size))
+            np.add(rp, self._span_row_start[e.span][:, None], out=remote_ids[at : at + n].reshape(e.lrow.size, lp.size))
             local_blocks[at : at + n].reshape(e.lrow.size, lp.size)[:] = lp
             at += n
         # Slots run by run of equal span length (_layout); a round begins at a break.
