@@ -171,7 +171,7 @@ class Reader:
             # Far out of reach (large head slices) a probe would only cost a slow request.
             self._declined += 1
             if self._declined % PROBE_EVERY == 0:
-                return Choice("staged", choice.staged or rp.staged.stage(resolved))
+                return Choice("staged", choice.staged or rp.staged.stage(resolved, choice.posted_staged))
         return choice
 
     # ------------------------------------------------------------------ per request

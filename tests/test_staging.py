@@ -124,7 +124,7 @@ def test_auto_decides_from_the_plans_counts_without_staging_the_request(dispatch
     assert sp.can_help and sp.min_direct_bytes == 16384  # P4->D2: a 16 KiB head slice per block
     staged_calls = []
     real_stage = StagedPlan.stage
-    monkeypatch.setattr(StagedPlan, "stage", lambda self, r: staged_calls.append(r) or real_stage(self, r))
+    monkeypatch.setattr(StagedPlan, "stage", lambda self, r, posted=None: staged_calls.append(r) or real_stage(self, r, posted))
     # 1.5 us per descriptor at 8 GB/s: copying 12 kB costs what one descriptor does
     measured = TransferCosts(per_descriptor_s=1.5e-6, copy_bytes_per_s=8e9)
     assert measured.stage_below_bytes == pytest.approx(12000)
@@ -150,7 +150,7 @@ def test_auto_probes_staging_only_while_it_is_within_reach(dispatcher, monkeypat
     memory = [torch.zeros(64, dtype=torch.uint8)]
     staged_calls = []
     real_stage = StagedPlan.stage
-    monkeypatch.setattr(StagedPlan, "stage", lambda self, r: staged_calls.append(r) or real_stage(self, r))
+    monkeypatch.setattr(StagedPlan, "stage", lambda self, r, posted=None: staged_calls.append(r) or real_stage(self, r, posted))
     far = Reader(_NoNixl(), "auto", 16 << 20, memory, costs=TransferCosts(per_descriptor_s=1.5e-6, copy_bytes_per_s=4e9))
     assert sp.min_direct_bytes >= PROBE_REACH * far.costs.stage_below_bytes
     assert {far.choose(rp, resolved).mode for _ in range(2 * PROBE_EVERY)} == {"direct"} and staged_calls == []

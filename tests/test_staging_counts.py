@@ -153,7 +153,7 @@ def test_auto_builds_the_staged_program_only_when_it_stages(dispatcher, monkeypa
     sp = StagedPlan(plan, 8 << 20)
     calls = []
     real = StagedPlan.stage
-    monkeypatch.setattr(StagedPlan, "stage", lambda self, r: calls.append(r) or real(self, r))
+    monkeypatch.setattr(StagedPlan, "stage", lambda self, r, posted=None: calls.append(posted) or real(self, r, posted))
     # copies dear enough that staging loses, cheap enough that auto must weigh it
     close = TransferCosts(per_descriptor_s=6e-6, copy_bytes_per_s=2.8e9, nixl_bytes_per_s=6e9)
     assert choose("auto", plan, sp, resolved, close).mode == "direct" and calls == []
@@ -162,6 +162,9 @@ def test_auto_builds_the_staged_program_only_when_it_stages(dispatcher, monkeypa
     assert decided.mode == "staged" and decided.staged is None and calls == []
     staged = choose("auto", plan, sp, resolved, cheap)
     assert staged.mode == "staged" and len(calls) == 1 and staged.posted_staged == staged.staged.posted
+    # the program takes the decision's posted count instead of counting it again: the same program
+    assert calls == [decided.posted_staged] and decided.posted_staged is not None
+    assert _programs_differ(staged.staged, real(sp, resolved)) is None
     by_hand = ResolvedRequest(resolved.reads, resolved.notify_only, resolved.consumers)
     assert choose("auto", plan, sp, by_hand, cheap).mode == "staged" and len(calls) == 2  # decided on the program it posts
 

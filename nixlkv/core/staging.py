@@ -402,13 +402,14 @@ class StagedPlan:
         return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
     # ------------------------------------------------------------------ per request
-    def stage(self, resolved: ResolvedRequest) -> StagedRequest:
+    def stage(self, resolved: ResolvedRequest, posted: int | None = None) -> StagedRequest:
         """The rounds of one request: whole remote pages into staging slots, in the request's order
         (so consecutive remote blocks sit in consecutive slots and NIXL merges them), each remote
-        page read once, at most ``staging_bytes`` per round."""
+        page read once, at most ``staging_bytes`` per round. ``posted``: the descriptors it posts
+        where :meth:`counts` of this request already said (``auto``'s decision), not counted again."""
         seq = self._sequence(resolved)
         if seq and self._written_from(resolved, seq):
-            return self._stage_by_blocks(resolved, seq)
+            return self._stage_by_blocks(resolved, seq, posted)
         return self._stage_by_ids(resolved)
 
     def _written_from(self, resolved: ResolvedRequest, seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]]) -> bool:
@@ -428,7 +429,9 @@ class StagedPlan:
                 return False
         return True
 
-    def _stage_by_blocks(self, resolved: ResolvedRequest, seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]]) -> StagedRequest:
+    def _stage_by_blocks(
+        self, resolved: ResolvedRequest, seq: list[tuple[_Entry, np.ndarray, np.ndarray, int]], posted: int | None = None,
+    ) -> StagedRequest:
         """:meth:`_stage_by_ids`'s program where every remote page is read by one segment, laid out
         from the block pairs: pages run row by row in the READs' order, so each round's READ, each
         scatter and each slot is a slice or an arithmetic progression (O(rounds + rows) records and
@@ -490,7 +493,9 @@ class StagedPlan:
                 delta=int(self._seg_delta[i]), nbytes=int(self._local_len[i]),
             ))
         out = [Round(tuple(reads[r]), tuple(scatters[r]), staged_bytes[r]) for r in range(num_rounds)]
-        return StagedRequest(tuple(out), resolved.notify_only, resolved.consumers, last_round, self._counts(seq).posted)
+        if posted is None:
+            posted = self._counts(seq).posted
+        return StagedRequest(tuple(out), resolved.notify_only, resolved.consumers, last_round, posted)
 
     def _stage_by_ids(self, resolved: ResolvedRequest) -> StagedRequest:
         """:meth:`stage` from the READs' descriptor IDs: every plan, pages read by several
@@ -690,7 +695,7 @@ def choose(
     stages: what a reader posts."""
     choice = decide(mode, plan, staged_plan, resolved, costs)
     if choice.mode == "staged" and choice.staged is None:
-        choice = replace(choice, staged=staged_plan.stage(resolved))
+        choice = replace(choice, staged=staged_plan.stage(resolved, choice.posted_staged))
     return choice
 
 
