@@ -240,3 +240,20 @@ def test_a_read_changed_after_resolving_is_staged_from_its_ids(dispatcher, monke
     program = sp.stage(faulted)
     assert calls == [faulted]
     assert _programs_differ(program, sp._stage_by_blocks(faulted, seq)) is not None
+
+
+@pytest.mark.parametrize("num_blocks, dtype", [(600, np.int32), (2**31 + 8, np.int64)])
+def test_the_staged_program_writes_int32_where_every_list_fits(dispatcher, num_blocks, dtype) -> None:
+    """The program's IDs, slots and local blocks are int32 where every list it indexes (the
+    staging rows, each rank's staged remote rows, the local blocks) holds fewer than 2**31
+    entries, else int64; either way the same program as the one staged from the IDs."""
+    local = fabricate_rank(dispatcher, LLAMA_8B, "decode", 2, 0, num_blocks, num_layers=2)
+    remote = {r: fabricate_rank(dispatcher, LLAMA_8B, "prefill", 4, r, num_blocks, num_layers=2) for r in (0, 1)}
+    plan = dispatcher.plan(local, remote)
+    resolved = plan.resolve([list(range(num_blocks - 100, num_blocks))], [list(range(1, 101))], None)
+    sp = StagedPlan(plan, 1 << 20)
+    program = sp.stage(resolved)
+    arrays = [a for rnd in program.rounds for r in rnd.reads for a in (r.local_ids, r.remote_ids)]
+    arrays += [a for rnd in program.rounds for s in rnd.scatters for a in (s.local_blocks, s.slots)]
+    assert arrays and {a.dtype for a in arrays} == {np.dtype(dtype)}
+    assert _programs_differ(program, sp._stage_by_ids(resolved)) is None

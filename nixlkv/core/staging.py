@@ -246,6 +246,11 @@ class StagedPlan:
             self._len_row_start[length] = at
             at += self.staging_bytes // length
         self._span_slot_row = np.array([self._len_row_start[s.nbytes] for s in spans], dtype=np.int64)
+        # The program's IDs, slots and local blocks in int32 where every list fits (as the plan's
+        # own IDs): half the bytes a 128k request's program writes.
+        largest_id = max([at, *(sum(r[4] for r in rows) for rows in remote_rows.values()),
+                          *plan.local_descs[:, 4].tolist()])
+        self._id_dtype = np.dtype(np.int32 if largest_id < 2**31 else np.int64)
         self._max_blocks = max((plan.remote[s.remote_rank].region(s.remote_region).num_blocks for s in spans), default=1)
         # Local rows: one per segment, in segment order; remote rows: per rank, in segment order.
         self._local_starts = row_starts(plan.local_descs)
@@ -424,8 +429,9 @@ class StagedPlan:
             at[k] = a + n
             lids = np.asarray(read.local_ids[a : a + n]).reshape(e.lrow.size, lp.size)
             rids = np.asarray(read.remote_ids[a : a + n]).reshape(e.lrow.size, lp.size)
-            if not (np.array_equal(lids, self._local_starts[e.lrow][:, None] + lp)
-                    and np.array_equal(rids, self._remote_starts[read.remote_rank][e.rrow][:, None] + rp)):
+            # what resolve wrote, computed in the READ's own ID type (int32: half the bytes)
+            if not (np.array_equal(lids, np.add(lp, self._local_starts[e.lrow][:, None], dtype=lids.dtype))
+                    and np.array_equal(rids, np.add(rp, self._remote_starts[read.remote_rank][e.rrow][:, None], dtype=rids.dtype))):
                 return False
         return True
 
@@ -439,8 +445,9 @@ class StagedPlan:
         rows_of, item_m, item_len, page_at, total = _items(seq)
         item_seg = np.concatenate([e.lrow for e, *_ in seq])
         item_read = np.repeat(np.array([k for *_, k in seq], dtype=np.int64), rows_of)
-        remote_ids = np.empty(total, dtype=np.int64)
-        local_blocks = np.empty(total, dtype=np.int64)
+        dtype = self._id_dtype
+        remote_ids = np.empty(total, dtype=dtype)
+        local_blocks = np.empty(total, dtype=dtype)
         at = 0
         for e, lp, rp, _ in seq:
             n = e.lrow.size * lp.size
@@ -448,8 +455,8 @@ class StagedPlan:
             local_blocks[at : at + n].reshape(e.lrow.size, lp.size)[:] = lp
             at += n
         # Slots run by run of equal span length (_layout); a round begins at a break.
-        slots = np.empty(total, dtype=np.int64)
-        staging_ids = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=dtype)
+        staging_ids = np.empty(total, dtype=dtype)
         runs_of_length, breaks = self._layout(item_len, page_at, total)
         for start, end, first, per_round, length in runs_of_length:
             _fill_cyclic(slots[start:end], first, per_round, 0)
