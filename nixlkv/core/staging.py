@@ -456,11 +456,15 @@ class StagedPlan:
             at += n
         # Slots run by run of equal span length (_layout); a round begins at a break.
         slots = np.empty(total, dtype=dtype)
-        staging_ids = np.empty(total, dtype=dtype)
         runs_of_length, breaks = self._layout(item_len, page_at, total)
+        # A slot's staging ID is its slot where its length's rows start the list (one slot
+        # length, as a dense model has): then both are one array.
+        shared = all(self._len_row_start[length] == 0 for *_, length in runs_of_length)
+        staging_ids = slots if shared else np.empty(total, dtype=dtype)
         for start, end, first, per_round, length in runs_of_length:
             _fill_cyclic(slots[start:end], first, per_round, 0)
-            _fill_cyclic(staging_ids[start:end], first, per_round, self._len_row_start[length])
+            if not shared:
+                _fill_cyclic(staging_ids[start:end], first, per_round, self._len_row_start[length])
         # READs: one per (round, rank); scatters: one per (round, segment). Both are slices.
         edge_items = np.arange(1, item_m.size)
         read_edges = page_at[edge_items[item_read[1:] != item_read[:-1]]].tolist()
