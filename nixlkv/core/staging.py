@@ -251,6 +251,7 @@ class StagedPlan:
         largest_id = max([at, *(sum(r[4] for r in rows) for rows in remote_rows.values()),
                           *plan.local_descs[:, 4].tolist()])
         self._id_dtype = np.dtype(np.int32 if largest_id < 2**31 else np.int64)
+        self._span_row_start_ids = self._span_row_start.astype(self._id_dtype)
         self._max_blocks = max((plan.remote[s.remote_rank].region(s.remote_region).num_blocks for s in spans), default=1)
         # Local rows: one per segment, in segment order; remote rows: per rank, in segment order.
         self._local_starts = row_starts(plan.local_descs)
@@ -306,7 +307,7 @@ class StagedPlan:
                     in_phase = phase == e.phase
                     lp, rp = lp[in_phase], rp[in_phase]
                 if lp.size:
-                    seq.append((e, lp.astype(np.int64, copy=False), rp.astype(np.int64, copy=False), k))
+                    seq.append((e, lp, rp, k))  # in the plan's ID type (TransferPlan._pair): int32 mostly
                     ids += e.lrow.size * lp.size
             if ids != read.local_ids.size:
                 return None  # READs not written from these pairs (changed since)
@@ -451,7 +452,7 @@ class StagedPlan:
         at = 0
         for e, lp, rp, _ in seq:
             n = e.lrow.size * lp.size
-            np.add(rp, self._span_row_start[e.span][:, None], out=remote_ids[at : at + n].reshape(e.lrow.size, lp.size))
+            np.add(rp, self._span_row_start_ids[e.span][:, None], out=remote_ids[at : at + n].reshape(e.lrow.size, lp.size))
             local_blocks[at : at + n].reshape(e.lrow.size, lp.size)[:] = lp
             at += n
         # Slots run by run of equal span length (_layout); a round begins at a break.
