@@ -207,16 +207,23 @@ def test_rehearsal_catches_b_columns_read_one_row_off(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.nixl
-def test_rehearsal_catches_a_scratch_block_taken_for_the_running_state(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["pair_blocks", "declared"])
+def test_rehearsal_catches_a_scratch_block_taken_for_the_running_state(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """With speculative scratch blocks, moving the list's last entry instead of the running state
-    must be a mismatch."""
+    must be a mismatch: in the strategy's own pairing, and in the RunningState it declares for
+    the core to apply (one that ignores the scratch slots)."""
     from pathlib import Path
 
     import nixlkv.strategies.mamba as mamba
+    from nixlkv.core import RunningState
     from nixlkv.testing.rehearsal import rehearse
     from nixlkv.testing.scenario import load
 
-    monkeypatch.setattr(mamba, "running_state_index", lambda ids, num_spec, side: ids.size - 1)
+    if where == "pair_blocks":
+        monkeypatch.setattr(MambaStrategy, "block_pairing", lambda self, local, remote: None)
+        monkeypatch.setattr(mamba, "running_state_index", lambda ids, num_spec, side: ids.size - 1)
+    else:
+        monkeypatch.setattr(MambaStrategy, "block_pairing", lambda self, local, remote: RunningState(0, 0))
     result = rehearse(load(Path(__file__).parent / "scenarios" / "mamba2-spec2-p4-d2.yaml"))
     assert result.outcome == "mismatch", result.message
 

@@ -108,7 +108,7 @@ def test_a_declaration_of_another_type_is_refused() -> None:
 
     d = dispatcher_with(Odd())
     local, remote = ranks(d, SMALL, 2, 1)
-    with pytest.raises(PlanError, match="block_pairing must return an OwnedTail or None"):
+    with pytest.raises(PlanError, match="block_pairing must return an OwnedTail, a RunningState or None"):
         d.plan(local, remote)
 
 
@@ -136,3 +136,95 @@ def test_largest_is_the_max_on_both_sides_of_its_switch(dtype):
             case[at] = np.iinfo(np.uint32).max - 1
             assert plan_module.largest(case) == case.max()
         assert plan_module.largest(ids) == ids.max()
+
+
+def _group_requests(rng: np.random.Generator, plan, n: int):
+    """Random per-group block lists for ``plan`` (each group its own list, as vLLM hands them),
+    a fault in about half of them: a null block, an id out of bounds, negative, beyond the id
+    type or not an integer, in a random place (a state group's null entries before its running
+    state are what vLLM sends)."""
+    groups_l = max(g.local_group for g in plan.pairings) + 1
+    groups_r = max(g.remote_group for g in plan.pairings) + 1
+    limit = min(min(g.local_num_blocks, g.remote_num_blocks) for g in plan.pairings)
+    for _ in range(n):
+        lists = []
+        for count in (groups_l, groups_r):
+            side = []
+            for _ in range(count):
+                m = int(rng.integers(0, 6))
+                ids = rng.integers(1, limit, m).tolist()
+                if m > 1 and rng.random() < 0.3:
+                    ids[0] = 0  # a state group's superseded entry, or an attention group's null block
+                side.append(ids)
+            lists.append(side)
+        lo, ro = lists
+        fault = int(rng.integers(0, 14))
+        target = (lo if fault % 2 else ro)[int(rng.integers(len(lo if fault % 2 else ro)))]
+        if target and fault < 8:
+            k = int(rng.integers(len(target)))
+            target[k] = [0, limit + 1, -1, 1 << 40, 2.0, 0, limit, -5][fault]
+        yield lo, ro
+
+
+def test_every_declared_group_is_paired_in_one_step_as_pair_blocks_does(monkeypatch) -> None:
+    """A plan whose groups are all declared (a hybrid: OwnedTail attention, RunningState Mamba
+    groups, speculative scratch slots included) converts and checks every group's ids in one
+    step; it pairs and refuses, with the same words, as the strategies' own pair_blocks, on
+    every hybrid scenario, valid and faulty requests alike."""
+    from pathlib import Path
+
+    from nixlkv.core import RunningState
+    from nixlkv.testing.rehearsal import build
+    from nixlkv.testing.scenario import load
+
+    calls = {"fast": 0, "declined": 0}
+    real = plan_module._declared_pairs
+
+    def spy(*args):
+        out = real(*args)
+        calls["fast" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(plan_module, "_declared_pairs", spy)
+    d = Dispatcher.from_plugins()
+    compared = refused = 0
+    scenarios = sorted((Path(__file__).parent / "scenarios").glob("*mamba*.yaml"))
+    for path in scenarios:
+        scenario = load(path)
+        if scenario.expect_error is not None:
+            continue
+        try:
+            engines = build(scenario, d)
+        except Exception:
+            continue
+        for plan in engines.plans:
+            if not any(isinstance(g.owned, RunningState) for g in plan.pairings):
+                continue
+            assert plan._declared is not None
+            slow = undeclared(plan)
+            for lo, ro in _group_requests(np.random.default_rng(compared), plan, 40):
+                fast = outcome(plan, lo, ro)
+                assert fast == outcome(slow, lo, ro), (path.name, lo, ro)
+                refused += fast[0] == "refused"
+                compared += 1
+    assert compared >= 400 and 0.2 * compared < refused < 0.8 * compared
+    assert calls["fast"] > 0.15 * compared and calls["declined"] > 0.2 * compared  # both ways were taken
+
+
+def test_the_one_step_comparison_can_fail(monkeypatch) -> None:
+    """Negative control: a one-step pairing that took each state list's last entry (ignoring
+    the speculative slots) differs from the strategy's own pairing."""
+    from pathlib import Path
+
+    from nixlkv.testing.rehearsal import build
+    from nixlkv.testing.scenario import load
+
+    d = Dispatcher.from_plugins()
+    engines = build(load(Path(__file__).parent / "scenarios" / "mamba2-spec2-p4-d2.yaml"), d)
+    plan = engines.plans[0]
+    code, dtype, unsigned, limit, lanes = plan._declared
+    plan._declared = (code, dtype, unsigned, limit, tuple((lg, rg, None if s is None else (0, 0)) for lg, rg, s in lanes))
+    groups_l = max(g.local_group for g in plan.pairings) + 1
+    groups_r = max(g.remote_group for g in plan.pairings) + 1
+    lo, ro = [[3, 4, 5]] * groups_l, [[6, 7, 8]] * groups_r
+    assert outcome(plan, lo, ro) != outcome(undeclared(plan), lo, ro)

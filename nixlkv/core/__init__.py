@@ -18,7 +18,7 @@ from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Se
 from .hookspecs import hookimpl, hookspec
 from .plan import IdScratch, ReadOp, ResolvedRequest, TransferPlan
 from .registry import StrategyRegistry, plugin_manager
-from .strategy import OwnedTail, Strategy, check_owned, tail_aligned
+from .strategy import OwnedTail, RunningState, Strategy, check_owned, tail_aligned
 from .topology import (
     HeadRun,
     Topology,
@@ -36,7 +36,7 @@ __all__ = [
     "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
     "LayerCache", "MalformedRemoteFact", "NixlkvError", "NoStrategyError", "PageLayout", "PagePart", "PlanError", "PlanValidationError",
     "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
-    "IdScratch", "OwnedTail", "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
+    "IdScratch", "OwnedTail", "RunningState", "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
     "check_owned", "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",
     "heads_per_rank", "hookimpl", "hookspec", "plugin_manager", "tail_aligned", "unit_sources", "units_per_rank",
 ]

@@ -21,7 +21,7 @@ import numpy as np
 from .errors import PlanError, PlanValidationError, RequestError
 from .cached import cached_property
 from .geometry import COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
-from .strategy import OwnedTail, Strategy, count_mismatch_message, null_block_message
+from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy, count_mismatch_message, null_block_message
 from .token_blocks import PHASE_ZERO
 
 
@@ -36,7 +36,7 @@ class GroupPairing:
     remote_num_blocks: int  # same over its remote regions on every rank read
     local_region: Region  # a representative region of the group on each side, for pair_blocks
     remote_region: Region
-    owned: OwnedTail | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
+    owned: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,16 +490,26 @@ class TransferPlan:
 
     def _set_lanes(self) -> None:
         """What the per-request path of pairings the core applies itself reads, bound once:
-        per pairing its :func:`_owned_pairs` lane (None: the strategy's pair_blocks); and where
-        the plan is one such pairing in one phase, per READ (rank, both sides' row starts stacked
-        ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it shares) and the ranks
-        only told."""
+        per :class:`OwnedTail` pairing its :func:`_owned_pairs` lane (None: the strategy's
+        pair_blocks); where every pairing is declared, what :func:`_declared_pairs` reads; and
+        where the plan is one OwnedTail pairing in one phase, per READ (rank, both sides' row
+        starts stacked ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it
+        shares) and the ranks only told."""
         code = "i" if self._id_dtype is np.int32 else "q"
         self._owned = [
-            None if g.owned is None else
             (g.local_group, g.remote_group, code, self._np_dtype, self._unsigned, g.local_num_blocks, g.remote_num_blocks, g.owned.kind)
+            if isinstance(g.owned, OwnedTail) else None
             for g in self.pairings
         ]
+        self._declared = None
+        if self.pairings and all(g.owned is not None for g in self.pairings):
+            self._declared = (
+                code, self._np_dtype, self._unsigned,
+                min(min(g.local_num_blocks, g.remote_num_blocks) for g in self.pairings),
+                tuple((g.local_group, g.remote_group,
+                       (g.owned.local_speculative, g.owned.remote_speculative) if isinstance(g.owned, RunningState) else None)
+                      for g in self.pairings),
+            )
         self._owned_reads = None
         if len(self.pairings) == 1 and self._owned[0] is not None \
                 and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
@@ -610,8 +620,10 @@ class TransferPlan:
                     written[p] = remote_ids
                     reads.append(_read_op(p, local_ids, remote_ids, block_bytes * k))
                 return _resolved(tuple(reads), notify, self.consumers, ((lp, rp, None),))
-        pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
-                 for pairing, lane in zip(self.pairings, self._owned)]
+        pairs = None if self._declared is None else _declared_pairs(self._declared, local_block_ids, remote_block_ids)
+        if pairs is None:  # pairings asked one by one: they pair what the core does not, and name what is wrong
+            pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
+                     for pairing, lane in zip(self.pairings, self._owned)]
         reads = []
         remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
         dtype = self._np_dtype
@@ -818,6 +830,62 @@ def _owned_pairs(
         _check_bounds(lp, llim, "local", lg)
         _check_bounds(rp, rlim, "remote", rg)
     return lp, rp, both.reshape(2, 1, n) if n == m else None
+
+
+def _declared_pairs(
+    declared: tuple[Any, ...], local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
+) -> list[tuple[np.ndarray, np.ndarray, None]] | None:
+    """The pairs of every group of a plan whose pairings are all declared (:class:`OwnedTail`,
+    :class:`RunningState`; ``declared``: what TransferPlan bound), from one conversion of all
+    their lists, one null count over the OwnedTail lists (and a look at each running state) and
+    one bound: the pairs the pairings give, where the request is as they expect. None for any
+    other request (a list that is not a list of ints, a null id, an id out of bounds, a remote
+    list too short): the pairings then run one by one, as the strategies' own ``pair_blocks``
+    do, and name what is wrong."""
+    code, dtype, unsigned, limit, lanes = declared
+    nl, nr = len(local_block_ids), len(remote_block_ids)
+    owned: list[Any] = []  # the OwnedTail groups' lists, converted first: every id of them is checked
+    states: list[Any] = []  # then the RunningState groups' lists, of which only the running states are
+    for lg, rg, state in lanes:
+        if lg >= nl or rg >= nr:
+            return None
+        lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
+        if type(lraw) is not list or type(rraw) is not list:
+            return None
+        n, m = len(lraw), len(rraw)
+        if state is None:
+            if n > m:
+                return None
+            owned += lraw
+            owned += rraw
+        else:
+            if n and (not m or not lraw[n - 1 - min(state[0], n - 1)] or not rraw[m - 1 - min(state[1], m - 1)]):
+                return None  # no remote state, or a running state that is the null block
+            states += lraw
+            states += rraw
+    total = len(owned) + len(states)
+    try:
+        both = np.frombuffer(_packer(total, code)(*owned, *states), dtype=dtype)
+    except struct.error:
+        return None
+    # one unsigned bound for all (negative ids wrap to huge values), against the smallest block count
+    if np.count_nonzero(both[: len(owned)]) != len(owned) or (total and largest(both.view(unsigned)) >= limit):
+        return None
+    pairs = []
+    at, st = 0, len(owned)
+    for lg, rg, state in lanes:
+        n, m = len(local_block_ids[lg]), len(remote_block_ids[rg])
+        if state is None:  # the local blocks with the last as many remote ones
+            pairs.append((both[at : at + n], both[at + m : at + m + n], None))
+            at += n + m
+        elif n:  # each side's entry before its speculative slots
+            i, j = st + n - 1 - min(state[0], n - 1), st + n + m - 1 - min(state[1], m - 1)
+            pairs.append((both[i : i + 1], both[j : j + 1], None))
+            st += n + m
+        else:  # an empty local list pairs nothing
+            pairs.append((both[:0], both[:0], None))
+            st += m
+    return pairs
 
 
 def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np.ndarray:

@@ -93,12 +93,13 @@ class Strategy:
         """
         return tail_aligned(local_ids, remote_ids)
 
-    def block_pairing(self, local: Region, remote: Region) -> OwnedTail | None:
+    def block_pairing(self, local: Region, remote: Region) -> OwnedTail | RunningState | None:
         """A pairing the core applies itself for this group, asked once per plan (``local`` /
         ``remote``: a region of the group on each side, as for :meth:`pair_blocks`), or None
-        (the default): :meth:`pair_blocks` is called per request. The answer must pair exactly
-        as :meth:`pair_blocks` would for every request; the core then converts and checks both
-        sides' ids in one step, without a call per request (the contract kit compares them)."""
+        (the default): :meth:`pair_blocks` is called per request. The answer (:class:`OwnedTail`,
+        :class:`RunningState`) must pair exactly as :meth:`pair_blocks` would for every request;
+        the core then converts and checks the ids of every declared group in one step, without
+        a call per request (the contract kit compares them)."""
         return None
 
     def decode_recomputes(self, spec: Any) -> int:
@@ -126,7 +127,30 @@ class OwnedTail:
     kind: str  # what the group holds, as refusals name it ("full-attention")
 
 
-def declared_pairing(strategy: Any, local: Region, remote: Region) -> OwnedTail | None:
+@dataclass(frozen=True)
+class RunningState:
+    """The pairing of a group that holds one running state per request (a Mamba SSM or conv
+    state; :meth:`Strategy.block_pairing`): each side's list pairs only its running-state entry,
+    the last before that side's speculative scratch slots (``local_speculative`` /
+    ``remote_speculative``, vLLM's ``num_speculative_blocks``). An empty local list pairs nothing.
+    The core applies it only to requests it fits (a remote entry, neither running state the null
+    block 0, ids in bounds); any other request is paired by the strategy's own ``pair_blocks``,
+    which names what is wrong."""
+
+    local_speculative: int = 0
+    remote_speculative: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("local_speculative", "remote_speculative"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"RunningState.{name} must be an integer >= 0 (scratch slots after the running state), got {value!r}")
+
+
+DeclaredPairing = OwnedTail | RunningState
+
+
+def declared_pairing(strategy: Any, local: Region, remote: Region) -> DeclaredPairing | None:
     """``strategy.block_pairing(local, remote)``, trusted only where the class that answers it also
     pairs: a subclass that overrides ``pair_blocks`` below that class pairs its own way."""
     mro = type(strategy).__mro__
@@ -135,8 +159,8 @@ def declared_pairing(strategy: Any, local: Region, remote: Region) -> OwnedTail 
     if declares is None or pairs is None or mro.index(pairs) < mro.index(declares):
         return None
     found = strategy.block_pairing(local, remote)
-    if found is not None and not isinstance(found, OwnedTail):
-        raise PlanError(f"strategy {strategy.name!r}: block_pairing must return an OwnedTail or None, got {found!r}")
+    if found is not None and not isinstance(found, (OwnedTail, RunningState)):
+        raise PlanError(f"strategy {strategy.name!r}: block_pairing must return an OwnedTail, a RunningState or None, got {found!r}")
     return found
 
 

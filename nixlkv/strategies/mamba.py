@@ -39,6 +39,7 @@ from ..core import (
     PageLayout,
     Region,
     RequestError,
+    RunningState,
     Segment,
     Strategy,
     Topology,
@@ -286,6 +287,11 @@ class MambaStrategy(Strategy):
         i = running_state_index(local_ids, int(local.facts.get("num_speculative_blocks", 0)), "local")
         j = running_state_index(remote_ids, int(remote.facts.get("num_speculative_blocks", 0)), "remote")
         return local_ids[i : i + 1], remote_ids[j : j + 1]  # the ids' own dtype: no conversion
+
+    def block_pairing(self, local: Region, remote: Region) -> RunningState:
+        """:meth:`pair_blocks` as a pairing the core applies itself: the running state of each
+        side, before that side's speculative scratch slots."""
+        return RunningState(int(local.facts.get("num_speculative_blocks", 0)), int(remote.facts.get("num_speculative_blocks", 0)))
 
 
 def running_state_index(ids: np.ndarray, num_speculative_blocks: int, side: str) -> int:
