@@ -846,6 +846,7 @@ def _declared_pairs(
     nl, nr = len(local_block_ids), len(remote_block_ids)
     owned: list[Any] = []  # the OwnedTail groups' lists, converted first: every id of them is checked
     states: list[Any] = []  # then the RunningState groups' lists, of which only the running states are
+    cuts = []  # per pairing: in the owned part?, its local and remote pairs' start there, pairs
     for lg, rg, state in lanes:
         if lg >= nl or rg >= nr:
             return None
@@ -853,14 +854,17 @@ def _declared_pairs(
         if type(lraw) is not list or type(rraw) is not list:
             return None
         n, m = len(lraw), len(rraw)
-        if state is None:
+        if state is None:  # the local blocks with the last as many remote ones
             if n > m:
                 return None
+            cuts.append((True, len(owned), len(owned) + m, n))
             owned += lraw
             owned += rraw
-        else:
-            if n and (not m or not lraw[n - 1 - min(state[0], n - 1)] or not rraw[m - 1 - min(state[1], m - 1)]):
+        else:  # each side's entry before its speculative slots; an empty local list pairs nothing
+            i, j = n - 1 - min(state[0], n - 1), m - 1 - min(state[1], m - 1)
+            if n and (not m or not lraw[i] or not rraw[j]):
                 return None  # no remote state, or a running state that is the null block
+            cuts.append((False, len(states) + i, len(states) + n + j, 1 if n else 0))
             states += lraw
             states += rraw
     total = len(owned) + len(states)
@@ -871,21 +875,9 @@ def _declared_pairs(
     # one unsigned bound for all (negative ids wrap to huge values), against the smallest block count
     if np.count_nonzero(both[: len(owned)]) != len(owned) or (total and largest(both.view(unsigned)) >= limit):
         return None
-    pairs = []
-    at, st = 0, len(owned)
-    for lg, rg, state in lanes:
-        n, m = len(local_block_ids[lg]), len(remote_block_ids[rg])
-        if state is None:  # the local blocks with the last as many remote ones
-            pairs.append((both[at : at + n], both[at + m : at + m + n], None))
-            at += n + m
-        elif n:  # each side's entry before its speculative slots
-            i, j = st + n - 1 - min(state[0], n - 1), st + n + m - 1 - min(state[1], m - 1)
-            pairs.append((both[i : i + 1], both[j : j + 1], None))
-            st += n + m
-        else:  # an empty local list pairs nothing
-            pairs.append((both[:0], both[:0], None))
-            st += m
-    return pairs
+    shift = len(owned)  # where the state lists start
+    return [(both[a : a + k], both[b : b + k], None) if own else (both[shift + a : shift + a + k], both[shift + b : shift + b + k], None)
+            for own, a, b, k in cuts]
 
 
 def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np.ndarray:

@@ -284,14 +284,20 @@ class MambaStrategy(Strategy):
         """The running state slot of each side's list, and nothing else (never token-paired)."""
         if local_ids.size == 0:
             return local_ids[:0], remote_ids[:0]
-        i = running_state_index(local_ids, int(local.facts.get("num_speculative_blocks", 0)), "local")
-        j = running_state_index(remote_ids, int(remote.facts.get("num_speculative_blocks", 0)), "remote")
+        i = running_state_index(local_ids, speculative_blocks(local), "local")
+        j = running_state_index(remote_ids, speculative_blocks(remote), "remote")
         return local_ids[i : i + 1], remote_ids[j : j + 1]  # the ids' own dtype: no conversion
 
     def block_pairing(self, local: Region, remote: Region) -> RunningState:
         """:meth:`pair_blocks` as a pairing the core applies itself: the running state of each
         side, before that side's speculative scratch slots."""
-        return RunningState(int(local.facts.get("num_speculative_blocks", 0)), int(remote.facts.get("num_speculative_blocks", 0)))
+        return RunningState(speculative_blocks(local), speculative_blocks(remote))
+
+
+def speculative_blocks(region: Region) -> int:
+    """Scratch slots after the running state in a request's state list (vLLM's
+    ``num_speculative_blocks``; 0 where the region does not say)."""
+    return int(region.facts.get("num_speculative_blocks", 0))
 
 
 def running_state_index(ids: np.ndarray, num_speculative_blocks: int, side: str) -> int:
