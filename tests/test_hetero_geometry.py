@@ -106,6 +106,45 @@ def test_minimal_remote_with_wrong_page_geometry_is_still_rejected() -> None:
         Dispatcher.from_plugins().plan(plan.local, bare)
 
 
+@pytest.mark.parametrize("name", ["fa-p4-d2-h8", "hetero-gemma4-like-p4-d8", "mamba-nemotronh-like-p4-d2", "fa-p2-d8-h4-replicated"])
+def test_every_rank_of_an_engine_describes_its_layers_alike(name: str) -> None:
+    """Which heads a rank holds follows from its rank (heads_held): no rank advertises it, so the
+    ranks of one engine send the same class descriptions and a peer parses them once."""
+    engines = build(load(SCENARIOS / f"{name}.yaml"), Dispatcher.from_plugins())
+    sent: dict = {}
+    for plan in engines.plans:
+        sent.update(plan.remote)
+    described = [g.to_wire()["region_classes"] for _, g in sorted(sent.items())]
+    assert len(described) > 1
+    assert all(d == described[0] for d in described[1:])
+
+
+def _with_head_start(plan, shift: int = 0) -> dict:
+    """The plan's remote ranks as an older nixlkv describes them: each full-attention region
+    advertising its first head (``shift`` heads off where its rank puts it)."""
+    from nixlkv.core.topology import heads_held
+
+    out = {}
+    for rank, g in plan.remote.items():
+        regions = []
+        for r in g.regions:
+            if r.strategy in ("full_attention", "sliding_window"):
+                start = heads_held(rank, g.tp_size, r.facts["total_kv_heads"]).start + shift
+                r = dataclasses.replace(r, facts={**r.facts, "head_start": start})
+            regions.append(r)
+        out[rank] = dataclasses.replace(g, regions=tuple(regions))
+    return out
+
+
+def test_a_peer_that_advertises_its_first_head_plans_alike_and_is_checked() -> None:
+    plan = _plan("hetero-gemma4-like-p4-d8", decode_rank=3)
+    older = Dispatcher.from_plugins().plan(plan.local, _with_head_start(plan))
+    assert older.to_dict()["segments"] == plan.to_dict()["segments"]
+    # negative control: a first head where the rank does not put it is refused, naming the fact
+    with pytest.raises(IncompatibleGeometry, match=r"advertises head_start=\d+, but \d+ heads over tp=4 put it at"):
+        Dispatcher.from_plugins().plan(plan.local, _with_head_start(plan, shift=1))
+
+
 def _hetero_with_opaque_prefill(name: str):
     """A scenario's ranks with every prefill layer marked as vLLM's CPU backend marks its pages."""
     from nixlkv.core.geometry import RankGeometry

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -150,13 +152,20 @@ class RunningState:
 DeclaredPairing = OwnedTail | RunningState
 
 
+@functools.lru_cache(maxsize=None)
+def _answers_its_pairing(cls: type) -> bool:
+    """Whether the class in ``cls``'s MRO that answers ``block_pairing`` is the one that pairs
+    (``pair_blocks``) or a subclass of it: a fact of the class, found once."""
+    mro = cls.__mro__
+    declares = next((c for c in mro if "block_pairing" in c.__dict__), None)
+    pairs = next((c for c in mro if "pair_blocks" in c.__dict__), None)
+    return declares is not None and pairs is not None and mro.index(pairs) >= mro.index(declares)
+
+
 def declared_pairing(strategy: Any, local: Region, remote: Region) -> DeclaredPairing | None:
     """``strategy.block_pairing(local, remote)``, trusted only where the class that answers it also
     pairs: a subclass that overrides ``pair_blocks`` below that class pairs its own way."""
-    mro = type(strategy).__mro__
-    declares = next((c for c in mro if "block_pairing" in c.__dict__), None)
-    pairs = next((c for c in mro if "pair_blocks" in c.__dict__), None)
-    if declares is None or pairs is None or mro.index(pairs) < mro.index(declares):
+    if not _answers_its_pairing(type(strategy)):
         return None
     found = strategy.block_pairing(local, remote)
     if found is not None and not isinstance(found, (OwnedTail, RunningState)):

@@ -98,8 +98,9 @@ class FullAttentionStrategy(Strategy):
             block_stride=layer.block_stride,
             page=page,
             facts={
+                # which heads a rank holds follows from its rank and TP size (heads_held), so
+                # every rank of an engine describes a layer alike: a peer parses it once
                 "total_kv_heads": total,
-                "head_start": held.start,
                 "num_heads": len(held),
                 "head_size": spec.head_size,
                 "head_size_v": spec.head_size_v,
@@ -119,19 +120,14 @@ class FullAttentionStrategy(Strategy):
         self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
     ) -> list[Segment]:
         total = local.fact("total_kv_heads")
-        remote = {rank: with_page_facts(peer, total, rank, remote_tp) for rank, peer in remote.items()}
+        remote = {rank: with_page_facts(peer, total, rank) for rank, peer in remote.items()}
         for peer in remote.values():
             check_matching_facts(local, peer, self.matching_facts)
         runs = head_sources(local_topology.tp_rank, local_topology.tp_size, remote_tp, total)
         out = []
         for run in runs:
             peer = remote[run.remote_rank]
-            expected_start = heads_held(run.remote_rank, remote_tp, total).start
-            if peer.fact("head_start") != expected_start:
-                raise IncompatibleGeometry(
-                    f"layer {local.name!r}: remote rank {run.remote_rank} advertises head_start="
-                    f"{peer.fact('head_start')}, but {total} heads over tp={remote_tp} put it at {expected_start}"
-                )
+            check_head_start(local, peer, run.remote_rank, remote_tp, total)
             phases = token_phases(tokens_per_block(local), tokens_per_block(peer))
             if len(phases) > 1 or kernel_pages(local.page)[1] != kernel_pages(peer.page)[1]:
                 refuse_token_split(local, peer)
@@ -197,15 +193,13 @@ def page_tokens(page: PageLayout) -> int:
     return kernel_pages(page)[1] * (page.size("kblock") if page.names[0] == "kblock" else 1)
 
 
-def with_page_facts(peer: Region, total_kv_heads: int, rank: int, tp: int) -> Region:
+def with_page_facts(peer: Region, total_kv_heads: int, rank: int) -> Region:
     """A remote region with the facts its page and topology imply filled in where it did not
-    advertise them (a minimal, homogeneous peer): tokens per block, heads held, content bytes.
+    advertise them (a minimal, homogeneous peer): tokens per block, heads per rank, content bytes.
     What it did advertise is kept, and then checked like any other fact."""
     kernel, _, _ = kernel_pages(peer.page)
-    held = heads_held(rank, tp, peer.facts.get("total_kv_heads", total_kv_heads))
     derived = {
         "total_kv_heads": total_kv_heads,
-        "head_start": held.start,
         "num_heads": kernel.size("head"),
         "content_bytes": kernel.size("byte"),
         "tokens_per_block": page_tokens(peer.page),
@@ -221,6 +215,20 @@ def with_page_facts(peer: Region, total_kv_heads: int, rank: int, tp: int) -> Re
     if all(k in peer.facts for k in derived):
         return peer
     return dataclasses.replace(peer, facts={**derived, **peer.facts})
+
+
+def check_head_start(local: Region, peer: Region, rank: int, tp: int, total_kv_heads: int) -> None:
+    """A peer's first head is where its rank puts it (:func:`heads_held`): no rank advertises it,
+    but a peer that does (an older nixlkv) must advertise that."""
+    advertised = peer.facts.get("head_start")
+    if advertised is None:
+        return
+    expected = heads_held(rank, tp, total_kv_heads).start
+    if advertised != expected:
+        raise IncompatibleGeometry(
+            f"layer {local.name!r}: remote rank {rank} advertises head_start={advertised!r}, but "
+            f"{total_kv_heads} heads over tp={tp} put it at {expected}"
+        )
 
 
 def kernel_pages(page: PageLayout) -> tuple[PageLayout, int, int]:
