@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from nixlkv import cli
 from nixlkv.bench import run as bench_run
 from nixlkv.bench.dram import run_transfer
-from nixlkv.bench.measure import interleaved, posted_after_merge
+from nixlkv.bench.measure import Untimed, interleaved, posted_after_merge
 from nixlkv.bench.shapes import PATTERNS, Case, Shape, block_ids, fabricate_rank
 from nixlkv.bench.vllm_baseline import VllmPlanner
 from nixlkv.core import Dispatcher
@@ -132,6 +133,16 @@ def test_interleaved_times_every_function_alike() -> None:
 
     ta, tb = interleaved([bump("a"), bump("b")], reps=7, warmup=1)
     assert calls == {"a": 8, "b": 8} and ta.reps == tb.reps == 7 and ta.p50 <= ta.p99
+
+
+def test_an_untimed_setup_is_left_out_of_the_timing() -> None:
+    got: list[int] = []
+    counter = iter(range(100))
+    slow_setup = Untimed(lambda: (time.sleep(0.02), next(counter))[1], got.append)
+    timed_sleep = lambda: time.sleep(0.02)  # noqa: E731 - the control: the same sleep, timed
+    untimed, control = interleaved([slow_setup, timed_sleep], reps=3, warmup=1)
+    assert got == [0, 1, 2, 3]  # each call gets its own setup's result, warmup first
+    assert untimed.p99 < 0.01 <= 0.02 <= control.p50
 
 
 def test_interleaved_gives_every_function_every_predecessor() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,20 +26,36 @@ class Timing:
         return cls(float(np.median(a)), float(np.percentile(a, 99)), int(a.size))
 
 
-def interleaved(fns: Sequence[Callable[[], object]], reps: int, warmup: int = 2, seed: int = 0) -> list[Timing]:
+@dataclass(frozen=True)
+class Untimed:
+    """A timed call with a setup that is not part of what is measured: ``setup()`` runs first,
+    untimed, and ``call`` gets what it returned (e.g. a fresh worker state each repetition)."""
+
+    setup: Callable[[], Any]
+    call: Callable[[Any], object]
+
+
+def interleaved(fns: Sequence[Callable[[], object] | Untimed], reps: int, warmup: int = 2, seed: int = 0) -> list[Timing]:
     """Time each function ``reps`` times, taking turns in an order shuffled every repetition
     (seeded): load from the rest of a shared machine hits all of them alike, and each runs
     after each other one as often (what ran before warms or evicts the caches a call starts
-    with; an order that only alternates gives every function fixed predecessors)."""
+    with; an order that only alternates gives every function fixed predecessors). An
+    :class:`Untimed` entry's setup runs just before its call, outside the timing."""
     for _ in range(warmup):
         for fn in fns:
-            fn()
+            fn.call(fn.setup()) if isinstance(fn, Untimed) else fn()
     samples: list[list[float]] = [[] for _ in fns]
     orders = np.random.default_rng(seed).permuted(np.tile(np.arange(len(fns)), (reps, 1)), axis=1).tolist()
     for order in orders:
         for i in order:
-            t0 = time.perf_counter()
-            fns[i]()
+            fn = fns[i]
+            if isinstance(fn, Untimed):
+                state = fn.setup()
+                t0 = time.perf_counter()
+                fn.call(state)
+            else:
+                t0 = time.perf_counter()
+                fn()
             samples[i].append(time.perf_counter() - t0)
     return [Timing.of(s) for s in samples]
 

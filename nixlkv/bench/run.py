@@ -22,7 +22,7 @@ from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, deci
 from ..staged import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer
 from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
-from .measure import interleaved, posted_after_merge
+from .measure import Untimed, interleaved, posted_after_merge
 from .shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, PATTERNS, Case, block_ids, fabricate_rank
 from .vllm_baseline import VllmPlanner
 
@@ -186,10 +186,12 @@ def plan_case(
     def ours_handshake():
         return dispatcher.plan(local, received())
 
-    def ours_first():  # nothing of this layout planned, nor parsed, in this decode worker
+    def worker_that_never_met_a_peer() -> tuple[Dispatcher, RankGeometry]:  # untimed: no handshake does this
         forget_handshakes()
-        fresh = Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap)
-        return fresh.plan(next(registered), received())
+        return Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap), next(registered)
+
+    # nothing of this layout planned, nor parsed, in this decode worker
+    ours_first = Untimed(worker_that_never_met_a_peer, lambda fresh: fresh[0].plan(fresh[1], received()))
 
     dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})  # the layout's first engine
     vllm.handshake()  # vLLM's first engine of this TP size: its split local handles are kept for later ones
