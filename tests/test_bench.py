@@ -184,7 +184,8 @@ def test_cli_bench_quick_json_has_every_headline_key(monkeypatch, capsys, tmp_pa
     for key in ("plan_time_ratio_vs_vllm", "descs_ratio_vs_vllm_hetero", "descs_ratio_vs_vllm_fragmented",
                 "nixl_vs_memcpy", "nixl_vs_memcpy_hetero", "plan_us_ours_p50", "plan_us_vllm_p50",
                 "nixl_gbps", "memcpy_gbps", "nixl_gbps_hetero", "memcpy_gbps_hetero", "handshake_ratio_vs_vllm_hetero",
-                "handshake_first_ratio_vs_vllm_hetero", "handshake_first_ratio_vs_vllm_equal_tp"):
+                "handshake_first_ratio_vs_vllm_hetero", "handshake_first_ratio_vs_vllm_equal_tp",
+                "handshake_other_blocks_ratio_vs_vllm_hetero", "handshake_other_blocks_ratio_vs_vllm_equal_tp"):
         assert isinstance(out[key], float) and math.isfinite(out[key]) and out[key] > 0, key
     assert out["merge_count_checked"] is True and out["merge_count_checked_hetero"] is True
     # P4->D2: head slices never merge, so the plan's own descriptors are vLLM's count; auto

@@ -18,14 +18,29 @@ from pd_harness import PDCase, PDEngine, prompt, run_decode, start_prefill, stop
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
 
+def stop_all(d: PDEngine | None, *prefills: tuple) -> None:
+    """Close the decode engine and stop every prefill process that was started."""
+    if d is not None:
+        d.close()
+    for proc, pipe in prefills:
+        if proc is not None:
+            stop(proc, pipe)
+
+
+def decode_engine() -> PDEngine:
+    """The decode engine of these tests: short timeouts, its caches filled with the sentinel."""
+    d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
+                                          "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
+    oracle.fill_decode(d.ranks[0])
+    return d
+
+
 def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
     old, old_pipe, old_params = start_prefill(PDCase(), {"a": 40, "b": 40})
     new = new_pipe = d = None
     try:
         port = old_params["a"]["remote_port"]
-        d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
-                                                    "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
-        oracle.fill_decode(d.ranks[0])
+        d = decode_engine()
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
             run_decode(d, old_params, {"a": 40})
             assert d.finished_recving == {"a"} and not d.failed_recving
@@ -71,8 +86,39 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         assert old_agents and not any(worker.nixl.agent.check_remote_metadata(a) for a in old_agents)
         assert all(worker.nixl.agent.check_remote_metadata(a) for a in live.agents.values())
     finally:
-        if d is not None:
-            d.close()
-        stop(old, old_pipe)
-        if new is not None:
-            stop(new, new_pipe)
+        stop_all(d, (old, old_pipe), (new, new_pipe))
+
+
+def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_plans_segments() -> None:
+    """The same model and configuration restarted with another memory budget (fewer KV blocks):
+    D plans it from the segments it already has (the shape memo: no strategy asked again) with
+    rows and bounds of the new block count, and loads byte-exact through real NIXL."""
+    old, old_pipe, old_params = start_prefill(PDCase(), {"a": 40})
+    new = new_pipe = d = None
+    try:
+        port = old_params["a"]["remote_port"]
+        d = decode_engine()
+        run_decode(d, old_params, {"a": 40})
+        assert d.finished_recving == {"a"} and not d.failed_recving
+        (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
+        old.kill()
+        old.join(10)
+        new, new_pipe, new_params = start_prefill(PDCase(num_blocks=72), {"c": 40}, port=port, first_prompt=10)
+        d.add("c", prompt(10, 40), 2, dict(new_params["c"]))  # another prompt: nothing of it cached on D
+        deadline = time.monotonic() + 60
+        while "c" not in d.outputs and time.monotonic() < deadline:
+            d.step()
+            time.sleep(0.002)
+        assert d.finished_recving == {"a", "c"} and not d.failed_recving
+        assert len(d.recv_blocks["c"][0]) == 3  # every block of the 40-token prompt loaded
+        expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
+        assert oracle.compare(d.ranks[0], expected) is None
+        (live_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
+        assert live_plan._table is first_plan._table  # the first plan's segments, recounted
+        assert [g.remote_num_blocks for g in live_plan.pairings] == [72] != [g.remote_num_blocks for g in first_plan.pairings]
+        assert not all(np.array_equal(live_plan.remote_descs[p], first_plan.remote_descs[p]) for p in live_plan.remote_descs)
+        assert new_pipe.poll(60)
+        report = new_pipe.recv()
+        assert report["finished_sending"] == ["c"] and report["requests"] == 0, report
+    finally:
+        stop_all(d, (old, old_pipe), (new, new_pipe))

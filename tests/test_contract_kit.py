@@ -71,6 +71,25 @@ class WritesStrayBlock(FullAttentionStrategy):
         return lp, rp, phase
 
 
+class SplitsByBlockCount(FullAttentionStrategy):
+    """Right bytes, but an answer that depends on the peers' block count (each segment split in
+    two where their blocks sum to an odd number), while it says segments_by_geometry."""
+
+    name = "splits_by_block_count"
+    overrides = ("full_attention",)
+
+    def segments(self, local, remote, local_topology, remote_tp):
+        segs = super().segments(local, remote, local_topology, remote_tp)
+        if sum(peer.num_blocks for peer in remote.values()) % 2 == 0:
+            return segs
+        out = []
+        for s in segs:
+            half = s.nbytes // 2
+            out += [dataclasses.replace(s, nbytes=half),
+                    dataclasses.replace(s, local_offset=s.local_offset + half, remote_offset=s.remote_offset + half, nbytes=s.nbytes - half)]
+        return out
+
+
 def case_for(strategy) -> ContractCase:
     class Plugin:
         @hookimpl
@@ -304,3 +323,13 @@ def test_a_declared_pairing_unlike_pair_blocks_fails_deterministic() -> None:
     v = violation(DeclaresButReverses(), P4_D2)
     assert v.invariant == contract.DETERMINISTIC
     assert "block_pairing declares" in str(v) and "pairs otherwise than pair_blocks" in str(v)
+
+
+def test_segments_that_depend_on_the_block_count_fail_deterministic() -> None:
+    v = violation(SplitsByBlockCount(), P1_D2)
+    assert v.invariant == contract.DETERMINISTIC
+    assert "3 more blocks" in str(v) and "segments_by_geometry" in str(v)
+    # the same strategy declared as asked per layer keeps its promise
+    honest = SplitsByBlockCount()
+    honest.segments_by_geometry = False
+    contract.check_point(case_for(honest), P1_D2)

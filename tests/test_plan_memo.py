@@ -20,7 +20,7 @@ def columnar(remote: dict[int, RankGeometry]) -> dict[int, dict]:
     return {r: copy.deepcopy(g.to_wire()) for r, g in remote.items()}
 
 
-def same_plan(a, b) -> None:
+def same_plan(a, b, nb: int = 40) -> None:
     assert np.array_equal(a.local_descs, b.local_descs) and a.local_descs.dtype == b.local_descs.dtype
     assert list(a.remote_descs) == list(b.remote_descs)
     assert all(np.array_equal(a.remote_descs[p], b.remote_descs[p]) for p in a.remote_descs)
@@ -29,7 +29,7 @@ def same_plan(a, b) -> None:
     assert [(g.local_group, g.remote_group, g.local_num_blocks, g.remote_num_blocks, g.local_region, g.remote_region)
             for g in a.pairings] == [(g.local_group, g.remote_group, g.local_num_blocks, g.remote_num_blocks,
                                       g.local_region, g.remote_region) for g in b.pairings]
-    ids = block_ids("fragmented", 20, 40, np.random.default_rng(5))
+    ids = block_ids("fragmented", 20, nb, np.random.default_rng(5))
     assert a.byte_moves(a.resolve([ids], [ids])) == b.byte_moves(b.resolve([ids], [ids]))
 
 

@@ -40,13 +40,19 @@ def same_moves_on_other_addresses(a, b, shift: int) -> None:
     assert [(la, r, ra + shift, n) for la, r, ra, n in ma] == mb
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(4, 2), (2, 4), (1, 1), (8, 1)])
-def test_another_engine_of_the_layout_gets_the_plan_a_fresh_dispatcher_makes(p_tp: int, d_tp: int) -> None:
+def first_engine_counted(p_tp: int, d_tp: int):
+    """A dispatcher whose strategy counts its segments calls (from 0), a decode rank, the wire of
+    the prefill ranks it reads, and its plan with the layout's first engine."""
     Counting.calls = 0
     d = dispatcher_with(Counting())
     local, remote = ranks(d, SMALL, p_tp, d_tp)
     wire = columnar(remote)
-    first = d.plan(local, engine(wire, 1))
+    return d, local, wire, d.plan(local, engine(wire, 1))
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(4, 2), (2, 4), (1, 1), (8, 1)])
+def test_another_engine_of_the_layout_gets_the_plan_a_fresh_dispatcher_makes(p_tp: int, d_tp: int) -> None:
+    d, local, wire, first = first_engine_counted(p_tp, d_tp)
     again = d.plan(local, engine(wire, 2))
     assert Counting.calls == 1 and again._table is first._table  # rebased, not planned again
     assert all(g.engine_id.endswith("-2") for g in again.remote.values())
@@ -82,15 +88,62 @@ def test_a_rebased_plan_still_checks_registered_memory() -> None:
         Dispatcher.from_plugins().plan(local, parsed(bad))  # the same refusal, cold
 
 
-def test_a_layout_that_differs_is_planned_anew_and_refused_alike() -> None:
+def fewer_blocks(wire: dict[int, dict], k: int) -> dict[int, dict]:
+    """Engine ``k`` of the layout ``wire`` describes, whose caches hold fewer blocks: ``k + rank``
+    fewer on each rank (its memory as it was: the regions end lower)."""
+    out = copy.deepcopy({r: other_engine(w, k) for r, w in wire.items()})
+    for r, w in out.items():
+        for c in w["region_classes"]:
+            c["num_blocks"] -= k + r
+    return out
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(4, 2), (2, 4), (1, 1), (8, 1)])
+def test_an_engine_with_other_block_counts_gets_the_layouts_segments_and_its_own_rows(p_tp: int, d_tp: int) -> None:
+    d, local, wire, first = first_engine_counted(p_tp, d_tp)
+    again = d.plan(local, parsed(fewer_blocks(wire, 2)))
+    assert Counting.calls == 1 and again._table is first._table  # recounted: the strategy is not asked again
+    fresh = dispatcher_with(Counting()).plan(local, parsed(fewer_blocks(wire, 2)))
+    assert Counting.calls == 2 and fresh._table is not first._table
+    same_plan(again, fresh, nb=30)
+    assert [g.remote_num_blocks for g in again.pairings] == [40 - 2 - max(again.sources)]
+    # negative controls: the first engine's rows and bounds are not the second's, and a plan of
+    # one shape is not recounted for ranks of another
+    assert [g.remote_num_blocks for g in first.pairings] != [g.remote_num_blocks for g in fresh.pairings]
+    assert not all(np.array_equal(first.remote_descs[p], fresh.remote_descs[p]) for p in fresh.remote_descs)
+    with pytest.raises(PlanError, match="laid out unlike"):
+        first.rebased(parsed(fewer_blocks(wire, 2)))
+    renamed = fewer_blocks(wire, 3)
+    renamed[min(renamed)]["region_columns"]["name"][0] = "renamed"
+    with pytest.raises(PlanError, match="shaped unlike"):
+        first.recounted(parsed(renamed), first.pairings)
+
+
+@pytest.mark.parametrize("shape,p_tp,d_tp", [(DEEPSEEK_MLA, 8, 2), (LLAMA_8B, 4, 8), (LLAMA_8B, 8, 2)])
+def test_mla_and_the_bench_shapes_with_other_block_counts_plan_like_fresh(shape, p_tp: int, d_tp: int) -> None:
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, shape, p_tp, d_tp)
+    wire = columnar(remote)
+    first = d.plan(local, engine(wire, 1))
+    again = d.plan(local, parsed(fewer_blocks(wire, 4)))
+    assert again._table is first._table
+    same_plan(again, Dispatcher.from_plugins().plan(local, parsed(fewer_blocks(wire, 4))), nb=30)
+
+
+def test_a_layout_that_differs_in_more_than_block_counts_is_planned_anew_and_refused_alike() -> None:
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, 4, 2)
     wire = columnar(remote)
     first = d.plan(local, engine(wire, 1))
     other = copy.deepcopy({r: other_engine(w, 2) for r, w in wire.items()})
-    other[1]["region_classes"][0]["num_blocks"] = 39  # fewer blocks: another layout, another plan
+    other[1]["region_classes"][0]["num_blocks"] = 39  # fewer blocks: recounted
     again = d.plan(local, parsed(other))
-    assert again._table is not first._table and again.pairings[0].remote_num_blocks == 39
+    assert again._table is first._table and again.pairings[0].remote_num_blocks == 39
+    other[1]["region_classes"][0]["block_stride"] += 64  # another stride: another shape, planned anew
+    other[1]["memory"][0][1] += 64 * 40
+    anew = d.plan(local, parsed(other))
+    assert anew._table is not first._table
+    same_plan(anew, Dispatcher.from_plugins().plan(local, parsed(other)), nb=39)
     bad = copy.deepcopy(other)
     bad[0]["region_classes"][0]["facts"]["head_size"] = 128
     with pytest.raises(IncompatibleGeometry) as warm:
@@ -131,12 +184,17 @@ def same_rows(a, b) -> None:
     assert all(np.array_equal(a.remote_descs[p], b.remote_descs[p]) for p in b.remote_descs)
 
 
-def test_a_hybrid_whose_groups_alias_is_rebased_where_the_engine_aliases_alike() -> None:
-    case = Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous")
+def hybrid_first_engine():
+    """A dispatcher, the Nemotron-H-like decode rank (P4->D2), the wire of the prefill ranks it
+    reads, and its plan with the layout's first engine."""
     d = Dispatcher.from_plugins()
-    local, remote, _ = hybrid_setup(case, d)
+    local, remote, _ = hybrid_setup(Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous"), d)
     wire = columnar(remote)
-    first = d.plan(local, engine(wire, 1))
+    return d, local, wire, d.plan(local, engine(wire, 1))
+
+
+def test_a_hybrid_whose_groups_alias_is_rebased_where_the_engine_aliases_alike() -> None:
+    d, local, wire, first = hybrid_first_engine()
     assert first._aliased and first.rebasable  # groups share one tensor on both sides
     again = d.plan(local, engine(wire, 2))
     assert again._table is first._table  # rebased: the other engine shares rows between the same layers
@@ -156,10 +214,25 @@ def test_a_hybrid_whose_groups_alias_is_rebased_where_the_engine_aliases_alike()
         bases[i] = w["memory"][0][0] + w["memory"][0][1] - (1 << 30)  # moved to memory of its own
     with pytest.raises(PlanError, match="share memory unlike"):
         first.rebased(parsed(apart))
-    planned = d.plan(local, parsed(apart))
-    assert planned._table is not first._table
-    same_rows(planned, Dispatcher.from_plugins().plan(local, parsed(apart)))
+    planned = d.plan(local, parsed(apart))  # the same segments; its rows made anew (recounted), sharing where it shares
+    fresh = Dispatcher.from_plugins().plan(local, parsed(apart))
+    assert planned._table is first._table and fresh._table is not first._table
+    same_rows(planned, fresh)
     assert sum(planned.registered_descriptors().values()) > sum(first.registered_descriptors().values())
+
+
+def test_a_hybrid_engine_with_other_block_counts_is_recounted_like_a_fresh_plan() -> None:
+    d, local, wire, first = hybrid_first_engine()
+    again = d.plan(local, parsed(fewer_blocks(wire, 3)))
+    fresh = Dispatcher.from_plugins().plan(local, parsed(fewer_blocks(wire, 3)))
+    assert again._table is first._table and fresh._table is not first._table
+    same_rows(again, fresh)
+    bounds = lambda plan: [(g.local_group, g.remote_group, g.remote_num_blocks, g.owned, g.remote_region) for g in plan.pairings]  # noqa: E731
+    assert bounds(again) == bounds(fresh) != bounds(first)  # control: the first engine's bounds differ
+    assert again._declared == fresh._declared and again._declared is not None
+    for (p, a), (q, b) in zip(again._rank_entries, fresh._rank_entries):
+        assert p == q and len(a) == len(b)
+        assert all(x[:2] == y[:2] and x[4] == y[4] and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]) for x, y in zip(a, b))
 
 
 def test_same_partition_means_equal_bases_in_the_same_places() -> None:

@@ -13,8 +13,8 @@ def markdown(out: dict[str, Any]) -> str:
         "",
         "| case | plan µs p50 ours / vLLM (ratio) | ID floor / vLLM | plan µs p99 ours / vLLM | READs ours / vLLM "
         "| desc ids ours / vLLM | posted after merge ours / vLLM (ratio) | registered ours / vLLM | handshake ms ours / vLLM (ratio) "
-        "| the layout's first handshake ms ours / vLLM (ratio) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| the layout's first handshake ms ours / vLLM (ratio) | other block counts ms ours (ratio) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out.get("cases", []):
         lines.append(
@@ -25,7 +25,8 @@ def markdown(out: dict[str, Any]) -> str:
             f"| {r['descs_posted_ours']} / {r['descs_posted_vllm']} ({r['descs_ratio']:.3f}) "
             f"| {r['registered_ours']} / {r['registered_vllm']} "
             f"| {r['handshake_ms_ours']:.2f} / {r['handshake_ms_vllm']:.2f} ({r['handshake_ratio']:.2f}) "
-            f"| {r['handshake_ms_first_ours']:.2f} / {r['handshake_ms_first_vllm']:.2f} ({r['handshake_first_ratio']:.2f}) |"
+            f"| {r['handshake_ms_first_ours']:.2f} / {r['handshake_ms_first_vllm']:.2f} ({r['handshake_first_ratio']:.2f}) "
+            f"| {r['handshake_ms_other_blocks_ours']:.2f} ({r['handshake_other_blocks_ratio']:.2f}) |"
         )
     if out.get("transfers"):
         lines += [

@@ -186,6 +186,13 @@ def plan_case(
     def ours_handshake():
         return dispatcher.plan(local, received())
 
+    counts = iter(range(1, hs_reps + 2))
+
+    def ours_other_blocks():  # another engine of the model whose caches hold other block counts
+        k = next(counts)
+        return dispatcher.plan(local, {r: RankGeometry.from_dict(fewer_blocks(other_engine(w, 1000 + k), k))
+                                       for r, w in wire.items()})
+
     def worker_that_never_met_a_peer() -> tuple[Dispatcher, RankGeometry]:  # untimed: no handshake does this
         forget_handshakes()
         return Dispatcher(dispatcher.registry, unwrap=dispatcher._unwrap), next(registered)
@@ -195,8 +202,8 @@ def plan_case(
 
     dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})  # the layout's first engine
     vllm.handshake()  # vLLM's first engine of this TP size: its split local handles are kept for later ones
-    hs_ours, hs_vllm, hs_parse, hs_first, hs_first_vllm = interleaved(
-        [ours_handshake, vllm.handshake, received, ours_first, vllm.handshake_first], hs_reps, warmup=1)
+    hs_ours, hs_vllm, hs_parse, hs_first, hs_first_vllm, hs_other = interleaved(
+        [ours_handshake, vllm.handshake, received, ours_first, vllm.handshake_first, ours_other_blocks], hs_reps, warmup=1)
     plan = dispatcher.plan(local, {r: RankGeometry.from_dict(d) for r, d in wire.items()})
 
     n = case.num_request_blocks
@@ -286,6 +293,11 @@ def plan_case(
         "handshake_ms_first_ours": hs_first.p50 * 1e3,
         "handshake_ms_first_vllm": hs_first_vllm.p50 * 1e3,
         "handshake_first_ratio": hs_first.p50 / hs_first_vllm.p50,
+        # another engine of the model whose caches hold other block counts (each a count not met
+        # before): ours plans it from the layout's segments (Dispatcher: the shape memo), against
+        # vLLM's handshake with another engine of the TP size
+        "handshake_ms_other_blocks_ours": hs_other.p50 * 1e3,
+        "handshake_other_blocks_ratio": hs_other.p50 / hs_vllm.p50,
         # of ours: the covered ranks' geometry as received (the wire dicts made) parsed and checked alone
         "handshake_ms_parse_ours": hs_parse.p50 * 1e3,
         "handshake_parse_ratio": hs_parse.p50 / hs_vllm.p50,
@@ -303,6 +315,12 @@ def other_engine(wire: dict[str, Any], k: int) -> dict[str, Any]:
         "region_columns": {**cols, "base": [b + shift for b in cols["base"]]},
         "memory": [[a + shift, n] for a, n in wire["memory"]],
     }
+
+
+def fewer_blocks(wire: dict[str, Any], k: int) -> dict[str, Any]:
+    """A columnar rank geometry whose regions hold ``k`` fewer blocks (as an engine of the model
+    whose memory holds fewer: its registered memory as it was, the regions ending lower)."""
+    return {**wire, "region_classes": [{**c, "num_blocks": c["num_blocks"] - k} for c in wire["region_classes"]]}
 
 
 def memcpy_note() -> str:
@@ -411,6 +429,8 @@ HETERO_KEYS = {  # P4->D2, contiguous
     "registered_ratio_vs_vllm_4_engines_hetero": "registered_ratio_engines",
     "handshake_ratio_vs_vllm_hetero": "handshake_ratio",
     "handshake_first_ratio_vs_vllm_hetero": "handshake_first_ratio",
+    "handshake_other_blocks_ratio_vs_vllm_hetero": "handshake_other_blocks_ratio",
+    "handshake_ms_other_blocks_ours_hetero": "handshake_ms_other_blocks_ours",
     "handshake_ms_first_ours_hetero": "handshake_ms_first_ours",
     "handshake_ms_first_vllm_hetero": "handshake_ms_first_vllm",
     "handshake_ms_ours_hetero": "handshake_ms_ours",
@@ -450,6 +470,7 @@ EQUAL_TP_KEYS = {  # P1->D1, contiguous
     "plan_floor_checked_ratio_vs_vllm_equal_tp": "plan_floor_checked_ratio",
     "handshake_ratio_vs_vllm_equal_tp": "handshake_ratio",
     "handshake_first_ratio_vs_vllm_equal_tp": "handshake_first_ratio",
+    "handshake_other_blocks_ratio_vs_vllm_equal_tp": "handshake_other_blocks_ratio",
     "descs_ratio_vs_vllm_equal_tp": "descs_ratio",
 }
 

@@ -10,7 +10,8 @@ import numpy as np
 import pluggy
 
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
-from .geometry import COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, forget_copy_runs, forget_parsed, geometry_key
+from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out, forget_copy_runs,
+                       forget_parsed)
 from .plan import GroupPairing, SegmentTable, TransferPlan, prepare_local
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy, declared_pairing
@@ -38,10 +39,12 @@ class Dispatcher:
     def __init__(self, registry: StrategyRegistry, unwrap: Unwrap | None = None) -> None:
         self.registry = registry
         self._unwrap = unwrap
-        # (strategy, geometry key of the local region and of its peer on each covered rank,
-        # covered ranks, topology, remote TP) -> the class's template rows: a function of those
-        # alone for a segments_by_geometry strategy, so a later handshake with peers of a geometry
-        # already planned (another prefill engine of the same model) skips the strategy call.
+        # (strategy, geometry key less the block count (counted_out) of the local region and
+        # of its peer on each covered rank, covered ranks, topology, remote TP) -> the class's
+        # template rows: a function of those alone for a segments_by_geometry strategy (a
+        # segment maps bytes of one page pair, whatever the number of pages), so a later
+        # handshake with peers of a geometry already planned (another prefill engine of the
+        # model, even one whose caches hold another number of blocks) skips the strategy call.
         self._templates: dict[tuple[Any, ...], np.ndarray] = {}
         # (local geometry's id, layout key of every covered remote rank) -> a plan made with
         # them: another engine of that layout (another prefill engine of the model, or one
@@ -49,6 +52,10 @@ class Dispatcher:
         # segments_by_geometry (addresses never change their segments). The plan holds its local
         # geometry, so the id is not reused while the entry lives; a hit checks it is the same object.
         self._plans: dict[tuple[Any, ...], TransferPlan] = {}
+        # (local geometry's id, shape key of every source rank: the layout less block counts)
+        # -> a plan made with such ranks: an engine of that layout with other block counts
+        # gets its segment table (the strategies are not asked again), its pairings and rows anew.
+        self._shapes: dict[tuple[Any, ...], TransferPlan] = {}
 
     @classmethod
     def from_plugins(cls, pm: pluggy.PluginManager | None = None, **registry_options: Any) -> Dispatcher:
@@ -159,21 +166,32 @@ class Dispatcher:
         in_order = {p: remote[p].names == names for p in sources}
         if not all(in_order.values()):  # the same names in the same order are the same layers: others compared as sets
             _check_same_layers(local, {p: remote[p] for p in sources if not in_order[p]})
-        table, pairings = self._segment_table(local, [remote[p] for p in sources], sources, topology, remote_tp,
-                                              all(in_order.values()))
-        plan = TransferPlan(
-            local=local,
-            remote={p: remote[p] for p in sources},
-            covered=covered,
-            consumers=consumers_per_remote_rank(local.tp_size, remote_tp),
-            segments=table,
-            pairings=pairings,
-            sources=sources,
-        )
+        peers_geo = [remote[p] for p in sources]
+        same_order = all(in_order.values())
+        shape = (id(local), *(g.shape_key for g in peers_geo))
+        alike = self._shapes.get(shape)
+        if alike is not None and alike.local is local:
+            # An engine of the layout whose caches hold other block counts: the same segments
+            # (every page and fact the strategies read is in the shape key); pairings and rows anew.
+            pairings = self._pairings(local, peers_geo, _peer_index(local, peers_geo, same_order), same_order, sources)[1]
+            plan = alike.recounted(remote, pairings)
+        else:
+            table, pairings = self._segment_table(local, peers_geo, sources, topology, remote_tp, same_order)
+            plan = TransferPlan(
+                local=local,
+                remote={p: remote[p] for p in sources},
+                covered=covered,
+                consumers=consumers_per_remote_rank(local.tp_size, remote_tp),
+                segments=table,
+                pairings=pairings,
+                sources=sources,
+            )
         if plan.rebasable:
             if len(self._plans) >= MEMO_PLANS:  # bounded; clear() is one atomic step for threads
                 self._plans.clear()
+                self._shapes.clear()
             self._plans[key] = plan
+            self._shapes.setdefault(shape, plan)
         return plan
 
     def needed_ranks(self, local: RankGeometry, remote_tp: int) -> tuple[int, ...]:
@@ -218,10 +236,10 @@ class Dispatcher:
         regions = local.regions
         n = len(regions)
         names = local.names
-        # peer region index per rank; None where every rank lists the layers in this rank's order
+        # peer region index per rank
         if same_order is None:
             same_order = all(g.names == names for g in peers_geo)
-        pidx = [list(range(n))] * len(peers_geo) if same_order else [[g.index[name] for name in names] for g in peers_geo]
+        pidx = _peer_index(local, peers_geo, same_order)
         lclass = local.geometry_classes
         if same_order:
             per_rank = [g.geometry_classes for g in peers_geo]
@@ -246,13 +264,14 @@ class Dispatcher:
             peer_regions = [g.regions[pidx[j][i]] for j, g in enumerate(peers_geo)]
             memo = None
             if pure[region.strategy]:
-                theirs = (g.class_keys[g.geometry_classes[pidx[j][i]]] for j, g in enumerate(peers_geo))
-                memo = (region.strategy, local.class_keys[lclass[i]], *theirs,
+                theirs = (counted_out(g.class_keys[g.geometry_classes[pidx[j][i]]]) for j, g in enumerate(peers_geo))
+                memo = (region.strategy, counted_out(local.class_keys[lclass[i]]), *theirs,
                         tuple(covered), topology.tp_size, topology.tp_rank, remote_tp)
                 rows = self._templates.get(memo)
                 if rows is not None:
                     # _check_peer and segments() read only what the key holds (strategy, page,
-                    # facts; geometry), so for equal keys they pass and give these rows again.
+                    # facts, block stride: no block count), so for equal keys they pass and give
+                    # these rows again: another engine of the model, whatever its block count.
                     return rows, True
             peers = {p: _check_peer(g, region, peer) for p, g, peer in zip(covered, peers_geo, peer_regions)}
             segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
@@ -347,6 +366,13 @@ class Dispatcher:
             pairings.append(GroupPairing(lg, rg, strategy, lmin, rmin, regions[i], rep_peer,
                                          declared_pairing(strategy, regions[i], rep_peer)))
         return layer_key, pairings
+
+
+def _peer_index(local: RankGeometry, peers_geo: Sequence[RankGeometry], same_order: bool) -> list[list[int]]:
+    """Per remote rank, the index of each local region's peer (the same name) in its regions."""
+    if same_order:  # every rank lists the layers in this rank's order
+        return [list(range(len(local.regions)))] * len(peers_geo)
+    return [[g.index[name] for name in local.names] for g in peers_geo]
 
 
 def _template(

@@ -622,6 +622,15 @@ class RankGeometry:
         return (self.tp_size, self.tp_rank, *self._layout_tail)
 
     @cached_property
+    def shape_key(self) -> tuple[Any, ...]:
+        """:attr:`layout_key` less the regions' block counts: equal for the ranks of every engine
+        of one model and configuration, however many blocks each engine's memory holds. Such an
+        engine has the same segments as one planned before (:func:`counted_out`); only what the
+        counts decide (descriptor rows and IDs, pairing bounds) is made for it."""
+        names, groups, classes, keys = self._layout_tail
+        return (self.tp_size, self.tp_rank, names, groups, classes, tuple((c, counted_out(k)) for c, k in keys))
+
+    @cached_property
     def _layout_tail(self) -> tuple[Any, ...]:
         """:attr:`layout_key` but TP size and rank: the same object for every rank parsed with one
         remembered column layout (so comparing two such keys is mostly identity)."""
@@ -1114,6 +1123,12 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
 def geometry_key(region: Region) -> tuple[Any, ...]:
     """Everything about a region but its name, base and KV group, hashable, types included."""
     return (region.strategy, region.num_blocks, region.block_stride, region.page, _freeze(region.facts))
+
+
+def counted_out(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A :func:`geometry_key` less the block count: what a segments_by_geometry strategy's
+    segments depend on (they map bytes of one page pair, however many pages a region holds)."""
+    return (key[0], *key[2:])
 
 
 def _freeze(value: Any) -> Any:

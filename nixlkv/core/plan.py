@@ -563,6 +563,24 @@ class TransferPlan:
             pairings=tuple(_with_field(g, "remote_region", peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
+    def recounted(self, remote: Mapping[int, RankGeometry], pairings: Sequence[GroupPairing]) -> TransferPlan:
+        """This plan for another remote engine whose source ranks have the same shape
+        (:attr:`RankGeometry.shape_key`: the layout, whatever the block counts) as this plan's,
+        with ``pairings`` made for it: the same segments, already checked against the same
+        pages; every descriptor row and ID start, and the pairings' bounds, made from the new
+        ranks' block counts; their regions checked against their registered memory. Only for a
+        :attr:`rebasable` plan (PlanError otherwise: plan anew)."""
+        if not self.rebasable:
+            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
+                            "plan anew for every remote engine")
+        for p in self.sources:
+            if remote[p].shape_key != self.remote[p].shape_key:
+                raise PlanError(f"remote rank {p} is shaped unlike the rank this plan was made for")
+            _check_registered_all(remote[p])
+        plan = self._with(remote={p: remote[p] for p in self.sources}, pairings=tuple(pairings))
+        plan._build_rows()
+        return plan
+
     @cached_property
     def _pairing_peers(self) -> list[int]:
         """Where each pairing's representative remote region sits on the first source rank."""

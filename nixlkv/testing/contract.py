@@ -389,8 +389,11 @@ def build_point(case: ContractCase, point: Point) -> PointRun:
     return run
 
 
-def _raw_segments(run: PointRun, local: RankGeometry) -> dict[str, list[Segment]]:
-    """The strategy's own answer per local region, before the core validates anything."""
+def _raw_segments(run: PointRun, local: RankGeometry, more_blocks: int = 0) -> dict[str, list[Segment]]:
+    """The strategy's own answer per local region, before the core validates anything; with
+    ``more_blocks``, asked of the same regions holding that many more blocks on both sides."""
+    import dataclasses
+
     from ..core.topology import covered_remote_ranks
 
     remote_tp = run.point.prefill_tp
@@ -403,6 +406,9 @@ def _raw_segments(run: PointRun, local: RankGeometry) -> dict[str, list[Segment]
         peers = {p: run.prefill_geometry[p].region(region.name) for p in covered}
         if any(peer is None for peer in peers.values()):
             continue  # the dispatcher reports missing layers
+        if more_blocks:
+            region = dataclasses.replace(region, num_blocks=region.num_blocks + more_blocks)
+            peers = {p: dataclasses.replace(peer, num_blocks=peer.num_blocks + more_blocks) for p, peer in peers.items()}
         out[region.name] = list(run.strategy.segments(region, peers, topo, remote_tp))
     return out
 
@@ -730,6 +736,13 @@ def check_deterministic(run: PointRun) -> None:
             raise ContractViolation(DETERMINISTIC, f"{run.point.id}: decode rank {geo.tp_rank}: local_region() answered differently twice")
         if _raw_segments(run, geo) != raw:
             raise ContractViolation(DETERMINISTIC, f"{run.point.id}: decode rank {geo.tp_rank}: segments() answered differently twice")
+        if getattr(run.strategy, "segments_by_geometry", False) and _raw_segments(run, geo, more_blocks=3) != raw:
+            raise ContractViolation(
+                DETERMINISTIC,
+                f"{run.point.id}: decode rank {geo.tp_rank}: segments() answered otherwise for regions holding 3 more "
+                "blocks; a segment maps bytes of one page pair, and segments_by_geometry promises the block count "
+                "does not enter it (set segments_by_geometry = False if it must)",
+            )
         replan = run.dispatcher.plan(geo, run.prefill_geometry)
         if replan.to_dict() != plan.to_dict():
             raise ContractViolation(DETERMINISTIC, f"{run.point.id}: decode rank {geo.tp_rank}: two plans from the same geometry differ")
