@@ -335,6 +335,10 @@ SEMANTICALLY_INVALID: dict[str, Callable[[dict], None]] = {
     "duplicate region names": _set(("regions", 1, "name"), "L0"),
     "zero tp_size": _set(("tp_size",), 0),
     "tp_rank beyond tp_size": _set(("tp_rank",), 7),
+    # found by the handshake campaign: a region reaching past any address (2**63 - 1 blocks) was
+    # refused only when the columns were first read, after parsing, as an IncompatibleGeometry
+    "region spanning past any address": _set(("regions", 0, "num_blocks"), 2**63 - 1),
+    "region based past any address": _set(("regions", 0, "base"), 2**62),
 }
 
 
@@ -344,6 +348,7 @@ def test_invalid_values_in_handshake_raise_handshake_error(mutation: str) -> Non
     SEMANTICALLY_INVALID[mutation](d)
     with pytest.raises(HandshakeError):
         RankGeometry.from_dict(d)
+    RankGeometry.from_dict(_geometry().to_dict())  # control: the geometry unchanged parses
 
 
 # ----------------------------------------------------------------------------- the columnar wire

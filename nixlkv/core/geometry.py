@@ -801,6 +801,8 @@ class RankGeometry:
                 geometry.__dict__["geometry_classes"] = classes  # what parsing found (cached_property slot)
             if layout is not None:  # the columns as they came, checked: no pass over the regions for them
                 geometry._columns_from(layout, d["region_columns"]["base"])
+            else:  # every region's base and span checked now, as the columnar form's are
+                geometry.columns
         except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
             raise HandshakeError(f"malformed rank geometry: {exc}") from None
         return geometry
