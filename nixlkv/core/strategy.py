@@ -23,8 +23,9 @@ class Strategy:
       strategy claims a more specific class (dispatch walks the spec type's MRO).
     - ``overrides``: names of strategies this one deliberately replaces for the same types.
     - ``segments_by_geometry``: set it where :meth:`segments` is a function of the regions'
-      geometry and facts only (not of their names or base addresses), so layers alike are
-      planned once; default False (asked per layer).
+      pages, strides and facts only (not of their names, base addresses or block counts), so
+      layers alike are planned once, and engines that differ only in block counts share
+      segments; default False (asked per layer).
     - ``contract_exempt``: invariants of the contract suite (docs/contract.md) this strategy
       deliberately does not hold, each with the reason. Only ``"full-coverage"`` may be
       exempted (a strategy that leaves some bytes of a request's blocks to the decode engine);
@@ -35,9 +36,10 @@ class Strategy:
     spec_types: ClassVar[tuple[type, ...]] = ()
     overrides: ClassVar[tuple[str, ...]] = ()
     contract_exempt: ClassVar[Mapping[str, str]] = {}
-    # True where segments() depends only on the regions' geometry and facts, never on their
-    # names or bases: the dispatcher then asks once per distinct layer geometry (an 80-layer
-    # model has a handful) and gives every layer of that geometry the same segments.
+    # True where segments() depends only on the regions' pages, strides and facts, never on
+    # their names, bases or block counts: the dispatcher then asks once per distinct layer
+    # geometry (an 80-layer model has a handful) and gives every layer of that geometry the same
+    # segments, for every engine of that shape.
     segments_by_geometry: ClassVar[bool] = False
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:
