@@ -89,7 +89,7 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         stop_all(d, (old, old_pipe), (new, new_pipe))
 
 
-def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_plans_segments() -> None:
+def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_plans_segments(caplog) -> None:
     """The same model and configuration restarted with another memory budget (fewer KV blocks):
     D plans it from the segments it already has (the shape memo: no strategy asked again) with
     rows and bounds of the new block count, and loads byte-exact through real NIXL."""
@@ -106,9 +106,11 @@ def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_
         new, new_pipe, new_params = start_prefill(PDCase(num_blocks=72), {"c": 40}, port=port, first_prompt=10)
         d.add("c", prompt(10, 40), 2, dict(new_params["c"]))  # another prompt: nothing of it cached on D
         deadline = time.monotonic() + 60
-        while "c" not in d.outputs and time.monotonic() < deadline:
-            d.step()
-            time.sleep(0.002)
+        with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
+            while "c" not in d.outputs and time.monotonic() < deadline:
+                d.step()
+                time.sleep(0.002)
+        assert "nixlkv handshake done engine=P remote_tp=1 plan=recounted" in caplog.text
         assert d.finished_recving == {"a", "c"} and not d.failed_recving
         assert len(d.recv_blocks["c"][0]) == 3  # every block of the 40-token prompt loaded
         expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})

@@ -55,6 +55,7 @@ def test_another_engine_of_the_layout_gets_the_plan_a_fresh_dispatcher_makes(p_t
     d, local, wire, first = first_engine_counted(p_tp, d_tp)
     again = d.plan(local, engine(wire, 2))
     assert Counting.calls == 1 and again._table is first._table  # rebased, not planned again
+    assert again.made_as == "rebased"
     assert all(g.engine_id.endswith("-2") for g in again.remote.values())
     fresh = dispatcher_with(Counting()).plan(local, engine(wire, 2))
     assert again._table is not fresh._table
@@ -103,6 +104,7 @@ def test_an_engine_with_other_block_counts_gets_the_layouts_segments_and_its_own
     d, local, wire, first = first_engine_counted(p_tp, d_tp)
     again = d.plan(local, parsed(fewer_blocks(wire, 2)))
     assert Counting.calls == 1 and again._table is first._table  # recounted: the strategy is not asked again
+    assert (first.made_as, again.made_as) == ("planned", "recounted")
     fresh = dispatcher_with(Counting()).plan(local, parsed(fewer_blocks(wire, 2)))
     assert Counting.calls == 2 and fresh._table is not first._table
     same_plan(again, fresh, nb=30)

@@ -284,6 +284,10 @@ class TransferPlan:
         self.pairings = tuple(pairings)
         self._table = segments
         self._seg_key = segments.key
+        # how this plan was made for its remote engine: "planned" (the strategies asked),
+        # "rebased" (another engine's plan at this one's addresses) or "recounted" (another
+        # engine's segments with this one's block counts); the connector logs it
+        self.made_as = "planned"
         self._validate()
         self._build_rows()
 
@@ -558,6 +562,7 @@ class TransferPlan:
             _check_registered_all(remote[p])
         peer = remote[covered[0]].regions  # each pairing's representative: the region at the same place
         return self._with(
+            made_as="rebased",
             remote={p: remote[p] for p in covered},
             remote_descs={p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()},
             pairings=tuple(_with_field(g, "remote_region", peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
@@ -577,7 +582,7 @@ class TransferPlan:
             if remote[p].shape_key != self.remote[p].shape_key:
                 raise PlanError(f"remote rank {p} is shaped unlike the rank this plan was made for")
             _check_registered_all(remote[p])
-        plan = self._with(remote={p: remote[p] for p in self.sources}, pairings=tuple(pairings))
+        plan = self._with(made_as="recounted", remote={p: remote[p] for p in self.sources}, pairings=tuple(pairings))
         plan._build_rows()
         return plan
 
