@@ -88,5 +88,8 @@ def test_stats_reach_the_log_line_and_prometheus() -> None:
     assert value("vllm:nixlkv_heartbeats_sent_total") == 5
     assert value("vllm:nixlkv_expired_leases_total") == 2
     assert value("vllm:nixlkv_failed_handshakes_total") == 0
+    # each D worker handshook P once, planning anew
+    assert reduced["handshakes_planned"] == 2 and value("vllm:nixlkv_handshakes_planned_total") == 2
+    assert value("vllm:nixlkv_handshakes_rebased_total") == value("vllm:nixlkv_handshakes_recounted_total") == 0
     prom.observe(per_worker[1].to_dict(), engine_idx=0)  # counters accumulate across intervals
     assert value("vllm:nixlkv_failed_transfers_total") == 2

@@ -63,6 +63,7 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         assert d.invalid_blocks == set(d.recv_blocks["b"][0])
         assert str(d.outputs["b"].finish_reason).lower().endswith("error")
         assert caplog.text.count("nixlkv handshake done engine=P") == 2
+        assert "remote_tp=1 plan=planned" in caplog.text and "remote_tp=1 plan=rebased" in caplog.text
         assert "nixlkv remote restarted engine=P" in caplog.text and "previous incarnation" in caplog.text
         expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
         assert oracle.compare(d.ranks[0], expected) is None  # b's blocks: never written (no READ)
@@ -111,6 +112,8 @@ def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_
                 d.step()
                 time.sleep(0.002)
         assert "nixlkv handshake done engine=P remote_tp=1 plan=recounted" in caplog.text
+        counted = [sum(s.reduce()[k] for s in d.stats) for k in ("handshakes_planned", "handshakes_rebased", "handshakes_recounted")]
+        assert counted == [1, 0, 1]  # what D's metrics count: the first P planned, the restarted one recounted
         assert d.finished_recving == {"a", "c"} and not d.failed_recving
         assert len(d.recv_blocks["c"][0]) == 3  # every block of the 40-token prompt loaded
         expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})

@@ -30,7 +30,9 @@ the engines' own metrics say about their KV blocks.
    two of six concurrent requests through the proxy; each holds its blocks for D's read, so P must
    wait for D's reads to free room before it prefills the next. Every answer must pass the drift rule
    against D alone, P must have filled (its usage seen near full, else the drill tested nothing),
-   each request must have been read once, and neither engine holds blocks afterwards.
+   each request must have been read once, and neither engine holds blocks afterwards. With nixlkv,
+   D must have handshaken the restarted P once, its plan recounted: the segments D had for P's
+   layout, with the new block count (D's ``nixlkv_handshakes_*`` counters).
 """
 
 from __future__ import annotations
@@ -305,7 +307,15 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     done.set()
     watcher.join()
     facts["p_peak_kv_usage"] = round(peak[0], 3)
-    facts["transfers"] = _transfer_facts(delta(scrape(srv.d_url), before)).get("transfers", 0.0)
+    moved = delta(scrape(srv.d_url), before)
+    facts["transfers"] = _transfer_facts(moved).get("transfers", 0.0)
+    if case.connector == "nixlkv":  # how D planned the restarted P: its layout's segments, its own block count
+        plans = {kind: sum(v for k, v in moved.items() if k.startswith(f"vllm:nixlkv_handshakes_{kind}"))
+                 for kind in ("planned", "rebased", "recounted")}
+        facts["d_handshakes"] = ", ".join(f"{kind} {n:.0f}" for kind, n in plans.items())
+        if plans != {"planned": 0, "rebased": 0, "recounted": 1}:
+            faults.append(f"D handshook the restarted P as ({facts['d_handshakes']}): one handshake, its plan "
+                          "recounted from the segments D had, was expected")
     if peak[0] < P_FULL:
         faults.append(f"P's KV usage peaked at {peak[0]:.2f} (< {P_FULL}): it was never short, the drill tested nothing")
     if case.connector == "nixlkv" and facts["transfers"] != len(prompts):

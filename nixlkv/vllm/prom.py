@@ -41,6 +41,9 @@ COUNTERS = {
     "unreleased_transfers": "Failed or timed-out loads whose READs NIXL would not release at once (blocks kept held).",
     "release_retries": "Release retries of such READs before their request was reported failed.",
     "staged_loads": "Loads read through the staging buffer (descriptor_mode staged, or auto choosing it) (decode side).",
+    "handshakes_planned": "Handshakes whose plan the strategies made (the first of a layout and shape) (decode side).",
+    "handshakes_rebased": "Handshakes given another engine's plan at their addresses (the same layout) (decode side).",
+    "handshakes_recounted": "Handshakes given another engine's segments with their own block counts (decode side).",
 }
 
 

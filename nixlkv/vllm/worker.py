@@ -321,6 +321,7 @@ class NixlkvWorker:
                 for rid in bound:
                     self._fail(rid, self._waiting.pop(rid), f"handshake failed: {exc}")
                 continue
+            self.stats.count(f"handshakes_{plan.made_as}")
             logger.info(
                 "nixlkv handshake done engine=%s remote_tp=%d plan=%s covered=%s read_ranks=%s descriptors=%s "
                 "nixl_ms=%.1f (lists %.1f) local_lists=%d",
