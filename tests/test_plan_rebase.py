@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nixlkv.bench.hybrid import NEMOTRON_H_8B, hybrid_setup
-from nixlkv.bench.run import other_engine
+from nixlkv.bench.run import fewer_blocks as rank_with_fewer_blocks, other_engine
 from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, Case, block_ids
 from nixlkv.core import Dispatcher, IncompatibleGeometry, PlanError, PlanValidationError, RankGeometry
 from nixlkv.core import dispatcher as dispatcher_module
@@ -91,12 +91,8 @@ def test_a_rebased_plan_still_checks_registered_memory() -> None:
 
 def fewer_blocks(wire: dict[int, dict], k: int) -> dict[int, dict]:
     """Engine ``k`` of the layout ``wire`` describes, whose caches hold fewer blocks: ``k + rank``
-    fewer on each rank (its memory as it was: the regions end lower)."""
-    out = copy.deepcopy({r: other_engine(w, k) for r, w in wire.items()})
-    for r, w in out.items():
-        for c in w["region_classes"]:
-            c["num_blocks"] -= k + r
-    return out
+    fewer on each rank (its memory as it was: the regions end lower); a copy tests may edit."""
+    return copy.deepcopy({r: rank_with_fewer_blocks(other_engine(w, k), k + r) for r, w in wire.items()})
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(4, 2), (2, 4), (1, 1), (8, 1)])

@@ -546,9 +546,7 @@ class TransferPlan:
         checked against their registered memory. Only for a :attr:`rebasable` plan, and where
         local layers alias, only for an engine that shares rows between the same layers
         (PlanError otherwise: plan anew)."""
-        if not self.rebasable:
-            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
-                            "plan anew for every remote engine")
+        self._require_rebasable()
         covered = self.sources
         for p in covered:
             if remote[p].layout_key != self.remote[p].layout_key:
@@ -568,6 +566,13 @@ class TransferPlan:
             pairings=tuple(_with_field(g, "remote_region", peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
+    def _require_rebasable(self) -> None:
+        """PlanError unless this plan's segments are the same for another engine (every strategy
+        segments_by_geometry): what :meth:`rebased` and :meth:`recounted` reuse."""
+        if not self.rebasable:
+            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
+                            "plan anew for every remote engine")
+
     def recounted(self, remote: Mapping[int, RankGeometry], pairings: Sequence[GroupPairing]) -> TransferPlan:
         """This plan for another remote engine whose source ranks have the same shape
         (:attr:`RankGeometry.shape_key`: the layout, whatever the block counts) as this plan's,
@@ -575,9 +580,7 @@ class TransferPlan:
         pages; every descriptor row and ID start, and the pairings' bounds, made from the new
         ranks' block counts; their regions checked against their registered memory. Only for a
         :attr:`rebasable` plan (PlanError otherwise: plan anew)."""
-        if not self.rebasable:
-            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
-                            "plan anew for every remote engine")
+        self._require_rebasable()
         for p in self.sources:
             if remote[p].shape_key != self.remote[p].shape_key:
                 raise PlanError(f"remote rank {p} is shaped unlike the rank this plan was made for")

@@ -392,8 +392,6 @@ def build_point(case: ContractCase, point: Point) -> PointRun:
 def _raw_segments(run: PointRun, local: RankGeometry, more_blocks: int = 0) -> dict[str, list[Segment]]:
     """The strategy's own answer per local region, before the core validates anything; with
     ``more_blocks``, asked of the same regions holding that many more blocks on both sides."""
-    import dataclasses
-
     from ..core.topology import covered_remote_ranks
 
     remote_tp = run.point.prefill_tp
