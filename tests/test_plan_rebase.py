@@ -383,6 +383,63 @@ def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs
     assert RankGeometry.from_dict(copy.deepcopy(moved)).regions._protos is remembered.protos  # the control: a hit
 
 
+def test_an_engine_with_other_block_counts_parses_from_the_remembered_shape_as_a_first_one() -> None:
+    """An engine of a layout met before whose memory holds other block counts sends the same
+    shape: its layout is the remembered one recounted, and parses exactly as a cold parse would."""
+    from nixlkv.core import geometry as geometry_module
+
+    d = Dispatcher.from_plugins()
+    _, remote = ranks(d, SMALL, 2, 1)
+    wire = columnar(remote)[0]
+    geometry_module.forget_parsed()
+    first = RankGeometry.from_dict(other_engine(wire, 1))
+    (shaped,) = geometry_module._SHAPED.values()
+    fewer = rank_with_fewer_blocks(other_engine(wire, 2), 5)
+    hit = RankGeometry.from_dict(fewer)
+    assert len(geometry_module._LAYOUTS) == 2 and len(geometry_module._SHAPED) == 1
+    assert hit.regions._names is shaped.names and hit.regions._protos is not shaped.protos  # recounted from the shape
+    geometry_module.forget_parsed()
+    cold = RankGeometry.from_dict(copy.deepcopy(fewer))  # the same reply, parsed as a first
+    assert hit == cold and np.array_equal(hit.columns, cold.columns) and hit.columns.dtype == cold.columns.dtype
+    assert hit.layout_key == cold.layout_key and hit.shape_key == cold.shape_key == first.shape_key
+    assert hit.class_keys == cold.class_keys and hit.class_firsts == cold.class_firsts
+    assert [r.num_blocks for r in hit.regions] == [r.num_blocks - 5 for r in first.regions]
+    assert hit.layout_key != first.layout_key  # negative control: the counts are part of the layout
+    assert not np.array_equal(hit.columns[:, 4], first.columns[:, 4])
+
+
+def test_a_remembered_shape_refuses_the_block_counts_a_first_parse_refuses() -> None:
+    """A count the remembered shape cannot take is parsed as a first, and refused naming it:
+    none, a bool or a float, a span past any address, pages wider than the stride they step by."""
+    from nixlkv.core import HandshakeError
+    from nixlkv.core import geometry as geometry_module
+
+    d = Dispatcher.from_plugins()
+    _, remote = ranks(d, SMALL, 1, 1)
+    wire = copy.deepcopy(columnar(remote)[0])
+    one = copy.deepcopy(wire)
+    page = RankGeometry.from_dict(wire).regions[0].page.nbytes
+    one["region_classes"][0].update(num_blocks=1, block_stride=page // 2)  # one block: a stride shorter than its page is fine
+    stride = wire["region_classes"][0]["block_stride"]
+    cases = {0: ((0, "num_blocks"), (True, "num_blocks"), (2.0, "num_blocks"), ((1 << 62) // stride + 2, "spans")),
+             1: ((2, "exceeds the block stride"), (0, "num_blocks"))}
+    for k, remembered in enumerate((wire, one)):
+        geometry_module.forget_parsed()
+        RankGeometry.from_dict(remembered)
+        assert len(geometry_module._SHAPED) == 1
+        for count, match in cases[k]:
+            bad = copy.deepcopy(remembered)
+            bad["region_classes"][0]["num_blocks"] = count
+            with pytest.raises(HandshakeError, match=match):
+                RankGeometry.from_dict(bad)
+        fine = copy.deepcopy(remembered)  # the control: a count the shape takes, recounted from it
+        fine["region_classes"][0]["num_blocks"] = 3 if k == 0 else 1
+        fine["region_columns"]["base"] = [b + 4096 for b in fine["region_columns"]["base"]]
+        parsed_fine = RankGeometry.from_dict(fine)
+        assert parsed_fine.regions[0].num_blocks == fine["region_classes"][0]["num_blocks"]
+        assert parsed_fine.regions._names is next(iter(geometry_module._SHAPED.values())).names
+
+
 def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -> None:
     """The bench times a layout's first handshake after forget_handshakes(): every memo a parse
     or a plan fills in the process (not only the dispatcher's) must be empty then, or the
@@ -390,7 +447,7 @@ def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -
     from nixlkv.core import geometry, topology
     from nixlkv.core.dispatcher import forget_handshakes
 
-    memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS),  # noqa: E731
+    memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS), len(geometry._SHAPED),  # noqa: E731
                      geometry._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, 4, 2)
@@ -399,4 +456,4 @@ def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -
     Dispatcher(d.registry, unwrap=d._unwrap).plan(local, {r: RankGeometry.from_dict(w) for r, w in wire.items()})
     assert all(memos())  # negative control: one handshake fills each of them
     forget_handshakes()
-    assert memos() == (0, 0, 0, 0)
+    assert memos() == (0, 0, 0, 0, 0)

@@ -840,8 +840,13 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
     first read (:class:`ColumnRegions`). A layout parsed before (everything but the bases, the
     same bytes) is taken as it was: only the bases are checked."""
     described, columns = d["region_classes"], d["region_columns"]
-    key = _layout_bytes(described, columns)
+    key = _layout_key(described, columns)
     layout = _LAYOUTS.get(key) if key is not None else None
+    if layout is None and key is not None:  # an engine of a layout met before, with other block counts?
+        shaped = _SHAPED.get(key[0])
+        layout = shaped.recounted(key[1]) if shaped is not None else None
+        if layout is not None:
+            _remember(_LAYOUTS, key, layout)
     bases = columns.get("base") if layout is not None else None
     if isinstance(bases, (list, tuple)) and len(bases) == len(layout.names):
         _check_int_column("base", bases, ADDRESS_LIMIT)
@@ -882,24 +887,40 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         _check_int_column(name, col, limit, every_int)
     layout = _ColumnLayout(known, list(names), list(groups), list(classes))
     if plain:  # every description remembered, every column exact str / int: the bytes say it all
-        if len(_LAYOUTS) >= MEMO_LAYOUTS:  # bounded; clear() is one atomic step for threads
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = layout
+        _remember(_LAYOUTS, key, layout)
+        _remember(_SHAPED, key[0], layout)
     regions = ColumnRegions(layout.protos, layout.names, list(bases), layout.groups, layout.classes, layout.keys)
     return regions, layout.class_ids, layout
 
 
-def _layout_bytes(described: Any, columns: Any) -> bytes | None:
-    """The ``marshal`` bytes (version 2) of a columnar geometry's layout: its class descriptions
-    and every column but the bases. Exact, as for one description (:func:`_described_class`):
-    they name every value's type, and marshal refuses subclasses. None where marshal cannot
+def _layout_key(described: Any, columns: Any) -> tuple[bytes, tuple[int, ...]] | None:
+    """A columnar geometry's layout, exactly: the ``marshal`` bytes (version 2) of its class
+    descriptions with their block counts zeroed and of every column but the bases, and the block
+    counts apart. Exact, as for one description (:func:`_described_class`): the bytes name every
+    value's type, marshal refuses subclasses, and the counts are exact ints. The bytes alone are
+    the layout's shape: every engine of one model and configuration sends the same, whatever its
+    memory holds. None where a description is no plain map with an int count, or marshal cannot
     write it (then the layout is never remembered)."""
-    if type(columns) is not dict:
+    if type(columns) is not dict or type(described) is not list:
         return None
+    counts, shapes = [], []
+    for cd in described:
+        count = cd.get("num_blocks") if type(cd) is dict else None
+        if type(count) is not int:
+            return None
+        counts.append(count)
+        shapes.append({**cd, "num_blocks": 0})
     try:
-        return marshal.dumps((described, columns.get("name"), columns.get("group"), columns.get("class")), 2)
+        shape = marshal.dumps((shapes, columns.get("name"), columns.get("group"), columns.get("class")), 2)
     except (ValueError, TypeError):
         return None
+    return shape, tuple(counts)
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(memo) >= MEMO_LAYOUTS:  # bounded; clear() is one atomic step for threads
+        memo.clear()
+    memo[key] = value
 
 
 class _ColumnLayout:
@@ -919,11 +940,39 @@ class _ColumnLayout:
         self.template: np.ndarray | None = None  # columns with bases 0 (ends are spans), once made
         self.tail: tuple[Any, ...] | None = None  # RankGeometry._layout_tail, once made
 
+    def recounted(self, counts: tuple[int, ...]) -> _ColumnLayout | None:
+        """This layout with ``counts`` blocks per class (exact ints): what parsing the same shape
+        with those counts makes, its per-region columns checked already. None where a count is
+        one a region refuses (parsed then, for the error naming it)."""
+        protos, keys, spans = [], [], []
+        for proto, key, count in zip(self.protos, self.keys, counts):
+            page, stride = proto["page"].nbytes, proto["block_stride"]
+            span = (count - 1) * stride + page
+            if count < 1 or (count > 1 and page > stride) or span >= ADDRESS_LIMIT:
+                return None
+            protos.append({**proto, "num_blocks": count})
+            keys.append((key[0], count, *key[2:]))
+            spans.append(span)
+        layout = _new(_ColumnLayout)
+        layout.names, layout.groups, layout.classes, layout.class_ids = self.names, self.groups, self.classes, self.class_ids
+        layout.protos, layout.keys, layout.firsts, layout.tail = protos, keys, self.firsts, None
+        layout.template = None
+        if self.template is not None:
+            of = np.array(self.class_ids, dtype=np.int64)
+            template = self.template.copy()
+            template[:, COL_BLOCKS] = np.array(counts, dtype=np.int64)[of]
+            template[:, COL_END] = np.array(spans, dtype=np.int64)[of]
+            layout.template = template
+        return layout
+
 
 MEMO_LAYOUTS = 16  # column layouts remembered: a decode rank meets a handful
-# marshal bytes of a layout (_layout_bytes) -> the layout, parsed and checked: the ranks of every
-# engine of a model send the same, but for their bases.
-_LAYOUTS: dict[bytes, _ColumnLayout] = {}
+# a layout (_layout_key: its shape's bytes and its block counts) -> the layout, parsed and
+# checked: the ranks of every engine of a model send the same, but for their bases.
+_LAYOUTS: dict[tuple[bytes, tuple[int, ...]], _ColumnLayout] = {}
+# a layout's shape bytes -> the first layout parsed with them: an engine of the model whose
+# memory holds other block counts sends the same shape (its layout is recounted from this one).
+_SHAPED: dict[bytes, _ColumnLayout] = {}
 
 
 MEMO_DESCRIPTIONS = 1024  # class descriptions remembered (a deployment's models have a handful each)
@@ -937,6 +986,7 @@ def forget_parsed() -> None:
     handshake: benches)."""
     _DESCRIBED.clear()
     _LAYOUTS.clear()
+    _SHAPED.clear()
 
 
 def _description_bytes(cd: Any) -> bytes | None:
