@@ -114,7 +114,7 @@ def test_an_engine_with_other_block_counts_gets_the_layouts_segments_and_its_own
     renamed = fewer_blocks(wire, 3)
     renamed[min(renamed)]["region_columns"]["name"][0] = "renamed"
     with pytest.raises(PlanError, match="shaped unlike"):
-        first.recounted(parsed(renamed), first.pairings)
+        first.recounted(parsed(renamed))
 
 
 @pytest.mark.parametrize("shape,p_tp,d_tp", [(DEEPSEEK_MLA, 8, 2), (LLAMA_8B, 4, 8), (LLAMA_8B, 8, 2)])
@@ -231,6 +231,54 @@ def test_a_hybrid_engine_with_other_block_counts_is_recounted_like_a_fresh_plan(
     for (p, a), (q, b) in zip(again._rank_entries, fresh._rank_entries):
         assert p == q and len(a) == len(b)
         assert all(x[:2] == y[:2] and x[4] == y[4] and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]) for x, y in zip(a, b))
+
+
+def test_a_hybrid_engine_with_other_block_counts_that_aliases_otherwise_finds_its_own_shared_rows() -> None:
+    """A recount keeps the plan's shared rows only where the new engine's layers share memory
+    between the same layers; elsewhere it finds them anew (as a fresh plan does)."""
+    d, local, wire, first = hybrid_first_engine()
+    apart = copy.deepcopy({r: rank_with_fewer_blocks(other_engine(w, 3), 2) for r, w in wire.items()})
+    for w in apart.values():
+        bases = w["region_columns"]["base"]
+        i = next(i for i in range(len(bases)) if bases[i] in bases[:i])  # a layer on a tensor an earlier one uses
+        w["memory"][0][1] += 1 << 30
+        bases[i] = w["memory"][0][0] + w["memory"][0][1] - (1 << 30)  # moved to memory of its own
+    planned = d.plan(local, parsed(apart))
+    fresh = Dispatcher.from_plugins().plan(local, parsed(apart))
+    assert planned.made_as == "recounted" and planned._table is first._table
+    same_rows(planned, fresh)
+    assert not np.array_equal(planned._shared, first._shared)  # control: the first engine's sharing would be wrong here
+    alike = d.plan(local, parsed({r: rank_with_fewer_blocks(other_engine(w, 4), 1) for r, w in wire.items()}))
+    assert alike.made_as == "recounted" and alike._shared is first._shared  # aliasing alike: kept
+
+
+def test_recounted_bounds_are_each_pairings_least_count_where_the_peer_lists_layers_in_another_order() -> None:
+    """Each pairing's remote bound is the least block count over its own layers' regions on every
+    rank read, found where the remote ranks list the layers in another order than this rank."""
+    d = Dispatcher.from_plugins()
+    local, remote, _ = hybrid_setup(Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous"), d)
+    wire = columnar(remote)
+    n = len(local.regions)
+    order = [(7 * i + 3) % n for i in range(n)]  # 7 is prime to the layer count: a permutation
+    assert sorted(order) == list(range(n))
+
+    def reordered(w: dict, k: int) -> dict:
+        w = copy.deepcopy(other_engine(w, k))
+        w["region_columns"] = {c: [v[i] for i in order] for c, v in w["region_columns"].items()}
+        return w
+
+    first = d.plan(local, parsed({r: reordered(w, 1) for r, w in wire.items()}))
+    counted = {r: reordered(w, 2) for r, w in wire.items()}
+    attention = next(c for c, cd in enumerate(counted[max(counted)]["region_classes"]) if cd["strategy"] == "full_attention")
+    counted[max(counted)]["region_classes"][attention]["num_blocks"] -= 3  # one class, on one rank
+    again = d.plan(local, parsed(counted))
+    fresh = Dispatcher.from_plugins().plan(local, parsed(counted))
+    assert again.made_as == "recounted" and fresh.made_as == "planned"
+    same_rows(again, fresh)
+    bounds = lambda plan: [(g.local_group, g.remote_group, g.remote_num_blocks, g.remote_region) for g in plan.pairings]  # noqa: E731
+    assert bounds(again) == bounds(fresh)
+    assert [g.remote_num_blocks for g in again.pairings] != [g.remote_num_blocks for g in first.pairings]  # control
+    assert len({g.remote_num_blocks for g in again.pairings}) == 2  # the attention group's bound alone moved
 
 
 def test_same_partition_means_equal_bases_in_the_same_places() -> None:

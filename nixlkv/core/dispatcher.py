@@ -12,7 +12,7 @@ import pluggy
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
 from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out, forget_copy_runs,
                        forget_parsed)
-from .plan import GroupPairing, SegmentTable, TransferPlan, prepare_local
+from .plan import GroupPairing, PairingLayers, SegmentTable, TransferPlan, prepare_local
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy, declared_pairing
 from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks, head_sources
@@ -171,12 +171,12 @@ class Dispatcher:
         shape = (id(local), *(g.shape_key for g in peers_geo))
         alike = self._shapes.get(shape)
         if alike is not None and alike.local is local:
-            # An engine of the layout whose caches hold other block counts: the same segments
-            # (every page and fact the strategies read is in the shape key); pairings and rows anew.
-            pairings = self._pairings(local, peers_geo, _peer_index(local, peers_geo, same_order), same_order, sources)[1]
-            plan = alike.recounted(remote, pairings)
+            # An engine of the layout whose caches hold other block counts: the same segments and
+            # pairings (every page, fact and group the strategies read is in the shape key); the
+            # pairings' remote bounds and the rows anew.
+            plan = alike.recounted(remote)
         else:
-            table, pairings = self._segment_table(local, peers_geo, sources, topology, remote_tp, same_order)
+            table, pairings, layers = self._segment_table(local, peers_geo, sources, topology, remote_tp, same_order)
             plan = TransferPlan(
                 local=local,
                 remote={p: remote[p] for p in sources},
@@ -185,6 +185,7 @@ class Dispatcher:
                 segments=table,
                 pairings=pairings,
                 sources=sources,
+                pairing_layers=layers,
             )
         if plan.rebasable:
             if len(self._plans) >= MEMO_PLANS:  # bounded; clear() is one atomic step for threads
@@ -224,8 +225,9 @@ class Dispatcher:
     def _segment_table(
         self, local: RankGeometry, peers_geo: list[RankGeometry], covered: Sequence[int], topology: Topology, remote_tp: int,
         same_order: bool | None = None,
-    ) -> tuple[SegmentTable, list[GroupPairing]]:
-        """Every layer's segments as columns, asking strategies once per distinct layer geometry.
+    ) -> tuple[SegmentTable, list[GroupPairing], PairingLayers]:
+        """Every layer's segments as columns, asking strategies once per distinct layer geometry;
+        the pairings, and where their layers' regions lie.
 
         Layers whose local region and peer regions differ only in name, base and KV group (same
         :attr:`RankGeometry.geometry_classes` on every side) form one class; each class's peers
@@ -287,7 +289,7 @@ class Dispatcher:
         # whether its segments name only its own layer's regions
         described = [describe(i) for i in first.values()]
         # after the peers are checked: a pairing's declaration (block_pairing) reads their facts
-        layer_key, pairings = self._pairings(local, peers_geo, pidx, same_order, covered)
+        layer_key, pairings, layers = self._pairings(local, peers_geo, pidx, same_order, covered)
         templates: list[np.ndarray] = [rows for rows, _ in described]
         own = [o for _, o in described]
         # A class whose segments name regions other than its own layer's (never a built-in
@@ -299,7 +301,8 @@ class Dispatcher:
                     rows, o = describe(j)
                     templates.append(rows)
                     own.append(o)
-        return SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered, own), pairings
+        table = SegmentTable.assemble(layer_class, templates, layer_key, None if same_order else pidx, covered, own)
+        return table, pairings, layers
 
     def _by_geometry(self, strategy: str) -> bool:
         """Whether the strategy's segments are a function of geometry and facts alone
@@ -308,8 +311,9 @@ class Dispatcher:
 
     def _pairings(
         self, local: RankGeometry, peers_geo: list[RankGeometry], pidx: list[list[int]], same_order: bool, covered: Sequence[int]
-    ) -> tuple[list[int], list[GroupPairing]]:
-        """Per layer, its pairing (local group, remote group, strategy); and the pairings. Every
+    ) -> tuple[list[int], list[GroupPairing], PairingLayers]:
+        """Per layer, its pairing (local group, remote group, strategy); the pairings; and where
+        each pairing's layers' regions lie on each rank (its remote bound is read there). Every
         layer's groups are checked: one remote group on every remote rank, and the same
         one-to-one map of local to remote groups for all layers."""
         regions = local.regions
@@ -347,25 +351,28 @@ class Dispatcher:
                 f"several local KV groups read the same remote group (local -> remote: {group_map}): "
                 "both engines must group layers the same way"
             )
+        if len(pkeys) <= 1:  # every layer: regions in the ranks' own order
+            starts = np.zeros(len(pkeys), dtype=np.int64)
+            peers: tuple[np.ndarray | slice, ...] = tuple(
+                slice(None) if same_order else np.asarray(idx, dtype=np.int64) for idx in pidx[:len(peers_geo)])
+        else:
+            order = [j for k in range(len(pkeys)) for j in members[k]]
+            starts = np.cumsum([0, *(len(members[k]) for k in range(len(pkeys) - 1))], dtype=np.int64)
+            peers = tuple(np.asarray(order if same_order else [idx[j] for j in order], dtype=np.int64) for idx in pidx[:len(peers_geo)])
+        layers = PairingLayers(peers, starts)
         lblocks = local.column_lists[COL_BLOCKS]
         pairings = []
-        if len(pkeys) == 1:  # every layer: the least over all rows of every rank
-            rmin = min(min(c[:, COL_BLOCKS].tolist()) for c in rcols)
-        else:
-            rblocks = rcols[0][:, COL_BLOCKS].tolist()
-            for c in rcols[1:]:
-                rblocks = list(map(min, rblocks, c[:, COL_BLOCKS].tolist()))
-        for (lg, rg, name), k in pkeys.items():
+        for (lg, rg, name), k, rmin in zip(pkeys, pkeys.values(), layers.remote_bounds(peers_geo)):
             if len(pkeys) == 1:
                 i, lmin = 0, min(lblocks)
             else:
                 mine = members[k]
-                i, lmin, rmin = mine[0], min([lblocks[j] for j in mine]), min([rblocks[j] for j in mine])
+                i, lmin = mine[0], min([lblocks[j] for j in mine])
             rep_peer = peers_geo[0].regions[pidx[0][i]]
             strategy = self.registry.by_name(name)
             pairings.append(GroupPairing(lg, rg, strategy, lmin, rmin, regions[i], rep_peer,
                                          declared_pairing(strategy, regions[i], rep_peer)))
-        return layer_key, pairings
+        return layer_key, pairings, layers
 
 
 def _peer_index(local: RankGeometry, peers_geo: Sequence[RankGeometry], same_order: bool) -> list[list[int]]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import PlanError, PlanValidationError, RequestError
 from .cached import cached_property
-from .geometry import COL_BASE, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
+from .geometry import COL_BASE, COL_BLOCKS, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
 from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy, count_mismatch_message, null_block_message
 from .token_blocks import PHASE_ZERO
 
@@ -37,6 +37,26 @@ class GroupPairing:
     local_region: Region  # a representative region of the group on each side, for pair_blocks
     remote_region: Region
     owned: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
+
+
+@dataclass(frozen=True)
+class PairingLayers:
+    """Where the regions of each pairing's layers sit on each source rank, pairing by pairing:
+    what a pairing's remote bound (the least block count over them) is read from, for the
+    engine planned with or for another of its shape (:meth:`TransferPlan.recounted`)."""
+
+    peers: tuple[np.ndarray | slice, ...]  # per source rank position: its region indices, grouped by pairing
+    starts: np.ndarray  # where each pairing's indices start
+
+    def remote_bounds(self, ranks: Sequence[RankGeometry]) -> list[int]:
+        """Per pairing, the least block count over its regions on every one of ``ranks``."""
+        least = None
+        for g, idx in zip(ranks, self.peers):
+            blocks = g.columns[idx, COL_BLOCKS]
+            least = blocks if least is None else np.minimum(least, blocks)
+        if least is None:
+            return []
+        return np.minimum.reduceat(least, self.starts).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +107,12 @@ def _record(cls: type, **fields: Any) -> Any:
     return obj
 
 
-def _with_field(record: Any, name: str, value: Any) -> Any:
-    """A copy of a frozen dataclass instance (not slotted) with one field replaced."""
+def _with_fields(record: Any, **values: Any) -> Any:
+    """A copy of a frozen dataclass instance (not slotted) with ``values`` replacing its fields."""
     obj = _new(type(record))
     fields = obj.__dict__
     fields.update(record.__dict__)
-    fields[name] = value
+    fields.update(values)
     return obj
 
 
@@ -273,6 +293,7 @@ class TransferPlan:
         segments: SegmentTable,
         pairings: Sequence[GroupPairing],
         sources: Sequence[int] | None = None,
+        pairing_layers: PairingLayers | None = None,
     ) -> None:
         self.local = local
         self.remote = dict(remote)
@@ -284,6 +305,7 @@ class TransferPlan:
         self.pairings = tuple(pairings)
         self._table = segments
         self._seg_key = segments.key
+        self._pairing_layers = pairing_layers  # where recounted() reads the pairings' remote bounds
         # how this plan was made for its remote engine: "planned" (the strategies asked),
         # "rebased" (another engine's plan at this one's addresses) or "recounted" (another
         # engine's segments with this one's block counts); the connector logs it
@@ -397,13 +419,22 @@ class TransferPlan:
         layer = np.repeat(np.arange(len(canon_of), dtype=np.int64), np.diff(np.append(t.layer_start, len(t))))
         return t.layer_start[np.asarray(canon_of, dtype=np.int64)[layer]] + (np.arange(len(t)) - t.layer_start[layer])
 
-    def _build_rows(self) -> None:
+    def _build_rows(self, same_sharing: bool = False) -> None:
+        """Descriptor rows, ID starts and the per-request lanes. ``same_sharing``: the remote
+        ranks share memory between the same layers as those this plan's ``_shared`` was found
+        for (:func:`_same_partition`), so it stands."""
         t = self._table
         n = len(t)
         # One descriptor row per distinct (local row, remote rank, remote row): layers that alias
         # one KV tensor (a hybrid's groups) describe the same bytes, and register them once.
         aliased = n > 1 and _regions_overlap(self.local)
-        self._shared = shared = self._shared_rows(self.remote) if aliased else None
+        if not aliased:
+            shared = None
+        elif same_sharing:
+            shared = self._shared
+        else:
+            shared = self._shared_rows(self.remote)
+        self._shared = shared
         self._aliased = aliased
         # Another engine's addresses change only each remote row's own address where every
         # strategy's segments ignore addresses (and, where local layers alias, the new engine
@@ -563,7 +594,7 @@ class TransferPlan:
             made_as="rebased",
             remote={p: remote[p] for p in covered},
             remote_descs={p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()},
-            pairings=tuple(_with_field(g, "remote_region", peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
+            pairings=tuple(_with_fields(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
     def _require_rebasable(self) -> None:
@@ -573,20 +604,28 @@ class TransferPlan:
             raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
                             "plan anew for every remote engine")
 
-    def recounted(self, remote: Mapping[int, RankGeometry], pairings: Sequence[GroupPairing]) -> TransferPlan:
+    def recounted(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
         """This plan for another remote engine whose source ranks have the same shape
-        (:attr:`RankGeometry.shape_key`: the layout, whatever the block counts) as this plan's,
-        with ``pairings`` made for it: the same segments, already checked against the same
-        pages; every descriptor row and ID start, and the pairings' bounds, made from the new
-        ranks' block counts; their regions checked against their registered memory. Only for a
-        :attr:`rebasable` plan (PlanError otherwise: plan anew)."""
+        (:attr:`RankGeometry.shape_key`: the layout, whatever the block counts) as this plan's:
+        the same segments and pairings, already checked against the same pages and groups; the
+        pairings' remote bounds, every descriptor row and ID start made from the new ranks'
+        block counts; their regions checked against their registered memory. Only for a
+        :attr:`rebasable` plan the dispatcher made (PlanError otherwise: plan anew)."""
         self._require_rebasable()
+        if self._pairing_layers is None:
+            raise PlanError("this plan does not know where its pairings' regions lie: plan anew")
         for p in self.sources:
             if remote[p].shape_key != self.remote[p].shape_key:
                 raise PlanError(f"remote rank {p} is shaped unlike the rank this plan was made for")
             _check_registered_all(remote[p])
-        plan = self._with(made_as="recounted", remote={p: remote[p] for p in self.sources}, pairings=tuple(pairings))
-        plan._build_rows()
+        ranks = [remote[p] for p in self.sources]
+        peer = ranks[0].regions  # each pairing's representative: the region at the same place
+        pairings = tuple(
+            _with_fields(g, remote_num_blocks=bound, remote_region=peer[i])
+            for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
+        )
+        plan = self._with(made_as="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
+        plan._build_rows(same_sharing=self._aliased and all(_same_partition(self.remote[p], remote[p]) for p in self.sources))
         return plan
 
     @cached_property
