@@ -148,6 +148,57 @@ def test_box_copy_runs_match_numpy_slice_copy(case: tuple) -> None:
         assert not (d1 + n1 == d2 and s1 + n1 == s2)
 
 
+@st.composite
+def _any_box(draw: st.DrawFn) -> tuple:
+    """A box over two pages, valid or not: the starts and extents may leave the pages, name no
+    axis of them, or cover axes the pages size differently."""
+    names = ["a", "b", "c"][: draw(st.integers(1, 3))]
+    dst_axes = [(n, draw(st.integers(1, 4))) for n in names]
+    src_axes = [(n, draw(st.sampled_from([size, size, draw(st.integers(1, 4))]))) for n, size in dst_axes]
+    if draw(st.booleans()) and len(names) > 1:  # another axis order on one side
+        src_axes = src_axes[::-1]
+    boxes = []
+    for _ in range(3):
+        keys = draw(st.lists(st.sampled_from([*names, "z"]), max_size=3, unique=True))
+        boxes.append({k: draw(st.integers(-1, 4)) for k in keys})
+    return PageLayout(tuple(dst_axes)), boxes[0], PageLayout(tuple(src_axes)), boxes[1], boxes[2]
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=_any_box())
+def test_the_one_run_shortcut_answers_only_as_the_general_path_does(case: tuple) -> None:
+    """box_copy_runs answers a whole page or a head slice (a range of the outermost axis, every
+    other whole) without its general path: where it does, the general path gives that one run;
+    where the general path refuses a box, so does box_copy_runs."""
+    from nixlkv.core.geometry import _box_copy_runs, _slab_run
+
+    dst, dst_start, src, src_start, extent = case
+    try:
+        general = _box_copy_runs(dst, dst_start, src, src_start, extent)
+    except IncompatibleGeometry:
+        general = None
+    slab = _slab_run(dst, dst_start, src, src_start, extent)
+    if slab is not None:
+        assert general == [slab]
+    if general is None:
+        with pytest.raises(IncompatibleGeometry):
+            box_copy_runs(dst, dst_start, src, src_start, extent)
+    else:
+        assert box_copy_runs(dst, dst_start, src, src_start, extent) == general
+
+
+def test_the_one_run_shortcut_takes_whole_pages_and_head_slices_only() -> None:
+    from nixlkv.core.geometry import _slab_run
+
+    dst = PageLayout((("head", 2), ("token", 16), ("byte", 64)))
+    assert _slab_run(HEAD_OUTER, {}, HEAD_OUTER, {}, {}) == (0, 0, HEAD_OUTER.nbytes)
+    assert _slab_run(dst, {"head": 0}, HEAD_OUTER, {"head": 2}, {"head": 2}) == (0, 2 * 16 * 64, 2 * 16 * 64)
+    assert _slab_run(HEAD_OUTER, {"token": 0}, HEAD_OUTER, {"token": 8}, {"token": 8}) is None  # runs per head
+    assert _slab_run(TOKEN_OUTER, {"head": 0}, TOKEN_OUTER, {"head": 2}, {"head": 2}) is None  # runs per token
+    parted = PageLayout(HEAD_OUTER.axes, (PagePart(0, (("head", 4, 1024), ("token", 16, 64), ("byte", 64, 1))),))
+    assert _slab_run(parted, {}, parted, {}, {}) is None  # pages with parts: the general path
+
+
 # ----------------------------------------------------------------------------- Region
 
 

@@ -195,12 +195,39 @@ def box_copy_runs(
     Memoised: a pure function of two immutable pages and a few integers, asked the same
     questions by every handshake with engines of one model (as :func:`head_sources` is).
     """
+    slab = _slab_run(dst, dst_start, src, src_start, extent)
+    if slab is not None:
+        return [slab]
     try:
         key = (dst, tuple(dst_start.items()), src, tuple(src_start.items()), tuple(extent.items()))
         hash(key)
     except TypeError:  # unhashable arguments: computed, not remembered
         return _box_copy_runs(dst, dst_start, src, src_start, extent)
     return list(_box_copy_runs_cached(*key))
+
+
+def _slab_run(
+    dst: PageLayout, dst_start: Mapping[str, int], src: PageLayout, src_start: Mapping[str, int], extent: Mapping[str, int],
+) -> tuple[int, int, int] | None:
+    """The one run of a box that takes a range of the outermost axis and the whole of every
+    other, between pages without parts whose inner axes are the same (row-major: such a box is
+    contiguous on both sides): a whole page, or a head slice of a head-outer page. None for any
+    other box, which the general path copies or refuses."""
+    if dst.parts or src.parts:
+        return None
+    (outer, dsize), *inner = dst.axes
+    (souter, ssize), *sinner = src.axes
+    if outer != souter or inner != sinner or not {*extent, *dst_start, *src_start} <= dst._sizes.keys():
+        return None
+    for name, size in inner:
+        if extent.get(name, size) != size or dst_start.get(name, 0) or src_start.get(name, 0):
+            return None
+    n = extent.get(outer, dsize if dsize == ssize else None)
+    d0, s0 = dst_start.get(outer, 0), src_start.get(outer, 0)
+    if n is None or n < 1 or d0 < 0 or s0 < 0 or d0 + n > dsize or s0 + n > ssize:
+        return None
+    step = dst.nbytes // dsize  # bytes per step of the outer axis, the same on both sides
+    return (d0 * step, s0 * step, n * step)
 
 
 def forget_copy_runs() -> None:
