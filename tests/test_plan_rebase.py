@@ -10,6 +10,7 @@ tests/test_connector_restart.py (a restarted prefill engine, every decode byte c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import marshal
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 
 from nixlkv.bench.hybrid import NEMOTRON_H_8B, hybrid_setup
 from nixlkv.bench.run import fewer_blocks as rank_with_fewer_blocks, other_engine
-from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, Case, block_ids
+from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, Case, block_ids, fabricate_rank
 from nixlkv.core import Dispatcher, IncompatibleGeometry, PlanError, PlanValidationError, RankGeometry
 from nixlkv.core import dispatcher as dispatcher_module
 from nixlkv.core.geometry import ColumnRegions
@@ -281,6 +282,30 @@ def test_recounted_bounds_are_each_pairings_least_count_where_the_peer_lists_lay
     assert len({g.remote_num_blocks for g in again.pairings}) == 2  # the attention group's bound alone moved
 
 
+class PairsByCount(Counting):
+    """Full attention that declares its pairing only where the remote region holds at least 38
+    blocks (a declaration that reads the block count: nothing forbids it)."""
+
+    name = "pairs_by_count"
+    overrides = ("full_attention", "counting")
+
+    def block_pairing(self, local, remote):
+        return super().block_pairing(local, remote) if remote.num_blocks >= 38 else None
+
+
+def test_a_recount_asks_the_strategy_for_its_declared_pairing_again() -> None:
+    d = dispatcher_with(PairsByCount())
+    local, remote = ranks(d, SMALL, 4, 2)
+    wire = columnar(remote)
+    first = d.plan(local, engine(wire, 1))
+    again = d.plan(local, parsed(fewer_blocks(wire, 5)))
+    fresh = dispatcher_with(PairsByCount()).plan(local, parsed(fewer_blocks(wire, 5)))
+    assert again.made_as == "recounted" and again._table is first._table
+    assert first.pairings[0].owned is not None  # control: the first engine's 40 blocks declare it
+    assert [g.owned for g in again.pairings] == [g.owned for g in fresh.pairings] == [None]
+    same_plan(again, fresh, nb=34)
+
+
 def test_same_partition_means_equal_bases_in_the_same_places() -> None:
     from nixlkv.core.plan import _same_partition
 
@@ -498,7 +523,10 @@ def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -
     memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS), len(geometry._SHAPED),  # noqa: E731
                      geometry._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
     d = Dispatcher.from_plugins()
-    local, remote = ranks(d, SMALL, 4, 2)
+    # D at twice P's block size: each block pair copies half of D's tokens, runs per head that
+    # box_copy_runs computes and remembers (a whole page or a head slice is one run, not remembered)
+    local = fabricate_rank(d, dataclasses.replace(SMALL, block_size=32), "decode", 2, 0, 20)
+    remote = {r: fabricate_rank(d, SMALL, "prefill", 4, r, 40) for r in (0, 1)}
     forget_handshakes()
     wire = {r: g.to_wire() for r, g in remote.items()}
     Dispatcher(d.registry, unwrap=d._unwrap).plan(local, {r: RankGeometry.from_dict(w) for r, w in wire.items()})

@@ -21,7 +21,8 @@ import numpy as np
 from .errors import PlanError, PlanValidationError, RequestError
 from .cached import cached_property
 from .geometry import COL_BASE, COL_BLOCKS, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
-from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy, count_mismatch_message, null_block_message
+from .strategy import (DeclaredPairing, OwnedTail, RunningState, Strategy, count_mismatch_message, declared_pairing,
+                       null_block_message)
 from .token_blocks import PHASE_ZERO
 
 
@@ -620,8 +621,8 @@ class TransferPlan:
             _check_registered_all(remote[p])
         ranks = [remote[p] for p in self.sources]
         peer = ranks[0].regions  # each pairing's representative: the region at the same place
-        pairings = tuple(
-            _with_fields(g, remote_num_blocks=bound, remote_region=peer[i])
+        pairings = tuple(  # a strategy's declared pairing is asked again: it may read the counts
+            _with_fields(g, remote_num_blocks=bound, remote_region=peer[i], owned=declared_pairing(g.strategy, g.local_region, peer[i]))
             for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
         )
         plan = self._with(made_as="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
