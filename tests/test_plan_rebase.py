@@ -306,6 +306,19 @@ def test_a_recount_asks_the_strategy_for_its_declared_pairing_again() -> None:
     same_plan(again, fresh, nb=34)
 
 
+def test_what_a_decode_rank_covers_and_reads_is_remembered_per_geometry_and_tp_size() -> None:
+    d = Dispatcher.from_plugins()
+    local, _ = ranks(d, SMALL, 4, 2)
+    topology, covered, sources = d._reading(local, 4)
+    assert (tuple(covered), sources) == ((0, 1), (0, 1)) and d.needed_ranks(local, 4) == (0, 1)
+    again = d._reading(local, 4)
+    assert again[0] is topology and again[1] is covered  # remembered
+    assert tuple(d._reading(local, 8)[1]) == (0, 1, 2, 3)  # another TP size: its own answer
+    twin = dataclasses.replace(local)  # an equal geometry, another object: its own entry
+    assert d._reading(twin, 4)[0] is not topology
+    assert d._readers[(id(local), 4)][0] is local  # the entry holds its geometry: its id stays taken
+
+
 def test_same_partition_means_equal_bases_in_the_same_places() -> None:
     from nixlkv.core.plan import _same_partition
 

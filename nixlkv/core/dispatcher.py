@@ -54,8 +54,12 @@ class Dispatcher:
         self._plans: dict[tuple[Any, ...], TransferPlan] = {}
         # (local geometry's id, shape key of every source rank: the layout less block counts)
         # -> a plan made with such ranks: an engine of that layout with other block counts
-        # gets its segment table (the strategies are not asked again), its pairings and rows anew.
+        # gets its segment table and pairings (the strategies are not asked for segments again),
+        # its pairings' bounds and its rows anew.
         self._shapes: dict[tuple[Any, ...], TransferPlan] = {}
+        # (local geometry's id, remote TP size) -> (the geometry, its topology, the remote ranks
+        # it covers, those it reads): what every handshake with such an engine asks first.
+        self._readers: dict[tuple[int, int], tuple[RankGeometry, Topology, range, tuple[int, ...]]] = {}
 
     @classmethod
     def from_plugins(cls, pm: pluggy.PluginManager | None = None, **registry_options: Any) -> Dispatcher:
@@ -149,9 +153,7 @@ class Dispatcher:
         for rank, g in remote.items():
             if g.tp_rank != rank:
                 raise IncompatibleGeometry(f"remote geometry keyed as rank {rank} says it is rank {g.tp_rank}")
-        topology = Topology(local.tp_size, local.tp_rank)
-        covered = covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp)
-        sources = self.source_ranks(local, topology, remote_tp, covered)
+        topology, covered, sources = self._reading(local, remote_tp)
         missing = [p for p in sources if p not in remote]
         if missing:
             raise PlanError(f"geometry of remote ranks {missing} is needed by local rank {local.tp_rank}")
@@ -199,8 +201,23 @@ class Dispatcher:
         """The remote ranks whose geometry a plan for ``local`` needs, reading an engine of
         ``remote_tp`` ranks (:meth:`source_ranks` among the ranks it covers): a handshake parses
         only theirs."""
+        return self._reading(local, remote_tp)[2]
+
+    def _reading(self, local: RankGeometry, remote_tp: int) -> tuple[Topology, range, tuple[int, ...]]:
+        """``local``'s topology, the ranks it covers of an engine of ``remote_tp`` ranks and those
+        it reads (:meth:`source_ranks`): facts of the local geometry alone, remembered per
+        geometry (a worker's is registered once); the entry holds the geometry, so its id is not
+        reused while the entry lives."""
+        known = self._readers.get((id(local), remote_tp))
+        if known is not None and known[0] is local:
+            return known[1:]
         topology = Topology(local.tp_size, local.tp_rank)
-        return self.source_ranks(local, topology, remote_tp, covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp))
+        covered = covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp)
+        sources = self.source_ranks(local, topology, remote_tp, covered)
+        if len(self._readers) >= MEMO_PLANS:  # bounded; clear() is one atomic step for threads
+            self._readers.clear()
+        self._readers[(id(local), remote_tp)] = (local, topology, covered, sources)
+        return topology, covered, sources
 
     def source_ranks(self, local: RankGeometry, topology: Topology, remote_tp: int, covered: Sequence[int]) -> tuple[int, ...]:
         """The covered remote ranks whose geometry a plan for ``local`` needs: those the
