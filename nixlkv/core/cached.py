@@ -1,4 +1,5 @@
-"""A cached property without a lock, for the immutable facts a handshake parses and plans."""
+"""A cached property without a lock, and a bounded memo, for the immutable facts a handshake
+parses and plans."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ class cached_property:  # noqa: N801 - functools.cached_property without Python 
             return self
         value = instance.__dict__[self.attrname] = self.func(instance)
         return value
+
+
+def remember(memo: dict[Any, Any], key: Any, value: Any, bound: int) -> None:
+    """``memo[key] = value``, emptying the memo first where it holds ``bound`` entries: bounded,
+    and ``clear()`` is one atomic step for the threads that read it."""
+    if len(memo) >= bound:
+        memo.clear()
+    memo[key] = value

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pluggy
 
+from .cached import remember
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
 from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out, forget_copy_runs,
                        forget_parsed)
@@ -214,9 +215,7 @@ class Dispatcher:
         topology = Topology(local.tp_size, local.tp_rank)
         covered = covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp)
         sources = self.source_ranks(local, topology, remote_tp, covered)
-        if len(self._readers) >= MEMO_PLANS:  # bounded; clear() is one atomic step for threads
-            self._readers.clear()
-        self._readers[(id(local), remote_tp)] = (local, topology, covered, sources)
+        remember(self._readers, (id(local), remote_tp), (local, topology, covered, sources), MEMO_PLANS)
         return topology, covered, sources
 
     def source_ranks(self, local: RankGeometry, topology: Topology, remote_tp: int, covered: Sequence[int]) -> tuple[int, ...]:
@@ -296,10 +295,8 @@ class Dispatcher:
             segs = self.registry.by_name(region.strategy).segments(region, peers, topology, remote_tp)
             rows, own = _template(segs, local, peers_geo, covered, region, peers)
             if memo is not None and own:  # rows naming other regions hold this geometry's indices: not kept
-                if len(self._templates) >= MEMO_CLASSES:  # bounded; clear() is one atomic step for threads
-                    self._templates.clear()
                 rows.flags.writeable = False
-                self._templates[memo] = rows
+                remember(self._templates, memo, rows, MEMO_CLASSES)
             return rows, own
 
         # per class: rows (local idx or -1, rank pos, remote idx or -1, loff, roff, nbytes, phase), and
@@ -371,11 +368,11 @@ class Dispatcher:
         if len(pkeys) <= 1:  # every layer: regions in the ranks' own order
             starts = np.zeros(len(pkeys), dtype=np.int64)
             peers: tuple[np.ndarray | slice, ...] = tuple(
-                slice(None) if same_order else np.asarray(idx, dtype=np.int64) for idx in pidx[:len(peers_geo)])
+                slice(None) if same_order else np.asarray(idx, dtype=np.int64) for idx in pidx)
         else:
             order = [j for k in range(len(pkeys)) for j in members[k]]
             starts = np.cumsum([0, *(len(members[k]) for k in range(len(pkeys) - 1))], dtype=np.int64)
-            peers = tuple(np.asarray(order if same_order else [idx[j] for j in order], dtype=np.int64) for idx in pidx[:len(peers_geo)])
+            peers = tuple(np.asarray(order if same_order else [idx[j] for j in order], dtype=np.int64) for idx in pidx)
         layers = PairingLayers(peers, starts)
         lblocks = local.column_lists[COL_BLOCKS]
         pairings = []

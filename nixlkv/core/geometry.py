@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .cached import cached_property
+from .cached import cached_property, remember
 from .errors import HandshakeError, IncompatibleGeometry
 
 MAX_RUNS_PER_BOX = 1 << 16
@@ -873,7 +873,7 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         shaped = _SHAPED.get(key[0])
         layout = shaped.recounted(key[1]) if shaped is not None else None
         if layout is not None:
-            _remember(_LAYOUTS, key, layout)
+            remember(_LAYOUTS, key, layout, MEMO_LAYOUTS)
     bases = columns.get("base") if layout is not None else None
     if isinstance(bases, (list, tuple)) and len(bases) == len(layout.names):
         _check_int_column("base", bases, ADDRESS_LIMIT)
@@ -914,8 +914,8 @@ def _parse_columnar(d: Mapping[str, Any]) -> tuple[ColumnRegions | tuple[Region,
         _check_int_column(name, col, limit, every_int)
     layout = _ColumnLayout(known, list(names), list(groups), list(classes))
     if plain:  # every description remembered, every column exact str / int: the bytes say it all
-        _remember(_LAYOUTS, key, layout)
-        _remember(_SHAPED, key[0], layout)
+        remember(_LAYOUTS, key, layout, MEMO_LAYOUTS)
+        remember(_SHAPED, key[0], layout, MEMO_LAYOUTS)
     regions = ColumnRegions(layout.protos, layout.names, list(bases), layout.groups, layout.classes, layout.keys)
     return regions, layout.class_ids, layout
 
@@ -942,12 +942,6 @@ def _layout_key(described: Any, columns: Any) -> tuple[bytes, tuple[int, ...]] |
     except (ValueError, TypeError):
         return None
     return shape, tuple(counts)
-
-
-def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(memo) >= MEMO_LAYOUTS:  # bounded; clear() is one atomic step for threads
-        memo.clear()
-    memo[key] = value
 
 
 class _ColumnLayout:
@@ -980,7 +974,7 @@ class _ColumnLayout:
             protos.append({**proto, "num_blocks": count})
             keys.append((key[0], count, *key[2:]))
             spans.append(span)
-        layout = _new(_ColumnLayout)
+        layout = _new(_ColumnLayout)  # by hand: copy.copy costs ~2 us here, ten times this
         layout.names, layout.groups, layout.classes, layout.class_ids = self.names, self.groups, self.classes, self.class_ids
         layout.protos, layout.keys, layout.firsts, layout.tail = protos, keys, self.firsts, None
         layout.template = None
@@ -1046,9 +1040,7 @@ def _described_class(k: int, cd: Any, key: bytes | None) -> tuple[dict[str, Any]
         raise HandshakeError(f"region_classes[{k}]: {exc}") from None
     known = (region.__dict__, geometry_key(region))
     if key is not None:
-        if len(_DESCRIBED) >= MEMO_DESCRIPTIONS:  # bounded; clear() is one atomic step for threads
-            _DESCRIBED.clear()
-        _DESCRIBED[key] = known
+        remember(_DESCRIBED, key, known, MEMO_DESCRIPTIONS)
     return known
 
 
