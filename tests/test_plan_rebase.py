@@ -105,7 +105,10 @@ def test_an_engine_with_other_block_counts_gets_the_layouts_segments_and_its_own
     fresh = dispatcher_with(Counting()).plan(local, parsed(fewer_blocks(wire, 2)))
     assert Counting.calls == 2 and fresh._table is not first._table
     same_plan(again, fresh, nb=30)
+    same_entries(again, fresh)
     assert [g.remote_num_blocks for g in again.pairings] == [40 - 2 - max(again.sources)]
+    # only the remote side is made anew: the local rows and their ID starts are the first plan's
+    assert again.local_descs is first.local_descs and again._local_start is first._local_start
     # negative controls: the first engine's rows and bounds are not the second's, and a plan of
     # one shape is not recounted for ranks of another
     assert [g.remote_num_blocks for g in first.pairings] != [g.remote_num_blocks for g in fresh.pairings]
@@ -183,6 +186,18 @@ def same_rows(a, b) -> None:
     assert all(np.array_equal(a.remote_descs[p], b.remote_descs[p]) for p in b.remote_descs)
 
 
+def same_entries(a, b) -> None:
+    """What resolve() reads of two plans is equal: per READ, each entry's pairing, phase, both
+    sides' row starts and bytes per block; the ranks sharing remote IDs; the pairings' lanes."""
+    assert [p for p, _ in a._rank_entries] == [p for p, _ in b._rank_entries]
+    for (_, x), (_, y) in zip(a._rank_entries, b._rank_entries):
+        assert len(x) == len(y)
+        assert all(e[:2] == f[:2] and e[4] == f[4] and e[2].dtype == f[2].dtype == a._np_dtype
+                   and np.array_equal(e[2], f[2]) and np.array_equal(e[3], f[3]) for e, f in zip(x, y))
+    assert a._remote_twin == b._remote_twin and a._owned == b._owned and a._declared == b._declared
+    assert (a._owned_reads is None) == (b._owned_reads is None)
+
+
 def hybrid_first_engine():
     """A dispatcher, the Nemotron-H-like decode rank (P4->D2), the wire of the prefill ranks it
     reads, and its plan with the layout's first engine."""
@@ -229,9 +244,10 @@ def test_a_hybrid_engine_with_other_block_counts_is_recounted_like_a_fresh_plan(
     bounds = lambda plan: [(g.local_group, g.remote_group, g.remote_num_blocks, g.owned, g.remote_region) for g in plan.pairings]  # noqa: E731
     assert bounds(again) == bounds(fresh) != bounds(first)  # control: the first engine's bounds differ
     assert again._declared == fresh._declared and again._declared is not None
-    for (p, a), (q, b) in zip(again._rank_entries, fresh._rank_entries):
-        assert p == q and len(a) == len(b)
-        assert all(x[:2] == y[:2] and x[4] == y[4] and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]) for x, y in zip(a, b))
+    same_entries(again, fresh)
+    assert again.local_descs is first.local_descs  # aliasing alike: the local rows stand
+    with pytest.raises(AssertionError):  # control: the first engine's remote row starts are not the new engine's
+        same_entries(first, fresh)
 
 
 def test_a_hybrid_engine_with_other_block_counts_that_aliases_otherwise_finds_its_own_shared_rows() -> None:
@@ -248,9 +264,15 @@ def test_a_hybrid_engine_with_other_block_counts_that_aliases_otherwise_finds_it
     fresh = Dispatcher.from_plugins().plan(local, parsed(apart))
     assert planned.made_as == "recounted" and planned._table is first._table
     same_rows(planned, fresh)
+    same_entries(planned, fresh)
+    assert planned.local_descs is not first.local_descs  # its local rows are made anew
     assert not np.array_equal(planned._shared, first._shared)  # control: the first engine's sharing would be wrong here
-    alike = d.plan(local, parsed({r: rank_with_fewer_blocks(other_engine(w, 4), 1) for r, w in wire.items()}))
+    alike_wire = {r: rank_with_fewer_blocks(other_engine(w, 4), 1) for r, w in wire.items()}
+    alike = d.plan(local, parsed(alike_wire))
     assert alike.made_as == "recounted" and alike._shared is first._shared  # aliasing alike: kept
+    fresh_alike = Dispatcher.from_plugins().plan(local, parsed(alike_wire))
+    same_rows(alike, fresh_alike)
+    same_entries(alike, fresh_alike)
 
 
 def test_recounted_bounds_are_each_pairings_least_count_where_the_peer_lists_layers_in_another_order() -> None:

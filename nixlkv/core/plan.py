@@ -420,21 +420,15 @@ class TransferPlan:
         layer = np.repeat(np.arange(len(canon_of), dtype=np.int64), np.diff(np.append(t.layer_start, len(t))))
         return t.layer_start[np.asarray(canon_of, dtype=np.int64)[layer]] + (np.arange(len(t)) - t.layer_start[layer])
 
-    def _build_rows(self, same_sharing: bool = False) -> None:
-        """Descriptor rows, ID starts and the per-request lanes. ``same_sharing``: the remote
-        ranks share memory between the same layers as those this plan's ``_shared`` was found
-        for (:func:`_same_partition`), so it stands."""
+    def _build_rows(self) -> None:
+        """Descriptor rows, ID starts and the per-request lanes: the local rows and how the rows
+        are laid out here, the remote rows in :meth:`_build_remote_rows`."""
         t = self._table
         n = len(t)
         # One descriptor row per distinct (local row, remote rank, remote row): layers that alias
         # one KV tensor (a hybrid's groups) describe the same bytes, and register them once.
         aliased = n > 1 and _regions_overlap(self.local)
-        if not aliased:
-            shared = None
-        elif same_sharing:
-            shared = self._shared
-        else:
-            shared = self._shared_rows(self.remote)
+        shared = self._shared_rows(self.remote) if aliased else None
         self._shared = shared
         self._aliased = aliased
         # Another engine's addresses change only each remote row's own address where every
@@ -456,7 +450,7 @@ class TransferPlan:
         self.local_descs = local_rows.astype(np.uint64)
         counts = local_rows[:, 4]
         local_start = np.add.accumulate(counts)  # np.cumsum's wrapper costs more than the sum here
-        local_total = int(local_start[-1]) if local_start.size else 0
+        self._local_total = int(local_start[-1]) if local_start.size else 0
         local_start -= counts
         # Rows of each remote rank, in row order: one slice of a stable sort by rank.
         remote_idx = pick(t.remote_idx)
@@ -466,39 +460,25 @@ class TransferPlan:
             order = rank_pos.argsort(kind="stable")
             cuts = rank_pos[order].searchsorted(np.arange(len(self.sources) + 1)).tolist()
             by_rank = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-        remote_start = np.empty_like(local_start)
-        self.remote_descs = {}
+        # per remote rank with rows: (its rows' places among all rows, the segments they describe)
         self._remote_segments: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # what rebased() needs
-        totals = [local_total]
+        self._rank_rows: dict[int, np.ndarray] = {}
         rank_bytes: dict[int, int] = {}  # bytes per block pair each remote rank's rows move
         for p, idx in zip(self.sources, by_rank):
-            if not idx.size:
-                continue
-            self._remote_segments[p] = src = (remote_idx[idx], roff[idx], nbytes[idx])
-            rows = _descriptor_rows(self.remote[p], *src)
-            rank_bytes[p] = sum(src[2].tolist())  # tens of rows: a Python sum beats a reduction's call
-            self.remote_descs[p] = rows.astype(np.uint64)
-            starts = np.add.accumulate(rows[:, 4])
-            totals.append(int(starts[-1]))
-            remote_start[idx] = starts - rows[:, 4]
-        if shared is not None:
-            local_start, remote_start = local_start[row_of], remote_start[row_of]
-        self.read_ranks = tuple(self.remote_descs)  # covered order: ascending
-        # Descriptor IDs fit NIXL's int32 indices unless a list holds 2**31 descriptors; int32
-        # halves the memory every request writes.
-        self._id_dtype = np.int32 if max(totals) < 2**31 else np.int64
-        self._np_dtype = np.dtype(self._id_dtype)
-        self._unsigned = np.dtype(np.uint32 if self._id_dtype is np.int32 else np.uint64)  # for one-sided bounds checks
-        self._local_start, self._remote_start = local_start, remote_start
-        # remote rank -> [(pairing key, phase, local row starts, remote row starts (as columns), bytes per block)],
-        # precomputed so resolve() is one broadcast add per entry into a preallocated array.
-        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {}
-        lstart, rstart = local_start.astype(self._id_dtype), remote_start.astype(self._id_dtype)
+            if idx.size:
+                self._rank_rows[p] = idx
+                self._remote_segments[p] = src = (remote_idx[idx], roff[idx], nbytes[idx])
+                rank_bytes[p] = sum(src[2].tolist())  # tens of rows: a Python sum beats a reduction's call
+        self._row_of = None if shared is None else row_of
+        self._local_start = local_start if shared is None else local_start[row_of]
+        # remote rank -> [(pairing key, phase, segments (their places in the starts), bytes per block)]:
+        # what resolve()'s entries are made of, whatever the remote rows' block counts
+        entries: dict[int, list[tuple[int, int, Any, int]]] = {}
         phased = bool(np.count_nonzero(t.phase))  # any pair not in phase 0 (count_nonzero: the cheapest call)
         if n and len(self.pairings) == 1 and shared is None and not phased:
             for p, idx in zip(self.sources, by_rank):  # one pairing, one phase: an entry is a rank's rows
                 if idx.size:
-                    self._rank_keys[p] = [(0, 0, lstart[idx, None], rstart[idx, None], rank_bytes[p])]  # rows are segments here
+                    entries[p] = [(0, 0, idx, rank_bytes[p])]  # rows are segments here
         elif n:
             # entries: runs of equal (rank, pairing, phase) in that order, layer order within
             sel = t.rank_pos * (len(self.pairings) + 1) + t.key
@@ -509,10 +489,41 @@ class TransferPlan:
             bounds = [0, *(np.flatnonzero(sel[1:] != sel[:-1]) + 1).tolist(), n]
             sizes = np.add.reduceat(t.nbytes[order], bounds[:-1]).tolist()
             heads = order[bounds[:-1]]
-            lsorted, rsorted = lstart[order, None], rstart[order, None]  # each entry: a slice of these
             for j, key, phase, a, b, nb in zip(t.rank_pos[heads].tolist(), t.key[heads].tolist(), t.phase[heads].tolist(),
                                                 bounds[:-1], bounds[1:], sizes):
-                self._rank_keys.setdefault(self.sources[j], []).append((key, phase, lsorted[a:b], rsorted[a:b], nb))
+                entries.setdefault(self.sources[j], []).append((key, phase, order[a:b], nb))
+        self._entries = entries
+        self._build_remote_rows()
+
+    def _build_remote_rows(self) -> None:
+        """The remote descriptor rows, ID starts and the per-request lanes, from the remote ranks'
+        regions and the row layout :meth:`_build_rows` made: all that another engine of the
+        layout whose regions hold other block counts changes (:meth:`recounted`)."""
+        remote_start = np.empty(len(self._row_segment), dtype=np.int64)
+        self.remote_descs = {}
+        totals = [self._local_total]
+        for p, idx in self._rank_rows.items():
+            rows = _descriptor_rows(self.remote[p], *self._remote_segments[p])
+            self.remote_descs[p] = rows.astype(np.uint64)
+            starts = np.add.accumulate(rows[:, 4])
+            totals.append(int(starts[-1]))
+            remote_start[idx] = starts - rows[:, 4]
+        if self._row_of is not None:
+            remote_start = remote_start[self._row_of]
+        self.read_ranks = tuple(self.remote_descs)  # covered order: ascending
+        # Descriptor IDs fit NIXL's int32 indices unless a list holds 2**31 descriptors; int32
+        # halves the memory every request writes.
+        self._id_dtype = np.int32 if max(totals) < 2**31 else np.int64
+        self._np_dtype = np.dtype(self._id_dtype)
+        self._unsigned = np.dtype(np.uint32 if self._id_dtype is np.int32 else np.uint64)  # for one-sided bounds checks
+        self._remote_start = remote_start
+        # remote rank -> [(pairing key, phase, local row starts, remote row starts (as columns), bytes per block)],
+        # precomputed so resolve() is one broadcast add per entry into a preallocated array.
+        lstart, rstart = self._local_start.astype(self._id_dtype), remote_start.astype(self._id_dtype)
+        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {
+            p: [(key, phase, lstart[at, None], rstart[at, None], nb) for key, phase, at, nb in found]
+            for p, found in self._entries.items()
+        }
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
         # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
         self._remote_twin: dict[int, int] = {}
@@ -626,7 +637,10 @@ class TransferPlan:
             for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
         )
         plan = self._with(made_as="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
-        plan._build_rows(same_sharing=self._aliased and all(_same_partition(self.remote[p], remote[p]) for p in self.sources))
+        if not self._aliased or all(_same_partition(self.remote[p], remote[p]) for p in self.sources):
+            plan._build_remote_rows()  # the local rows and which layers share them stand
+        else:
+            plan._build_rows()
         return plan
 
     @cached_property
