@@ -513,6 +513,29 @@ def test_an_engine_with_other_block_counts_parses_from_the_remembered_shape_as_a
     assert hit.class_keys == cold.class_keys and hit.class_firsts == cold.class_firsts
     assert [r.num_blocks for r in hit.regions] == [r.num_blocks - 5 for r in first.regions]
     assert hit.layout_key != first.layout_key  # negative control: the counts are part of the layout
+    assert hit._shape_tail is shaped.shape  # the shape's own key, not made again per engine
+
+
+def test_a_recounted_layout_keys_every_class_with_its_new_count_as_a_cold_parse_does() -> None:
+    """The hybrid's three classes (two Mamba, one attention): a recounted layout's layout key
+    (each class's key with its own new count) and shape key equal a cold parse's."""
+    from nixlkv.core import geometry as geometry_module
+
+    d = Dispatcher.from_plugins()
+    _, remote, _ = hybrid_setup(Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous"), d)
+    wire = columnar(remote)[min(remote)]
+    wire["region_classes"][1]["num_blocks"] += 7  # classes with counts of their own
+    geometry_module.forget_parsed()
+    first = RankGeometry.from_dict(other_engine(wire, 1))
+    assert len(first.class_keys) == 3
+    fewer = rank_with_fewer_blocks(other_engine(wire, 2), 3)
+    fewer["region_classes"][2]["num_blocks"] -= 2
+    hit = RankGeometry.from_dict(fewer)
+    geometry_module.forget_parsed()
+    cold = RankGeometry.from_dict(copy.deepcopy(fewer))
+    assert hit.layout_key == cold.layout_key != first.layout_key  # control: the first engine's counts differ
+    assert hit.shape_key == cold.shape_key == first.shape_key
+    assert [k[1] for k in hit.class_keys.values()] == [c["num_blocks"] for c in fewer["region_classes"]]
     assert not np.array_equal(hit.columns[:, 4], first.columns[:, 4])
 
 

@@ -654,8 +654,13 @@ class RankGeometry:
         of one model and configuration, however many blocks each engine's memory holds. Such an
         engine has the same segments as one planned before (:func:`counted_out`); only what the
         counts decide (descriptor rows and IDs, pairing bounds) is made for it."""
-        names, groups, classes, keys = self._layout_tail
-        return (self.tp_size, self.tp_rank, names, groups, classes, tuple((c, counted_out(k)) for c, k in keys))
+        return (self.tp_size, self.tp_rank, *self._shape_tail)
+
+    @cached_property
+    def _shape_tail(self) -> tuple[Any, ...]:
+        """:attr:`shape_key` but TP size and rank: the same object for every rank parsed with one
+        remembered column layout, or one recounted from it."""
+        return _shape_of(self._layout_tail)
 
     @cached_property
     def _layout_tail(self) -> tuple[Any, ...]:
@@ -752,6 +757,8 @@ class RankGeometry:
         if layout.tail is None:
             layout.tail = self._layout_tail
         self.__dict__["_layout_tail"] = layout.tail
+        if layout.shape is not None:
+            self.__dict__["_shape_tail"] = layout.shape
 
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
@@ -949,7 +956,7 @@ class _ColumnLayout:
     non-empty, groups and class ids in range), with what the geometry derives from them alone:
     every engine of one model sends the same, so a later rank of it skips those checks."""
 
-    __slots__ = ("protos", "keys", "names", "groups", "classes", "class_ids", "firsts", "template", "tail")
+    __slots__ = ("protos", "keys", "names", "groups", "classes", "class_ids", "firsts", "template", "tail", "shape")
 
     def __init__(self, known: list[Any], names: list[str], groups: list[int], classes: list[int]) -> None:
         """``known``: per class description, (its validated region's fields, its geometry_key)."""
@@ -960,6 +967,7 @@ class _ColumnLayout:
         self.firsts: dict[int, int] | None = None  # RankGeometry.class_firsts, once made
         self.template: np.ndarray | None = None  # columns with bases 0 (ends are spans), once made
         self.tail: tuple[Any, ...] | None = None  # RankGeometry._layout_tail, once made
+        self.shape: tuple[Any, ...] | None = None  # RankGeometry._shape_tail, once a recount made it
 
     def recounted(self, counts: tuple[int, ...]) -> _ColumnLayout | None:
         """This layout with ``counts`` blocks per class (exact ints): what parsing the same shape
@@ -976,8 +984,13 @@ class _ColumnLayout:
             spans.append(span)
         layout = _new(_ColumnLayout)  # by hand: copy.copy costs ~2 us here, ten times this
         layout.names, layout.groups, layout.classes, layout.class_ids = self.names, self.groups, self.classes, self.class_ids
-        layout.protos, layout.keys, layout.firsts, layout.tail = protos, keys, self.firsts, None
+        layout.protos, layout.keys, layout.firsts, layout.tail, layout.shape = protos, keys, self.firsts, None, None
         layout.template = None
+        if self.tail is not None:  # the tail with the new counts in its class keys; the shape is the same
+            names, groups, class_ids, old = self.tail
+            if self.shape is None:
+                self.shape = _shape_of(self.tail)
+            layout.tail, layout.shape = (names, groups, class_ids, tuple((c, keys[c]) for c, _ in old)), self.shape
         if self.template is not None:
             of = np.array(self.class_ids, dtype=np.int64)
             template = self.template.copy()
@@ -1194,6 +1207,12 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
 def geometry_key(region: Region) -> tuple[Any, ...]:
     """Everything about a region but its name, base and KV group, hashable, types included."""
     return (region.strategy, region.num_blocks, region.block_stride, region.page, _freeze(region.facts))
+
+
+def _shape_of(layout_tail: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A :attr:`RankGeometry._layout_tail` less its block counts."""
+    names, groups, classes, keys = layout_tail
+    return (names, groups, classes, tuple((c, counted_out(k)) for c, k in keys))
 
 
 def counted_out(key: tuple[Any, ...]) -> tuple[Any, ...]:
