@@ -455,11 +455,12 @@ class TransferPlan:
         # Rows of each remote rank, in row order: one slice of a stable sort by rank.
         remote_idx = pick(t.remote_idx)
         if len(self.sources) == 1:
+            rank_order, cuts = None, [0, rank_pos.size]
             by_rank = [np.arange(rank_pos.size, dtype=np.int64)]
         else:
-            order = rank_pos.argsort(kind="stable")
-            cuts = rank_pos[order].searchsorted(np.arange(len(self.sources) + 1)).tolist()
-            by_rank = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+            rank_order = rank_pos.argsort(kind="stable")
+            cuts = rank_pos[rank_order].searchsorted(np.arange(len(self.sources) + 1)).tolist()
+            by_rank = [rank_order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         # per remote rank with rows: (its rows' places among all rows, the segments they describe)
         self._remote_segments: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # what rebased() needs
         self._rank_rows: dict[int, np.ndarray] = {}
@@ -471,14 +472,18 @@ class TransferPlan:
                 rank_bytes[p] = sum(src[2].tolist())  # tens of rows: a Python sum beats a reduction's call
         self._row_of = None if shared is None else row_of
         self._local_start = local_start if shared is None else local_start[row_of]
-        # remote rank -> [(pairing key, phase, segments (their places in the starts), bytes per block)]:
-        # what resolve()'s entries are made of, whatever the remote rows' block counts
-        entries: dict[int, list[tuple[int, int, Any, int]]] = {}
+        # remote rank -> [(pairing key, phase, start, stop, bytes per block)]: resolve()'s entries,
+        # whatever the remote rows' block counts, each the segments at [start, stop) of
+        # _entry_order (None: segment order)
+        entries: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        order = None
         phased = bool(np.count_nonzero(t.phase))  # any pair not in phase 0 (count_nonzero: the cheapest call)
         if n and len(self.pairings) == 1 and shared is None and not phased:
-            for p, idx in zip(self.sources, by_rank):  # one pairing, one phase: an entry is a rank's rows
-                if idx.size:
-                    entries[p] = [(0, 0, idx, rank_bytes[p])]  # rows are segments here
+            # one pairing, one phase: an entry is a rank's rows (rows are segments here)
+            order = rank_order
+            for p, a, b in zip(self.sources, cuts[:-1], cuts[1:]):
+                if b > a:
+                    entries[p] = [(0, 0, a, b, rank_bytes[p])]
         elif n:
             # entries: runs of equal (rank, pairing, phase) in that order, layer order within
             sel = t.rank_pos * (len(self.pairings) + 1) + t.key
@@ -491,7 +496,8 @@ class TransferPlan:
             heads = order[bounds[:-1]]
             for j, key, phase, a, b, nb in zip(t.rank_pos[heads].tolist(), t.key[heads].tolist(), t.phase[heads].tolist(),
                                                 bounds[:-1], bounds[1:], sizes):
-                entries.setdefault(self.sources[j], []).append((key, phase, order[a:b], nb))
+                entries.setdefault(self.sources[j], []).append((key, phase, a, b, nb))
+        self._entry_order = order
         self._entries = entries
         self._build_remote_rows()
 
@@ -520,8 +526,11 @@ class TransferPlan:
         # remote rank -> [(pairing key, phase, local row starts, remote row starts (as columns), bytes per block)],
         # precomputed so resolve() is one broadcast add per entry into a preallocated array.
         lstart, rstart = self._local_start.astype(self._id_dtype), remote_start.astype(self._id_dtype)
+        if self._entry_order is not None:  # each entry: a slice of the starts in entry order
+            lstart, rstart = lstart[self._entry_order], rstart[self._entry_order]
+        lcol, rcol = lstart[:, None], rstart[:, None]
         self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {
-            p: [(key, phase, lstart[at, None], rstart[at, None], nb) for key, phase, at, nb in found]
+            p: [(key, phase, lcol[a:b], rcol[a:b], nb) for key, phase, a, b, nb in found]
             for p, found in self._entries.items()
         }
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
