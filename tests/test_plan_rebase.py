@@ -534,6 +534,7 @@ def test_a_recounted_layout_keys_every_class_with_its_new_count_as_a_cold_parse_
     geometry_module.forget_parsed()
     cold = RankGeometry.from_dict(copy.deepcopy(fewer))
     assert hit.layout_key == cold.layout_key != first.layout_key  # control: the first engine's counts differ
+    assert np.array_equal(hit.columns, cold.columns) and not np.array_equal(hit.columns[:, 4], first.columns[:, 4])
     assert hit.shape_key == cold.shape_key == first.shape_key
     assert [k[1] for k in hit.class_keys.values()] == [c["num_blocks"] for c in fewer["region_classes"]]
     assert not np.array_equal(hit.columns[:, 4], first.columns[:, 4])

@@ -992,10 +992,13 @@ class _ColumnLayout:
                 self.shape = _shape_of(self.tail)
             layout.tail, layout.shape = (names, groups, class_ids, tuple((c, keys[c]) for c, _ in old)), self.shape
         if self.template is not None:
-            of = np.array(self.class_ids, dtype=np.int64)
             template = self.template.copy()
-            template[:, COL_BLOCKS] = np.array(counts, dtype=np.int64)[of]
-            template[:, COL_END] = np.array(spans, dtype=np.int64)[of]
+            if len(counts) == 1:  # one class (a dense model): every region's count and span
+                template[:, COL_BLOCKS], template[:, COL_END] = counts[0], spans[0]
+            else:
+                of = np.array(self.class_ids, dtype=np.int64)
+                template[:, COL_BLOCKS] = np.array(counts, dtype=np.int64)[of]
+                template[:, COL_END] = np.array(spans, dtype=np.int64)[of]
             layout.template = template
         return layout
 
