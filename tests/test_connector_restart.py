@@ -27,10 +27,10 @@ def stop_all(d: PDEngine | None, *prefills: tuple) -> None:
             stop(proc, pipe)
 
 
-def decode_engine() -> PDEngine:
+def decode_engine(case: PDCase = PDCase()) -> PDEngine:
     """The decode engine of these tests: short timeouts, its caches filled with the sentinel."""
-    d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
-                                          "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
+    d = PDEngine(case, "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
+                                       "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0})
     oracle.fill_decode(d.ranks[0])
     return d
 
@@ -90,21 +90,25 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
         stop_all(d, (old, old_pipe), (new, new_pipe))
 
 
-def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_plans_segments(caplog) -> None:
+# per model, the blocks a 40-token prompt loads in each KV group (the hybrid: two Mamba groups, one
+# running state each, and its attention group at a larger block size)
+@pytest.mark.parametrize("model,loads", [("llama", [3]), ("nemotron-h", [1, 1, 2])])
+def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_plans_segments(model: str, loads, caplog) -> None:
     """The same model and configuration restarted with another memory budget (fewer KV blocks):
     D plans it from the segments it already has (the shape memo: no strategy asked again) with
-    rows and bounds of the new block count, and loads byte-exact through real NIXL."""
-    old, old_pipe, old_params = start_prefill(PDCase(), {"a": 40})
+    rows and bounds of the new block count, only its remote side made anew (the hybrid's groups
+    alias one tensor on both engines alike), and loads byte-exact through real NIXL."""
+    old, old_pipe, old_params = start_prefill(PDCase(model), {"a": 40})
     new = new_pipe = d = None
     try:
         port = old_params["a"]["remote_port"]
-        d = decode_engine()
+        d = decode_engine(PDCase(model))
         run_decode(d, old_params, {"a": 40})
         assert d.finished_recving == {"a"} and not d.failed_recving
         (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
         old.kill()
         old.join(10)
-        new, new_pipe, new_params = start_prefill(PDCase(num_blocks=72), {"c": 40}, port=port, first_prompt=10)
+        new, new_pipe, new_params = start_prefill(PDCase(model, num_blocks=72), {"c": 40}, port=port, first_prompt=10)
         d.add("c", prompt(10, 40), 2, dict(new_params["c"]))  # another prompt: nothing of it cached on D
         deadline = time.monotonic() + 60
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
@@ -115,12 +119,14 @@ def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_
         counted = [sum(s.reduce()[k] for s in d.stats) for k in ("handshakes_planned", "handshakes_rebased", "handshakes_recounted")]
         assert counted == [1, 0, 1]  # what D's metrics count: the first P planned, the restarted one recounted
         assert d.finished_recving == {"a", "c"} and not d.failed_recving
-        assert len(d.recv_blocks["c"][0]) == 3  # every block of the 40-token prompt loaded
-        expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
+        assert [len(g) for g in d.recv_blocks["c"]] == loads  # every block of the 40-token prompt loaded
+        expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]}, d.recv_tokens)
         assert oracle.compare(d.ranks[0], expected) is None
         (live_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
         assert live_plan._table is first_plan._table  # the first plan's segments, recounted
-        assert [g.remote_num_blocks for g in live_plan.pairings] == [72] != [g.remote_num_blocks for g in first_plan.pairings]
+        assert live_plan.local_descs is first_plan.local_descs  # its local rows kept: the remote side made anew
+        assert live_plan._aliased == (model == "nemotron-h")
+        assert {g.remote_num_blocks for g in live_plan.pairings} == {72} != {g.remote_num_blocks for g in first_plan.pairings}
         assert not all(np.array_equal(live_plan.remote_descs[p], first_plan.remote_descs[p]) for p in live_plan.remote_descs)
         assert new_pipe.poll(60)
         report = new_pipe.recv()
