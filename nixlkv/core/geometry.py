@@ -658,8 +658,8 @@ class RankGeometry:
 
     @cached_property
     def _shape_tail(self) -> tuple[Any, ...]:
-        """:attr:`shape_key` but TP size and rank: the same object for every rank parsed with one
-        remembered column layout, or one recounted from it."""
+        """:attr:`shape_key` but TP size and rank: once a layout was recounted, the same object for
+        every rank parsed with it or with a recount of it (the column layout holds it)."""
         return _shape_of(self._layout_tail)
 
     @cached_property
