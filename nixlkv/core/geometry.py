@@ -980,7 +980,7 @@ class _ColumnLayout:
             if count < 1 or (count > 1 and page > stride) or span >= ADDRESS_LIMIT:
                 return None
             protos.append({**proto, "num_blocks": count})
-            keys.append((key[0], count, *key[2:]))
+            keys.append(counted_in(key, count))
             spans.append(span)
         layout = _new(_ColumnLayout)  # by hand: copy.copy costs ~2 us here, ten times this
         layout.names, layout.groups, layout.classes, layout.class_ids = self.names, self.groups, self.classes, self.class_ids
@@ -1222,6 +1222,11 @@ def counted_out(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """A :func:`geometry_key` less the block count: what a segments_by_geometry strategy's
     segments depend on (they map bytes of one page pair, however many pages a region holds)."""
     return (key[0], *key[2:])
+
+
+def counted_in(key: tuple[Any, ...], count: int) -> tuple[Any, ...]:
+    """A :func:`geometry_key` with ``count`` blocks: the key of a region alike but for its count."""
+    return (key[0], count, *key[2:])
 
 
 def _freeze(value: Any) -> Any:

@@ -428,8 +428,7 @@ class TransferPlan:
         # One descriptor row per distinct (local row, remote rank, remote row): layers that alias
         # one KV tensor (a hybrid's groups) describe the same bytes, and register them once.
         aliased = n > 1 and _regions_overlap(self.local)
-        shared = self._shared_rows(self.remote) if aliased else None
-        self._shared = shared
+        self._shared = shared = self._shared_rows(self.remote) if aliased else None
         self._aliased = aliased
         # Another engine's addresses change only each remote row's own address where every
         # strategy's segments ignore addresses (and, where local layers alias, the new engine
