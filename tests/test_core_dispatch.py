@@ -20,6 +20,7 @@ from nixlkv.core import (
     Dispatcher,
     IdScratch,
     IncompatibleGeometry,
+    IncompatibleTopology,
     LayerCache,
     NoStrategyError,
     PageLayout,
@@ -512,6 +513,22 @@ def _equal_tp_plan(disp: Dispatcher | None = None) -> TransferPlan:
     local = disp.local_geometry("decode", Topology(1, 0), loc, [(0x10000, 8 * 256), (0x40000, 6 * 64)], device_id=1)
     remote = disp.local_geometry("prefill", Topology(1, 0), rem, _memory(rem), device_id=5)
     return disp.plan(local, {0: remote})
+
+
+def test_a_remote_tp_size_beyond_any_engine_is_refused_before_anything_is_sized_by_it() -> None:
+    """A peer built by hand (no parse refused it) saying it runs 2**40 ranks: the ranks a decode
+    rank covers are sized by that, and planning made sets and tuples of them (out of memory).
+    It is refused as a topology, naming the remote TP size."""
+    disp = Dispatcher(registry(*standard()))
+    loc, rem = _local_layers(), _remote_layers()
+    local = disp.local_geometry("decode", Topology(1, 0), loc, [(0x10000, 8 * 256), (0x40000, 6 * 64)], device_id=1)
+    huge = disp.local_geometry("prefill", Topology(2**40, 0), rem, _memory(rem), device_id=5)
+    with pytest.raises(IncompatibleTopology, match="remote tp=1099511627776"):
+        disp.plan(local, {0: huge})
+    with pytest.raises(IncompatibleTopology, match="remote tp="):
+        disp.needed_ranks(local, 2**40)
+    # control: the same peer at TP 1 plans
+    assert disp.plan(local, {0: disp.local_geometry("prefill", Topology(1, 0), rem, _memory(rem), device_id=5)}).segments
 
 
 def test_plan_descriptor_rows() -> None:

@@ -385,6 +385,9 @@ SEMANTICALLY_INVALID: dict[str, Callable[[dict], None]] = {
     "page larger than stride": _set(("regions", 0, "block_stride"), 8),
     "duplicate region names": _set(("regions", 1, "name"), "L0"),
     "zero tp_size": _set(("tp_size",), 0),
+    # found by fuzzing the wire: a TP size sizes what planning allocates (the covered ranks), so
+    # 2**40 ranks ran the dispatcher out of memory instead of being refused here
+    "tp_size beyond any engine": _set(("tp_size",), 2**40),
     "tp_rank beyond tp_size": _set(("tp_rank",), 7),
     # found by the handshake campaign: a region reaching past any address (2**63 - 1 blocks) was
     # refused only when the columns were first read, after parsing, as an IncompatibleGeometry

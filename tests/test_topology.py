@@ -17,6 +17,7 @@ from nixlkv.core.topology import (
     HeadRun,
     Topology,
     check_heads_shardable,
+    MAX_TP_SIZE,
     check_tp_pair,
     check_units_shardable,
     consumers_per_remote_rank,
@@ -224,6 +225,22 @@ def test_non_divisible_tp_pairs_raise(local_tp: int, remote_tp: int) -> None:
             call()
         assert _mentions(str(info.value), local_tp, remote_tp), str(info.value)
         assert isinstance(info.value, NixlkvError)
+
+
+@pytest.mark.parametrize("local_tp,remote_tp", [(2, 0), (0, 2), (2, -2), (2, MAX_TP_SIZE * 2), (2, 2**40), (2**40, 2)])
+def test_tp_sizes_outside_any_engine_raise(local_tp: int, remote_tp: int) -> None:
+    """A TP size of 0 divided by zero, and one of 2**40 made a range of covered ranks that
+    planning turned into sets and tuples (out of memory): both are refused, naming the side."""
+    side = "local" if not 1 <= local_tp <= MAX_TP_SIZE else "remote"
+    for call in (
+        lambda: check_tp_pair(local_tp, remote_tp),
+        lambda: covered_remote_ranks(0, local_tp, remote_tp),
+        lambda: consumers_per_remote_rank(local_tp, remote_tp),
+    ):
+        with pytest.raises(IncompatibleTopology, match=f"{side} tp=") as info:
+            call()
+        assert str(MAX_TP_SIZE) in str(info.value)
+    check_tp_pair(2, MAX_TP_SIZE)  # control: the largest TP group is a TP group
 
 
 @pytest.mark.parametrize("tp,num_heads", [(4, 6), (2, 3), (6, 4), (16, 12), (3, 8)])

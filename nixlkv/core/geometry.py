@@ -28,6 +28,7 @@ import numpy as np
 
 from .cached import cached_property, remember
 from .errors import HandshakeError, IncompatibleGeometry
+from .topology import MAX_TP_SIZE
 
 MAX_RUNS_PER_BOX = 1 << 16
 # RankGeometry.columns: the first five are a descriptor row's (address, length, device, stride, count)
@@ -812,6 +813,8 @@ class RankGeometry:
         per-region form (:meth:`to_dict`); HandshakeError naming the field otherwise."""
         try:
             tp_size, tp_rank = _int(d["tp_size"], "tp_size"), _int(d["tp_rank"], "tp_rank")
+            if not 1 <= tp_size <= MAX_TP_SIZE:
+                raise HandshakeError(f"tp_size must be in [1, {MAX_TP_SIZE}] (no engine runs a larger TP group), got {tp_size}")
             if not 0 <= tp_rank < tp_size:
                 raise HandshakeError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
             columnar = "region_classes" in d or "region_columns" in d

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from .errors import IncompatibleTopology
 
+# No engine runs a larger tensor-parallel group. A bound, because a TP size sizes what planning
+# allocates (the ranks a decode rank covers): a peer advertising 2**40 ranks is refused, not obeyed.
+MAX_TP_SIZE = 4096
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -43,6 +47,9 @@ class HeadRun:
 def check_tp_pair(local_tp: int, remote_tp: int) -> None:
     """P and D TP sizes must divide one another (vLLM's own rule, for the same reason: every
     rank of the larger side maps onto exactly one rank of the smaller side)."""
+    for side, tp in (("local", local_tp), ("remote", remote_tp)):
+        if not 1 <= tp <= MAX_TP_SIZE:
+            raise IncompatibleTopology(f"{side} tp={tp} is outside [1, {MAX_TP_SIZE}]: no engine runs such a TP group")
     big, small = max(local_tp, remote_tp), min(local_tp, remote_tp)
     if big % small:
         raise IncompatibleTopology(

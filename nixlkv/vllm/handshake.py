@@ -39,11 +39,12 @@ import msgspec
 
 from ..core.errors import HandshakeError
 from ..core.geometry import RankGeometry, first_outside_memory
+from ..core.topology import MAX_TP_SIZE
 
 logger = logging.getLogger("nixlkv.connector")
 
 SCHEMA_VERSION = 1
-MAX_RANKS = 4096
+MAX_RANKS = MAX_TP_SIZE
 MAX_REGIONS = 1 << 16
 MAX_MEMORY_RANGES = 1 << 12
 MAX_PAGE_AXES = 16
