@@ -79,6 +79,24 @@ def test_the_comparison_can_fail(monkeypatch) -> None:
     assert outcome(plan, [[1, 2]], [[3, 4, 5]]) != outcome(undeclared(plan), [[1, 2]], [[3, 4, 5]])
 
 
+@pytest.mark.parametrize("bad", [1.5, 2.0, "2", None, [2]])
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_an_id_that_is_no_integer_is_refused_not_truncated(bad, side: str) -> None:
+    """Found by fuzzing resolve: a Python list holding 1.5 fell back to ``np.fromiter``, which
+    truncated it to block 1 and read that block. Refused, on the core's path and the strategy's,
+    where an array of floats always was (control: the same request with the integer resolves)."""
+    d = Dispatcher.from_plugins()
+    local, remote = ranks(d, SMALL, 2, 1)
+    plan = d.plan(local, remote)
+    for p in (plan, undeclared(plan)):
+        lo, ro = [1, 3], [4, 5]
+        (lo if side == "local" else ro)[0] = bad
+        verdict = outcome(p, [lo], [ro])
+        assert verdict[0] == "refused" and f"{side} block ids of group 0 must be a flat list" in verdict[1], verdict
+        (lo if side == "local" else ro)[0] = 2
+        assert outcome(p, [lo], [ro])[0] != "refused"
+
+
 def test_a_subclass_that_pairs_otherwise_is_not_paired_by_the_core() -> None:
     class Trims(FullAttentionStrategy):
         name = "trims"

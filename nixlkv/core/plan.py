@@ -984,8 +984,8 @@ def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np
             if raw.dtype != dtype and raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(dtype).max):
                 raise OverflowError(f"ids span [{int(raw.min())}, {int(raw.max())}]")
             arr = raw.astype(dtype, copy=False)
-        else:
-            arr = np.fromiter(raw, dtype=dtype, count=len(raw))
+        else:  # each id an integer (operator.index): fromiter alone would truncate 1.5 to block 1
+            arr = np.fromiter(map(operator.index, raw), dtype=dtype, count=len(raw))
     except (TypeError, ValueError, OverflowError) as e:
         raise RequestError(f"{side} block ids of group {group} must be a flat list of integers: {e}") from None
     if arr.ndim != 1:
