@@ -42,6 +42,14 @@ def test_all_keys_parse() -> None:
     assert c.heartbeat_interval_s == 0.0 and ConnectorConfig.parse({}, env={}).heartbeat_interval_s == 5.0
 
 
+def test_time_settings_reach_a_day_and_nixl_counts_their_bounds() -> None:
+    """Controls for the upper bounds: each bound itself is accepted."""
+    c = ConnectorConfig.parse({"handshake_timeout_s": 86400, "transfer_timeout_s": 86400.0, "lease_s": 86400,
+                               "heartbeat_interval_s": 86400, "nixl_num_threads": 1024, "nixl_progress_delay_us": 10**6}, env={})
+    assert c.lease_s == c.handshake_timeout_s == c.transfer_timeout_s == c.heartbeat_interval_s == 86400.0
+    assert (c.nixl_num_threads, c.nixl_progress_delay_us) == (1024, 10**6)
+
+
 def test_unknown_key_lists_known_keys() -> None:
     with pytest.raises(ConfigError) as e:
         ConnectorConfig.parse({"lease": 3, "backend": ["UCX"]}, env={})
@@ -74,6 +82,15 @@ def test_unknown_key_lists_known_keys() -> None:
     ("descriptor_mode", None),
     ("staging_bytes", 4096),
     ("staging_bytes", "64MiB"),
+    # found by fuzzing the config: accepted, then an OverflowError at the first handshake (the
+    # socket's timeout), or a lease every decode engine refuses on the wire (it then computed every
+    # prompt itself: no transfer at all)
+    ("handshake_timeout_s", float("inf")),
+    ("transfer_timeout_s", 1e300),
+    ("lease_s", 86400.5),
+    ("heartbeat_interval_s", float("inf")),
+    ("nixl_num_threads", 2**70),
+    ("nixl_progress_delay_us", 10**7),
 ])
 def test_bad_values_name_the_key(key, value) -> None:
     with pytest.raises(ConfigError, match=key):

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..core.errors import NixlkvError
 from ..core.staging import DEFAULT_STAGING_BYTES, DESCRIPTOR_MODES
+from .params import MAX_LEASE_S
 
 MIN_STAGING_BYTES = 1 << 20  # two halves of at least one typical page each
 
@@ -21,6 +22,14 @@ class ConfigError(NixlkvError):
 
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+# Every time setting is at most a day, as a lease is on the wire (a decode engine refuses a longer
+# one and computes each such prompt itself, no transfer): beyond, a timeout is a typo, and an
+# endless one overflows the socket's and the clock's timeouts.
+MAX_SECONDS = MAX_LEASE_S
+# Upper bounds of the NIXL integer settings (each passed to C): a thread count and a pause beyond
+# them are typos, and a value beyond 64 bits fails inside NIXL with no name for the setting.
+MAX_NIXL_THREADS = 1024
+MAX_PROGRESS_DELAY_US = 1_000_000  # a second between polls of each agent's progress thread
 
 # vLLM NixlConnector's kv_connector_extra_config keys a user may carry over: the same setting under
 # nixlkv's name (``backends`` is spelled alike) ...
@@ -121,14 +130,14 @@ class ConnectorConfig:
         for key in ("handshake_timeout_s", "transfer_timeout_s", "lease_s"):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                    raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+                    raise ConfigError(f"{key} must be a positive number of seconds, at most {MAX_SECONDS:g} (a day), got {value!r}")
                 out[key] = float(value)
         if "heartbeat_interval_s" in extra:
             value = extra["heartbeat_interval_s"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
                 raise ConfigError(
-                    f"heartbeat_interval_s must be a number of seconds >= 0 (0: no heartbeats), got {value!r}"
+                    f"heartbeat_interval_s must be a number of seconds in [0, {MAX_SECONDS:g}] (0: no heartbeats), got {value!r}"
                 )
             out["heartbeat_interval_s"] = float(value)
         if "descriptor_mode" in extra:
@@ -139,11 +148,12 @@ class ConnectorConfig:
                     f"measured costs), got {value!r}"
                 )
             out["descriptor_mode"] = value
-        for key, lo in (("nixl_num_threads", 0), ("nixl_progress_delay_us", 0), ("max_handshake_bytes", 1024), ("staging_bytes", MIN_STAGING_BYTES)):
+        for key, lo, hi in (("nixl_num_threads", 0, MAX_NIXL_THREADS), ("nixl_progress_delay_us", 0, MAX_PROGRESS_DELAY_US),
+                            ("max_handshake_bytes", 1024, None), ("staging_bytes", MIN_STAGING_BYTES, None)):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                    raise ConfigError(f"{key} must be an integer >= {lo}, got {value!r}")
+                if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+                    raise ConfigError(f"{key} must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {value!r}")
                 out[key] = value
         for key in ("capture_dir", "dump_kv_dir"):
             if extra.get(key) is not None:
