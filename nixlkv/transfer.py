@@ -18,6 +18,7 @@ import numpy as np
 from .agent import make_agent
 from .core.errors import NixlkvError
 from .core.plan import ResolvedRequest, TransferPlan
+from .core.topology import MAX_TP_SIZE
 
 NOTIF_PREFIX = "nixlkv"
 
@@ -40,13 +41,16 @@ def notification(remote_request_id: str, consumers: int) -> bytes:
 
 
 def parse_notification(msg: bytes) -> tuple[str, int] | None:
-    """(request id, consumers) of a nixlkv notification, or None for anything else."""
+    """(request id, consumers) of a nixlkv notification, or None for anything else: a count of
+    consumers outside [1, MAX_TP_SIZE] too (every notification comes from one of them, so 0 would
+    free the blocks while the other readers still read)."""
     try:
         prefix, rest = msg.decode().split(":", 1)
         request_id, consumers = rest.rsplit(":", 1)
-        if prefix != NOTIF_PREFIX or not request_id:
+        count = int(consumers)
+        if prefix != NOTIF_PREFIX or not request_id or not 1 <= count <= MAX_TP_SIZE:
             return None
-        return request_id, int(consumers)
+        return request_id, count
     except (UnicodeDecodeError, ValueError):
         return None
 

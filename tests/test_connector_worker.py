@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nixlkv.testing import oracle
-from nixlkv.transfer import notification
+from nixlkv.transfer import notification, parse_notification
 from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.metadata import NixlkvMetadata, RecvRequest
 
@@ -156,6 +156,22 @@ def test_out_of_range_block_ids_fail_the_request_only() -> None:
         d.close()
 
 
+@pytest.mark.parametrize("msg,parsed", [
+    (notification("r-1", 2), ("r-1", 2)),
+    (notification("a:b", 1), ("a:b", 1)),  # a request id may hold the separator
+    (notification("r", 4096), ("r", 4096)),
+    (notification("r", 0), None),  # every notification comes from a consumer: 0 freed at once
+    (notification("r", -1), None),
+    (notification("r", 4097), None),  # more readers than any TP group holds
+    (b"nixlkv:r:x", None),
+    (b"nixlkv::1", None),
+    (b"other:r:1", None),
+    (b"\xff\xfe", None),
+])
+def test_a_notification_parses_only_with_a_count_of_consumers_a_tp_group_can_have(msg: bytes, parsed) -> None:
+    assert parse_notification(msg) == parsed
+
+
 def test_unknown_notification_is_ignored_and_logged(caplog) -> None:
     sc = fa_scenario(1, 1, num_tokens=40)
     p = Engine(sc, "prefill", "P", serve=False, config=ConnectorConfig(lease_s=0.2))
@@ -168,6 +184,8 @@ def test_unknown_notification_is_ignored_and_logged(caplog) -> None:
         with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
             dw.nixl.agent.send_notif(name, notification("nobody", 1))
             dw.nixl.agent.send_notif(name, b"not-nixlkv")
+            # no consumers: it freed the held request at once (1 notification >= 0 consumers)
+            dw.nixl.agent.send_notif(name, notification("held", 0))
             sent = set()
             deadline = time.monotonic() + 3
             while time.monotonic() < deadline and not pw._early:
@@ -179,7 +197,7 @@ def test_unknown_notification_is_ignored_and_logged(caplog) -> None:
         assert "held" in pw._holds
         assert "unknown request nobody" in caplog.text
         assert "dropped 1 notification(s) for unknown request nobody" in caplog.text
-        assert pw.take_stats().reduce()["ignored_notifications"] >= 2
+        assert pw.take_stats().reduce()["ignored_notifications"] >= 3
     finally:
         p.close()
         d.close()
