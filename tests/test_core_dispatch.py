@@ -7,6 +7,7 @@ plain integers; planning never touches memory, so none is allocated.
 from __future__ import annotations
 
 import json
+import re
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -765,6 +766,51 @@ def test_scripted_baseline_is_valid() -> None:
 def test_segment_leaving_the_page_is_rejected(segment: Callable[[Region, Region], Segment]) -> None:
     with pytest.raises(PlanValidationError):
         _scripted_plan(lambda local, remote: [segment(local, remote[0])])
+
+
+# What a plugin's segments() may hand back that is no list of Segment, or a Segment of other kinds
+# of values (found by fuzzing a scripted strategy: each escaped as an AttributeError or TypeError
+# from the dispatcher, or, for a float offset, was truncated to another byte).
+MALFORMED_SEGMENTS: dict[str, tuple[Callable[[Region, Region], Any], str]] = {
+    "None": (lambda l, p: None, "must return a list of Segment"),
+    "a string": (lambda l, p: "L0", "must return a list of Segment"),
+    "a number in the list": (lambda l, p: [5], "not a Segment"),
+    "a dict in the list": (lambda l, p: [{"local_region": l.name}], "not a Segment"),
+    "a float offset": (lambda l, p: [Segment(l.name, 1.5, 0, p.name, 0, 16)], "local_offset=1.5"),
+    "a bool size": (lambda l, p: [Segment(l.name, 0, 0, p.name, 0, True)], "nbytes=True"),
+    "a list as the rank": (lambda l, p: [Segment(l.name, 0, [0], p.name, 0, 16)], "remote_rank=[0]"),
+    "a list as a region": (lambda l, p: [Segment([l.name], 0, 0, p.name, 0, 16)], "local_region=['L0']"),
+    "a float phase": (lambda l, p: [Segment(l.name, 0, 0, p.name, 0, 16, 0.0)], "phase=0.0"),
+    "a size beyond 64 bits": (lambda l, p: [Segment(l.name, 0, 0, p.name, 0, 2**64)], "beyond 64 bits"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_SEGMENTS))
+def test_malformed_segments_are_refused_naming_the_strategy_and_the_field(case: str) -> None:
+    make, what = MALFORMED_SEGMENTS[case]
+    with pytest.raises(PlanValidationError, match=re.escape(what)) as info:
+        _scripted_plan(lambda local, remote: make(local, remote[0]))
+    assert "L0" in str(info.value)
+    # control: a generator of good segments is taken as its list
+    assert _scripted_plan(lambda local, remote: (s for s in whole(local, remote))).segments
+
+
+@pytest.mark.parametrize("answer", ["0", 0, [0.0], [[0]], [True], object()])
+def test_source_ranks_of_other_kinds_are_refused_naming_the_strategy(answer: Any) -> None:
+    class Picky(WholePage):
+        name = "toy_picky"
+        spec_types = (ToyFull,)
+
+        def source_ranks(self, region: Region, topology: Topology, remote_tp: int) -> Any:
+            return answer
+
+    disp = Dispatcher(registry(WholePage(), Picky()))
+    loc = [_layer("L0", 0, 0x1000)]
+    local = disp.local_geometry("d", Topology(1, 0), loc, _memory(loc))
+    with pytest.raises(PlanError, match="toy_picky.*source_ranks must return remote rank numbers"):
+        disp.needed_ranks(local, 1)
+    Picky.source_ranks = lambda self, region, topology, remote_tp: [0]  # control: a list of ints
+    assert disp.needed_ranks(local, 2) == (0,)
 
 
 def test_overlapping_segments_in_one_region_are_rejected() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -226,10 +227,14 @@ class Dispatcher:
         for region in local.class_regions:
             strategy = self.registry.by_name(region.strategy)
             ask = getattr(strategy, "source_ranks", None)
-            ranks = ask(region, topology, remote_tp) if ask is not None else None
-            if ranks is None:
+            answer = ask(region, topology, remote_tp) if ask is not None else None
+            if answer is None:
                 return tuple(covered)
-            ranks = set(ranks)
+            listed = tuple(answer) if isinstance(answer, Iterable) and not isinstance(answer, (str, bytes)) else None
+            if listed is None or not all(type(r) is int for r in listed):
+                raise PlanError(f"strategy {strategy.name!r} named the ranks to read layer {region.name!r} from as "
+                                f"{_short(answer)}: source_ranks must return remote rank numbers (int) or None")
+            ranks = set(listed)
             if not ranks or not ranks <= set(covered):
                 raise PlanError(
                     f"strategy {strategy.name!r} names remote ranks {sorted(ranks)} to read layer {region.name!r} from; "
@@ -405,6 +410,32 @@ def _template(
     whether every segment does (then other layers of the class can take the same rows)."""
     rows = []
     pos = {p: j for j, p in enumerate(covered)}
+    if isinstance(segs, (str, bytes)) or not isinstance(segs, Iterable):
+        raise PlanValidationError(
+            f"strategy {region.strategy!r} answered the segments of layer {region.name!r} with {_short(segs)}: "
+            "segments() must return a list of Segment"
+        )
+    segs = list(segs)
+    try:
+        _template_rows(segs, rows, pos, local, peers_geo, covered, region, peers)
+    except (AttributeError, TypeError):  # not a Segment, or a field of no kind a lookup takes
+        for seg in segs:
+            _check_segment_types(seg, region)
+        raise
+    if rows and set(map(type, chain.from_iterable(rows))) != {int}:  # a float, a bool, ... as an offset
+        for seg in segs:
+            _check_segment_types(seg, region)
+    try:
+        return np.array(rows, dtype=np.int64).reshape(-1, 7), all(r[0] == -1 and r[2] == -1 for r in rows)
+    except OverflowError as exc:
+        raise PlanValidationError(f"segments of {region.name!r} hold an offset or size beyond 64 bits: {exc}") from None
+
+
+def _template_rows(
+    segs: Sequence[Segment], rows: list[tuple[int, ...]], pos: Mapping[int, int], local: RankGeometry,
+    peers_geo: Sequence[RankGeometry], covered: Sequence[int], region: Region, peers: Mapping[int, Region],
+) -> None:
+    """:func:`_template`'s rows, appended to ``rows``: each segment's regions looked up."""
     for seg in segs:
         if seg.local_region == region.name:
             li = -1
@@ -428,10 +459,27 @@ def _template(
                     f"segment reads unknown region {seg.remote_region!r} on remote rank {seg.remote_rank}"
                 )
         rows.append((li, j, ri, seg.local_offset, seg.remote_offset, seg.nbytes, seg.phase))
-    try:
-        return np.array(rows, dtype=np.int64).reshape(-1, 7), all(r[0] == -1 and r[2] == -1 for r in rows)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise PlanValidationError(f"segments of {region.name!r} are not integer offsets and sizes: {exc}") from None
+
+
+_SEGMENT_NAMES = ("local_region", "remote_region")
+_SEGMENT_INTS = ("local_offset", "remote_rank", "remote_offset", "nbytes", "phase")
+
+
+def _check_segment_types(seg: Any, region: Region) -> None:
+    """A strategy's segment is a :class:`Segment` of region names and exact integers: a float
+    offset would be truncated to another byte, a bool read as 0 or 1, a list fail a lookup."""
+    if not isinstance(seg, Segment):
+        raise PlanValidationError(
+            f"strategy {region.strategy!r} answered the segments of layer {region.name!r} with {_short(seg)}, "
+            "not a Segment"
+        )
+    if all(type(getattr(seg, f)) is str for f in _SEGMENT_NAMES) and all(type(getattr(seg, f)) is int for f in _SEGMENT_INTS):
+        return
+    bad = next(f for f in (*_SEGMENT_NAMES, *_SEGMENT_INTS) if type(getattr(seg, f)) is not (str if f in _SEGMENT_NAMES else int))
+    raise PlanValidationError(
+        f"strategy {region.strategy!r}: a segment of layer {region.name!r} has {bad}={_short(getattr(seg, bad))}, "
+        f"which must be {'a region name (str)' if bad in _SEGMENT_NAMES else 'an integer'}"
+    )
 
 
 def _with_spec(layer: LayerCache, spec: Any) -> LayerCache:
