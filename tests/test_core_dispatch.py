@@ -795,6 +795,21 @@ def test_malformed_segments_are_refused_naming_the_strategy_and_the_field(case: 
     assert _scripted_plan(lambda local, remote: (s for s in whole(local, remote))).segments
 
 
+@pytest.mark.parametrize("answer", [[None], [5], [{"name": "L0"}]])
+def test_a_layer_described_with_no_region_is_refused_naming_the_strategy(answer: list) -> None:
+    class Odd(WholePage):
+        name = "toy_odd"
+        spec_types = (ToyFull,)
+
+        def local_regions(self, layer: LayerCache, topology: Topology) -> Any:
+            return answer
+
+    disp = Dispatcher(registry(WholePage(), Odd()))
+    loc = [_layer("L0", 0, 0x1000)]
+    with pytest.raises(PlanError, match="toy_odd.*layer 'L0'.*not a Region"):
+        disp.local_geometry("d", Topology(1, 0), loc, _memory(loc))
+
+
 @pytest.mark.parametrize("answer", ["0", 0, [0.0], [[0]], [True], object()])
 def test_source_ranks_of_other_kinds_are_refused_naming_the_strategy(answer: Any) -> None:
     class Picky(WholePage):

@@ -118,6 +118,8 @@ class Dispatcher:
             if not produced:
                 raise PlanError(f"strategy {strategy.name!r} described layer {layer.name!r} with no region")
             for region in produced:
+                if not isinstance(region, Region):
+                    raise PlanError(f"strategy {strategy.name!r} described layer {layer.name!r} with {_short(region)}, not a Region")
                 if region.strategy != strategy.name:
                     raise PlanError(
                         f"strategy {strategy.name!r} described layer {layer.name!r} as served by {region.strategy!r}"
