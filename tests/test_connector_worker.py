@@ -156,6 +156,38 @@ def test_out_of_range_block_ids_fail_the_request_only() -> None:
         d.close()
 
 
+def test_a_strategy_raising_while_a_request_is_planned_fails_that_request_only(monkeypatch) -> None:
+    """A plugin's pair_blocks with a bug (a TypeError here) escaped resolve and the worker's step,
+    which stops the engine. Nothing is posted before resolve returns, so the request fails (its
+    blocks reported invalid) and the next one is read as ever."""
+    from nixlkv.core.plan import TransferPlan
+
+    real = TransferPlan.resolve
+
+    def buggy(self, local_ids, *args, **kwargs):
+        if local_ids and list(local_ids[0]) == [1, 2, 3]:
+            raise TypeError("'NoneType' object is not subscriptable")
+        return real(self, local_ids, *args, **kwargs)
+
+    monkeypatch.setattr(TransferPlan, "resolve", buggy)
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P", serve=True)
+    d = Engine(sc, "decode", "D")
+    try:
+        oracle.fill_decode(d.ranks[0])
+        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"bug": recv(p, "bug", [1, 2, 3], [1, 2, 3])}))
+        done_recv, failed, _ = drive(p, d, {"bug"}, timeout=5, sent=set())
+        assert failed[0] == {"bug"} and done_recv[0] == {"bug"}
+        assert d.workers[0].take_invalid_block_ids() == {1, 2, 3}
+        assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing written
+        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"good": recv(p, "good", [4, 5, 6], [1, 2, 3])}))
+        done_recv, failed, _ = drive(p, d, {"good"}, timeout=10, sent=set())
+        assert done_recv[0] == {"good"} and failed[0] == set()  # control: the worker reads on
+    finally:
+        p.close()
+        d.close()
+
+
 @pytest.mark.parametrize("msg,parsed", [
     (notification("r-1", 2), ("r-1", 2)),
     (notification("a:b", 1), ("a:b", 1)),  # a request id may hold the separator

@@ -409,6 +409,14 @@ class NixlkvWorker:
             # Token counts pair blocks; with nothing to read D's count (its own prefix) need not be P's.
             resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair() if reads else None,
                                     scratch=self._ids)
+        except (NixlkvError, ValueError) as exc:
+            self._fail(rid, req, f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:  # noqa: BLE001 - a strategy's bug fails its request, not the engine: nothing is posted yet
+            logger.exception("nixlkv req=%s: planning its reads raised", rid)
+            self._fail(rid, req, f"{type(exc).__name__} while planning its reads (a strategy's bug?): {exc}")
+            return
+        try:
             flight = self.reader.post(remote.prepared, resolved, req.remote_request_id)
         except (NixlkvError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
