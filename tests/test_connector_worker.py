@@ -140,20 +140,30 @@ def test_handshake_timeout_fails_only_bound_requests() -> None:
         d.close()
 
 
-def test_out_of_range_block_ids_fail_the_request_only() -> None:
+def fails_alone(local: list[int], remote: list[int], after: tuple[list[int], list[int]] | None = None) -> None:
+    """D's request for P's blocks ``remote`` into its ``local`` fails alone: reported failed, its
+    blocks invalid, nothing written; then (``after``) another request is read as ever."""
     sc = fa_scenario(1, 1, num_tokens=40)
     p = Engine(sc, "prefill", "P", serve=True)
     d = Engine(sc, "decode", "D")
     try:
         oracle.fill_decode(d.ranks[0])
-        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"bad": recv(p, "bad", [1, 2, 999], [1, 2, 3])}))
+        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"bad": recv(p, "bad", local, remote)}))
         done_recv, failed, _ = drive(p, d, {"bad"}, timeout=5, sent=set())
         assert failed[0] == {"bad"} and done_recv[0] == {"bad"}
-        assert d.workers[0].take_invalid_block_ids() == {1, 2, 999}
+        assert d.workers[0].take_invalid_block_ids() == set(local)
         assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing written
+        if after is not None:
+            d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"good": recv(p, "good", *after)}))
+            done_recv, failed, _ = drive(p, d, {"good"}, timeout=10, sent=set())
+            assert done_recv[0] == {"good"} and failed[0] == set()  # the worker reads on
     finally:
         p.close()
         d.close()
+
+
+def test_out_of_range_block_ids_fail_the_request_only() -> None:
+    fails_alone([1, 2, 999], [1, 2, 3])
 
 
 def test_a_strategy_raising_while_a_request_is_planned_fails_that_request_only(monkeypatch) -> None:
@@ -170,22 +180,7 @@ def test_a_strategy_raising_while_a_request_is_planned_fails_that_request_only(m
         return real(self, local_ids, *args, **kwargs)
 
     monkeypatch.setattr(TransferPlan, "resolve", buggy)
-    sc = fa_scenario(1, 1, num_tokens=40)
-    p = Engine(sc, "prefill", "P", serve=True)
-    d = Engine(sc, "decode", "D")
-    try:
-        oracle.fill_decode(d.ranks[0])
-        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"bug": recv(p, "bug", [1, 2, 3], [1, 2, 3])}))
-        done_recv, failed, _ = drive(p, d, {"bug"}, timeout=5, sent=set())
-        assert failed[0] == {"bug"} and done_recv[0] == {"bug"}
-        assert d.workers[0].take_invalid_block_ids() == {1, 2, 3}
-        assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing written
-        d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"good": recv(p, "good", [4, 5, 6], [1, 2, 3])}))
-        done_recv, failed, _ = drive(p, d, {"good"}, timeout=10, sent=set())
-        assert done_recv[0] == {"good"} and failed[0] == set()  # control: the worker reads on
-    finally:
-        p.close()
-        d.close()
+    fails_alone([1, 2, 3], [1, 2, 3], after=([4, 5, 6], [1, 2, 3]))
 
 
 @pytest.mark.parametrize("msg,parsed", [
