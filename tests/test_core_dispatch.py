@@ -791,8 +791,11 @@ def test_malformed_segments_are_refused_naming_the_strategy_and_the_field(case: 
     with pytest.raises(PlanValidationError, match=re.escape(what)) as info:
         _scripted_plan(lambda local, remote: make(local, remote[0]))
     assert "L0" in str(info.value)
-    # control: a generator of good segments is taken as its list
+    # controls: a generator of good segments is taken as its list, numpy's integers as integers
     assert _scripted_plan(lambda local, remote: (s for s in whole(local, remote))).segments
+    as_numpy = _scripted_plan(lambda local, remote: [Segment(local.name, np.int64(0), np.int32(0), remote[0].name,
+                                                             np.uint16(0), np.int64(local.page.nbytes))])
+    assert as_numpy.local_descs.tolist() == _scripted_plan(whole).local_descs.tolist()
 
 
 @pytest.mark.parametrize("answer", [[None], [5], [{"name": "L0"}]])
@@ -824,8 +827,10 @@ def test_source_ranks_of_other_kinds_are_refused_naming_the_strategy(answer: Any
     local = disp.local_geometry("d", Topology(1, 0), loc, _memory(loc))
     with pytest.raises(PlanError, match="toy_picky.*source_ranks must return remote rank numbers"):
         disp.needed_ranks(local, 1)
-    Picky.source_ranks = lambda self, region, topology, remote_tp: [0]  # control: a list of ints
+    Picky.source_ranks = lambda self, region, topology, remote_tp: [0]  # controls: a list of ints, numpy's too
     assert disp.needed_ranks(local, 2) == (0,)
+    Picky.source_ranks = lambda self, region, topology, remote_tp: np.array([1])
+    assert disp.needed_ranks(local, 4) == (1,)
 
 
 def test_overlapping_segments_in_one_region_are_rejected() -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from itertools import chain
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -233,10 +233,10 @@ class Dispatcher:
             if answer is None:
                 return tuple(covered)
             listed = tuple(answer) if isinstance(answer, Iterable) and not isinstance(answer, (str, bytes)) else None
-            if listed is None or not all(type(r) is int for r in listed):
+            if listed is None or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in listed):
                 raise PlanError(f"strategy {strategy.name!r} named the ranks to read layer {region.name!r} from as "
                                 f"{_short(answer)}: source_ranks must return remote rank numbers (int) or None")
-            ranks = set(listed)
+            ranks = set(map(int, listed))
             if not ranks or not ranks <= set(covered):
                 raise PlanError(
                     f"strategy {strategy.name!r} names remote ranks {sorted(ranks)} to read layer {region.name!r} from; "
@@ -468,16 +468,19 @@ _SEGMENT_INTS = ("local_offset", "remote_rank", "remote_offset", "nbytes", "phas
 
 
 def _check_segment_types(seg: Any, region: Region) -> None:
-    """A strategy's segment is a :class:`Segment` of region names and exact integers: a float
-    offset would be truncated to another byte, a bool read as 0 or 1, a list fail a lookup."""
+    """A strategy's segment is a :class:`Segment` of region names and integers (Python's or
+    numpy's): a float offset would be truncated to another byte, a bool read as 0 or 1, a list
+    fail a lookup."""
     if not isinstance(seg, Segment):
         raise PlanValidationError(
             f"strategy {region.strategy!r} answered the segments of layer {region.name!r} with {_short(seg)}, "
             "not a Segment"
         )
-    if all(type(getattr(seg, f)) is str for f in _SEGMENT_NAMES) and all(type(getattr(seg, f)) is int for f in _SEGMENT_INTS):
+    kinds = [isinstance(getattr(seg, f), str) for f in _SEGMENT_NAMES]
+    kinds += [isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in map(seg.__getattribute__, _SEGMENT_INTS)]
+    if all(kinds):
         return
-    bad = next(f for f in (*_SEGMENT_NAMES, *_SEGMENT_INTS) if type(getattr(seg, f)) is not (str if f in _SEGMENT_NAMES else int))
+    bad = (*_SEGMENT_NAMES, *_SEGMENT_INTS)[kinds.index(False)]
     raise PlanValidationError(
         f"strategy {region.strategy!r}: a segment of layer {region.name!r} has {bad}={_short(getattr(seg, bad))}, "
         f"which must be {'a region name (str)' if bad in _SEGMENT_NAMES else 'an integer'}"
