@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nixlkv.testing.rehearsal import build_failure
-from nixlkv.testing.scenario import MAX_FILE_BYTES, ScenarioError, load, parse
+from nixlkv.testing.scenario import MAX_FILE_BYTES, MAX_LAYERS, ScenarioError, load, parse
 
 GOOD = {
     "model": {"layers": [{"kind": "full_attention", "count": 2, "num_kv_heads": 2, "head_size": 64}]},
@@ -60,6 +60,19 @@ def test_a_huge_integer_inline_is_refused_without_printing_it() -> None:
     bad["request"]["num_tokens"] = 10 ** 5000
     with pytest.raises(ScenarioError, match="an integer of 16610 bits"):
         parse(bad)
+
+
+@pytest.mark.parametrize("count", [MAX_LAYERS + 1, 100_000_000, 2**40])
+def test_a_model_of_more_layers_than_any_is_refused_at_once(count: int) -> None:
+    """A count of 100,000,000 layers parsed, then listed one entry per layer and built one spec
+    per layer: the rehearsal ran until killed. Refused while parsing, naming the count."""
+    bad = json.loads(json.dumps(GOOD))
+    bad["model"]["layers"][0]["count"] = count
+    bad["model"]["layers"].append({"kind": "full_attention", "count": 1, "num_kv_heads": 2, "head_size": 64})
+    with pytest.raises(ScenarioError, match=f"{count + 1} layers; a scenario's model has at most {MAX_LAYERS}"):
+        parse(bad)
+    bad["model"]["layers"][0]["count"] = MAX_LAYERS - 1  # control: the most layers a scenario holds
+    assert parse(bad).num_layers == MAX_LAYERS
 
 
 @pytest.mark.parametrize("field", ["name", "expect"])

@@ -104,6 +104,7 @@ class Scenario:
 
 MAX_FILE_BYTES = 1 << 20  # a scenario is a page of YAML: anything larger is refused unread
 MAX_INT = 1 << 40  # counts and sizes beyond this are typos or attacks, never a cache to build
+MAX_LAYERS = 4096  # no model has more; the rehearsal builds each layer's spec and tensors in Python
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -233,7 +234,16 @@ def _model(x: Any, where: str) -> tuple[LayerKind, ...]:
     raw_layers = _req(model, "layers", where)
     if not isinstance(raw_layers, list) or not raw_layers:
         raise ScenarioError(f"{where}.layers must be a non-empty list")
-    return tuple(_layer(x, f"{where}.layers[{i}]") for i, x in enumerate(raw_layers))
+    kinds = tuple(_layer(x, f"{where}.layers[{i}]") for i, x in enumerate(raw_layers))
+    total = sum(map(_layer_count, kinds))
+    if total > MAX_LAYERS:
+        raise ScenarioError(f"{where}: {total} layers; a scenario's model has at most {MAX_LAYERS} (lower a count)")
+    return kinds
+
+
+def _layer_count(kind: LayerKind) -> int:
+    """Layers an entry stands for, without listing them (a count may be up to MAX_INT)."""
+    return sum(map(_layer_count, kind.members)) if kind.members else kind.count
 
 
 def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
