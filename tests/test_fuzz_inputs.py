@@ -15,7 +15,6 @@ import math
 import operator
 import random
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from nixlkv.core import plan as plan_module
 from nixlkv.core.dispatcher import forget_handshakes
 from nixlkv.core.errors import NixlkvError
 from nixlkv.vllm.config import ConfigError, ConnectorConfig
+from test_campaign import _at, _paths
 
 # values of every kind a broken or hostile peer may put anywhere
 JUNK: list[Any] = [
@@ -50,22 +50,6 @@ def setups() -> list[tuple[str, Any, dict[int, RankGeometry]]]:
     local, remote, _ = hybrid_setup(Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous"), disp)
     out.append(("hybrid P4->D2", local, remote))
     return out
-
-
-def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, (*prefix, i))
-
-
-def _at(obj: Any, path: tuple[Any, ...]) -> Any:
-    for p in path:
-        obj = obj[p]
-    return obj
 
 
 def _mutate(wire: dict[str, Any], rng: random.Random) -> None:

@@ -232,8 +232,8 @@ class Dispatcher:
             answer = ask(region, topology, remote_tp) if ask is not None else None
             if answer is None:
                 return tuple(covered)
-            listed = tuple(answer) if isinstance(answer, Iterable) and not isinstance(answer, (str, bytes)) else None
-            if listed is None or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in listed):
+            listed = _listed(answer)
+            if listed is None or not all(map(_is_integer, listed)):
                 raise PlanError(f"strategy {strategy.name!r} named the ranks to read layer {region.name!r} from as "
                                 f"{_short(answer)}: source_ranks must return remote rank numbers (int) or None")
             ranks = set(map(int, listed))
@@ -412,12 +412,13 @@ def _template(
     whether every segment does (then other layers of the class can take the same rows)."""
     rows = []
     pos = {p: j for j, p in enumerate(covered)}
-    if isinstance(segs, (str, bytes)) or not isinstance(segs, Iterable):
+    listed = _listed(segs)
+    if listed is None:
         raise PlanValidationError(
             f"strategy {region.strategy!r} answered the segments of layer {region.name!r} with {_short(segs)}: "
             "segments() must return a list of Segment"
         )
-    segs = list(segs)
+    segs = listed
     try:
         _template_rows(segs, rows, pos, local, peers_geo, covered, region, peers)
     except (AttributeError, TypeError):  # not a Segment, or a field of no kind a lookup takes
@@ -477,7 +478,7 @@ def _check_segment_types(seg: Any, region: Region) -> None:
             "not a Segment"
         )
     kinds = [isinstance(getattr(seg, f), str) for f in _SEGMENT_NAMES]
-    kinds += [isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in map(seg.__getattribute__, _SEGMENT_INTS)]
+    kinds += map(_is_integer, map(seg.__getattribute__, _SEGMENT_INTS))
     if all(kinds):
         return
     bad = (*_SEGMENT_NAMES, *_SEGMENT_INTS)[kinds.index(False)]
@@ -485,6 +486,19 @@ def _check_segment_types(seg: Any, region: Region) -> None:
         f"strategy {region.strategy!r}: a segment of layer {region.name!r} has {bad}={_short(getattr(seg, bad))}, "
         f"which must be {'a region name (str)' if bad in _SEGMENT_NAMES else 'an integer'}"
     )
+
+
+def _listed(answer: Any) -> list[Any] | None:
+    """A plugin's answer that should be a collection, as a list (any iterable but text); None
+    where it is not one."""
+    if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
+        return None
+    return list(answer)
+
+
+def _is_integer(value: Any) -> bool:
+    """Python's or numpy's integer, not a bool (which would be read as 0 or 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _with_spec(layer: LayerCache, spec: Any) -> LayerCache:

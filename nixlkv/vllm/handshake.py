@@ -44,7 +44,6 @@ from ..core.topology import MAX_TP_SIZE
 logger = logging.getLogger("nixlkv.connector")
 
 SCHEMA_VERSION = 1
-MAX_RANKS = MAX_TP_SIZE
 MAX_REGIONS = 1 << 16
 MAX_MEMORY_RANGES = 1 << 12
 MAX_PAGE_AXES = 16
@@ -215,8 +214,8 @@ def _validate(
             f"engine id mismatch: kv_transfer_params name {expected_engine_id!r}, the side channel "
             f"answered for {payload.engine_id!r} (wrong remote_host/remote_port?)"
         )
-    if not 1 <= payload.tp_size <= MAX_RANKS:
-        raise HandshakeError(f"handshake tp_size must be in [1, {MAX_RANKS}], got {payload.tp_size}")
+    if not 1 <= payload.tp_size <= MAX_TP_SIZE:
+        raise HandshakeError(f"handshake tp_size must be in [1, {MAX_TP_SIZE}], got {payload.tp_size}")
     if len(payload.ranks) != payload.tp_size:
         raise HandshakeError(f"handshake lists {len(payload.ranks)} ranks for tp_size={payload.tp_size}")
     geometry: dict[int, RankGeometry] = {}
