@@ -266,6 +266,37 @@ def test_notifications_before_the_hand_over_still_free() -> None:
         d.close()
 
 
+def test_notifications_for_requests_never_handed_over_are_bounded(monkeypatch, caplog) -> None:
+    """A peer notifying distinct ids P was never handed cannot grow P's map of early notifications
+    without end: past the bound the oldest is forgotten, the newest still frees its request."""
+    import nixlkv.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "MAX_EARLY_REQUESTS", 3, raising=False)
+    sc = fa_scenario(1, 1, num_tokens=40)
+    p = Engine(sc, "prefill", "P")
+    d = Engine(sc, "decode", "D")
+    try:
+        pw, dw = p.workers[0], d.workers[0]
+        name = dw.nixl.add_remote(pw.nixl.metadata())
+        rids = [f"junk-{i}" for i in range(5)] + ["late"]
+        with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
+            for rid in rids:  # one at a time: NIXL does not promise the order of separate messages
+                dw.nixl.agent.send_notif(name, notification(rid, 1))
+                deadline = time.monotonic() + 5
+                while rid not in pw._early and time.monotonic() < deadline:
+                    assert pw.get_finished(set())[0] == set()
+                    time.sleep(0.005)
+                assert len(pw._early) <= 3
+        assert list(pw._early) == ["junk-3", "junk-4", "late"]  # the oldest forgotten
+        assert "forgot the oldest, junk-0" in caplog.text
+        assert pw.take_stats().reduce()["ignored_notifications"] == 3
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"late": 30.0}))
+        assert pw.get_finished(set())[0] == {"late"}
+    finally:
+        p.close()
+        d.close()
+
+
 def test_read_that_never_completes_times_out(monkeypatch, caplog) -> None:
     """A READ stuck in flight (peer hung, not dead) fails after transfer_timeout_s; no engine hang."""
     sc = fa_scenario(1, 1, num_tokens=40)

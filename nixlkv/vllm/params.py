@@ -18,6 +18,8 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from ..core.topology import MAX_TP_SIZE
+
 # nixlkv's own keys beside vLLM NixlConnector's (optional; a proxy forwards kv_transfer_params whole).
 GENERATION_KEY = "remote_generation"  # liveness.engine_generation of the P that prefilled
 LEASE_KEY = "remote_lease_s"  # how long that P holds the blocks without news from D
@@ -46,7 +48,7 @@ class _Remote(msgspec.Struct):
     remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     remote_block_ids: list[Any]
-    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | None = None
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] | None = None
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] | None = None
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)] | None = msgspec.field(default=None, name=LEASE_KEY)
     generation: Id | None = msgspec.field(default=None, name=GENERATION_KEY)

@@ -37,6 +37,10 @@ from .metadata import LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, Remot
 
 # A LeaseView read on this worker's clock: (lease_s, held at least until).
 Held = tuple[float, float]
+# Requests whose notifications came before this worker was handed them (D read before P's next
+# step), remembered until lease_s passes. Bounded: a peer sending distinct unknown ids cannot grow
+# it without end; past the bound the oldest is forgotten (its request then frees by its lease).
+MAX_EARLY_REQUESTS = 4096
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -545,6 +549,8 @@ class NixlkvWorker:
                 hold = self._holds.get(rid)
                 if hold is None:
                     count, _, seen = self._early.get(rid, (0, consumers, now))
+                    if not count and len(self._early) >= MAX_EARLY_REQUESTS:
+                        self._forget_oldest_early()
                     self._early[rid] = (count + 1, consumers, seen)
                     logger.warning(
                         "nixlkv notification for unknown request %s (not held by this worker); "
@@ -557,6 +563,17 @@ class NixlkvWorker:
                 if hold.count >= consumers:
                     del self._holds[rid]
                     self._done_send.add(rid)
+
+    def _forget_oldest_early(self) -> None:
+        """Make room in the bounded map of early notifications: its oldest request is forgotten
+        (if it is handed over after all, it is freed when its lease expires)."""
+        oldest = next(iter(self._early))
+        count = self._early.pop(oldest)[0]
+        self.stats.count("ignored_notifications", count)
+        logger.warning(
+            "nixlkv holds notifications for %d requests it was not handed: forgot the oldest, %s (%d notification(s))",
+            MAX_EARLY_REQUESTS, oldest, count,
+        )
 
     def _on_heartbeat(self, msg: bytes, now: float) -> None:
         try:
