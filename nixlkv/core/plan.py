@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,6 +95,21 @@ class ResolvedRequest:
     @property
     def notified_ranks(self) -> tuple[int, ...]:
         return tuple(sorted({r.remote_rank for r in self.reads} | set(self.notify_only)))
+
+
+class _RankRows(NamedTuple):
+    """One remote rank's descriptor rows in a plan: where they sit among all rows (``places``,
+    in row order), and the region, page offset and length each is made of (what a rebase or a
+    recount makes them from, at the new engine's addresses and block counts)."""
+
+    places: np.ndarray
+    region: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+
+    def rows(self, geometry: RankGeometry) -> np.ndarray:
+        """These rows (int64 ``(address, length, device, stride, count)``) in ``geometry``."""
+        return _descriptor_rows(geometry, self.region, self.offset, self.nbytes)
 
 
 _new = object.__new__
@@ -460,15 +475,12 @@ class TransferPlan:
             rank_order = rank_pos.argsort(kind="stable")
             cuts = rank_pos[rank_order].searchsorted(np.arange(len(self.sources) + 1)).tolist()
             by_rank = [rank_order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-        # per remote rank with rows: (its rows' places among all rows, the segments they describe)
-        self._remote_segments: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # what rebased() needs
-        self._rank_rows: dict[int, np.ndarray] = {}
+        self._rank_rows: dict[int, _RankRows] = {}  # per remote rank with rows (what rebased() makes anew)
         rank_bytes: dict[int, int] = {}  # bytes per block pair each remote rank's rows move
         for p, idx in zip(self.sources, by_rank):
             if idx.size:
-                self._rank_rows[p] = idx
-                self._remote_segments[p] = src = (remote_idx[idx], roff[idx], nbytes[idx])
-                rank_bytes[p] = sum(src[2].tolist())  # tens of rows: a Python sum beats a reduction's call
+                self._rank_rows[p] = found = _RankRows(idx, remote_idx[idx], roff[idx], nbytes[idx])
+                rank_bytes[p] = sum(found.nbytes.tolist())  # tens of rows: a Python sum beats a reduction's call
         self._row_of = None if shared is None else row_of
         self._local_start = local_start if shared is None else local_start[row_of]
         # remote rank -> [(pairing key, phase, start, stop, bytes per block)]: resolve()'s entries,
@@ -507,12 +519,12 @@ class TransferPlan:
         remote_start = np.empty(len(self._row_segment), dtype=np.int64)
         self.remote_descs = {}
         totals = [self._local_total]
-        for p, idx in self._rank_rows.items():
-            rows = _descriptor_rows(self.remote[p], *self._remote_segments[p])
+        for p, found in self._rank_rows.items():
+            rows = found.rows(self.remote[p])
             self.remote_descs[p] = rows.astype(np.uint64)
             starts = np.add.accumulate(rows[:, 4])
             totals.append(int(starts[-1]))
-            remote_start[idx] = starts - rows[:, 4]
+            remote_start[found.places] = starts - rows[:, 4]
         if self._row_of is not None:
             remote_start = remote_start[self._row_of]
         self.read_ranks = tuple(self.remote_descs)  # covered order: ascending
@@ -613,7 +625,7 @@ class TransferPlan:
         return self._with(
             made_as="rebased",
             remote={p: remote[p] for p in covered},
-            remote_descs={p: _descriptor_rows(remote[p], *src).astype(np.uint64) for p, src in self._remote_segments.items()},
+            remote_descs={p: found.rows(remote[p]).astype(np.uint64) for p, found in self._rank_rows.items()},
             pairings=tuple(_with_fields(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
