@@ -1,0 +1,163 @@
+"""Seeded request lifecycles through vLLM's real Scheduler on both sides (P and D in this process,
+real NIXL): prompts of any length arrive at random steps, and each request takes one path:
+
+- ``normal``: P prefills it, D loads it and decodes;
+- ``p_abort``: aborted on P while it may still be prefilling;
+- ``d_abort_now``: D aborts it before its blocks are allocated;
+- ``d_abort_later``: D aborts it some steps after it arrived (while it loads, or decodes);
+- ``unread``: P's params never reach D.
+
+Whatever the order, afterwards: no request is left on either engine and every block is back in
+its pool (vLLM's own leak check); every request P handed over is freed once, by D's notification
+unless D never heard of it (then by the lease); every ``normal`` request decodes on D from a
+successful load; no load fails.
+
+Controls show the checks can fail: a P whose lease frees a request D did read (the notifications
+ignored), and a D that keeps one request's blocks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from pd_harness import PDCase, PDEngine, prompt
+
+pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
+
+SIDE = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
+LEASE_S = 2.0
+KINDS = ("normal", "normal", "p_abort", "d_abort_now", "d_abort_later", "unread")
+CASES = (PDCase(), PDCase(model="llama-sw"), PDCase(p_tp=2, d_tp=1), PDCase(p_tp=1, d_tp=2),
+         PDCase(model="nemotron-h"), PDCase(model="llama", d_block=32))
+
+
+@dataclass
+class Req:
+    rid: str
+    kind: str
+    tokens: int
+    max_tokens: int
+    p_step: int  # when P gets it
+    delay: int  # steps between P's output and D getting it
+    abort_after: int  # steps after arrival the abort comes (p_abort, d_abort_later)
+
+
+def draw(seed: int) -> tuple[PDCase, list[Req]]:
+    rng = random.Random(seed)
+    case = CASES[seed % len(CASES)]
+    reqs = [Req(f"r{seed}-{i}", rng.choice(KINDS), rng.randint(5, 150), rng.randint(1, 4), rng.randint(0, 3),
+                rng.randint(0, 3), rng.randint(0, 3)) for i in range(rng.randint(2, 5))]
+    return case, reqs
+
+
+def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
+    from vllm.v1.request import RequestStatus
+
+    case, reqs = draw(seed)
+    p = PDEngine(case, "prefill", "P", {**SIDE, "lease_s": LEASE_S, **(p_extra or {})})
+    try:
+        d = PDEngine(case, "decode", "D", SIDE)
+    except BaseException:
+        p.close()
+        raise
+    try:
+        handed: set[str] = set()  # P's outputs with params (P holds their blocks)
+        to_d: dict[int, list[tuple[Req, dict]]] = {}
+        d_aborts: dict[int, list[str]] = {}
+        p_aborts: dict[int, list[str]] = {}
+        step = 0
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            for q in reqs:
+                if q.p_step == step:
+                    p.add(q.rid, prompt(int(q.rid[1:].replace("-", "")) % 97, q.tokens), 1,
+                          {"do_remote_decode": True, "do_remote_prefill": False})
+                    if q.kind == "p_abort":
+                        p_aborts.setdefault(step + q.abort_after, []).append(q.rid)
+            for rid in p_aborts.pop(step, []):
+                p.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            for q, params in to_d.pop(step, []):
+                d.add(q.rid, prompt(int(q.rid[1:].replace("-", "")) % 97, q.tokens), q.max_tokens, params)
+                if q.kind == "d_abort_now":
+                    d.scheduler.finish_requests(q.rid, RequestStatus.FINISHED_ABORTED)
+                elif q.kind == "d_abort_later":
+                    d_aborts.setdefault(step + 1 + q.abort_after, []).append(q.rid)
+            for rid in d_aborts.pop(step, []):
+                d.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            p.step()
+            for q in reqs:
+                out = p.outputs.get(q.rid)
+                if out is not None and q.rid not in handed and out.kv_transfer_params:
+                    handed.add(q.rid)
+                    if q.kind not in ("unread", "p_abort"):
+                        to_d.setdefault(step + 1 + q.delay, []).append((q, dict(out.kv_transfer_params)))
+            d.step()
+            if d_hook is not None:
+                d_hook(d, step)
+            step += 1
+            idle = not (p.scheduler.requests or d.scheduler.requests or to_d or d_aborts or p_aborts)
+            if idle and step > 4 and all(q.p_step < step for q in reqs):
+                break
+            time.sleep(0.001)
+        return {"case": case, "reqs": reqs, "handed": handed, "p": p.leaks(), "d": d.leaks(),
+                "freed": set(p.finished_sending), "expired": sum(s.reduce()["expired_leases"] for s in p.stats),
+                "decoded": {r for r, o in d.outputs.items() if o.finished}, "loaded": set(d.finished_recving),
+                "failed": set(d.failed_recving), "steps": step}
+    finally:
+        p.close()
+        d.close()
+
+
+def check(seed: int, out: dict) -> None:
+    reqs, handed = out["reqs"], out["handed"]
+    for side in ("p", "d"):
+        leaks = out[side]
+        assert leaks["requests"] == leaks["waiting"] == leaks["running"] == leaks["nonzero_refs"] == 0, (seed, side, leaks)
+        assert leaks["free_blocks"] == leaks["expected_free"], (seed, side, leaks)
+    assert out["freed"] == handed, (seed, "freed", out["freed"], handed)
+    unread = {q.rid for q in reqs if q.kind in ("unread", "p_abort")} & handed
+    # every prefill rank holds the request and counts its own lease
+    assert out["expired"] == len(unread) * out["case"].p_tp, (seed, "expired leases", out["expired"], unread)
+    normal = {q.rid for q in reqs if q.kind == "normal"}
+    assert normal <= handed and normal <= out["decoded"] and normal <= out["loaded"], (seed, "normal", out)
+    assert not out["failed"], (seed, "failed loads", out["failed"])
+
+
+SEEDS = range(12)
+
+
+def test_the_seeds_draw_every_path_and_case() -> None:
+    drawn = [draw(s) for s in SEEDS]
+    assert {q.kind for _, reqs in drawn for q in reqs} == set(KINDS)
+    assert {c for c, _ in drawn} == set(CASES)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_any_lifecycle_leaks_nothing_and_frees_each_hand_over_once(seed: int) -> None:
+    check(seed, run(seed))
+
+
+def test_control_notifications_ignored_are_seen(monkeypatch) -> None:
+    """P ignoring its readers' notifications frees every request by its lease instead."""
+    import nixlkv.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "parse_notification", lambda msg: None)
+    seed = next(s for s in SEEDS if any(q.kind == "normal" for q in draw(s)[1]))
+    with pytest.raises(AssertionError, match="expired leases"):
+        check(seed, run(seed))
+
+
+def test_control_blocks_kept_are_seen() -> None:
+    """A D that takes a block from its pool and keeps it: the leak check sees it."""
+    taken = []
+
+    def keep_one(d: PDEngine, step: int) -> None:
+        if step == 0:
+            taken.extend(d.scheduler.kv_cache_manager.block_pool.get_new_blocks(1))
+
+    with pytest.raises(AssertionError, match="'d'"):
+        check(0, run(0, d_hook=keep_one))
