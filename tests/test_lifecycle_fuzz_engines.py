@@ -1,7 +1,7 @@
 """Seeded request lifecycles through vLLM's real Scheduler on both sides (P and D in this process,
 real NIXL): prompts of any length arrive at random steps, and each request takes one path:
 
-- ``normal``: P prefills it, D loads it and decodes;
+- ``normal``: P prefills it, D loads it and decodes up to 40 tokens;
 - ``p_abort``: aborted on P while it may still be prefilling;
 - ``d_abort_now``: D aborts it before its blocks are allocated;
 - ``d_abort_later``: D aborts it some steps after it arrived (while it loads, or decodes);
@@ -32,7 +32,8 @@ SIDE = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
 LEASE_S = 2.0
 KINDS = ("normal", "normal", "p_abort", "d_abort_now", "d_abort_later", "unread")
 CASES = (PDCase(), PDCase(model="llama-sw"), PDCase(p_tp=2, d_tp=1), PDCase(p_tp=1, d_tp=2),
-         PDCase(model="nemotron-h"), PDCase(model="llama", d_block=32))
+         PDCase(model="nemotron-h"), PDCase(model="llama", d_block=32),
+         PDCase(num_blocks=20))  # a pool of 19 blocks: P queues prompts, D waits for room
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Req:
 def draw(seed: int) -> tuple[PDCase, list[Req]]:
     rng = random.Random(seed)
     case = CASES[seed % len(CASES)]
-    reqs = [Req(f"r{seed}-{i}", rng.choice(KINDS), rng.randint(5, 150), rng.randint(1, 4), rng.randint(0, 3),
+    reqs = [Req(f"r{seed}-{i}", rng.choice(KINDS), rng.randint(5, 150), rng.randint(1, 40), rng.randint(0, 3),
                 rng.randint(0, 3), rng.randint(0, 3)) for i in range(rng.randint(2, 5))]
     return case, reqs
 
