@@ -93,7 +93,7 @@ def test_lease_is_judged_on_one_clock(monkeypatch, heartbeat_interval_s: float, 
 
     from nixlkv.vllm import scheduler
 
-    skewed = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew_s)
+    skewed = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew_s, time=time.time)  # one host: one wall clock
     monkeypatch.setattr(scheduler, "time", skewed)
     _queue_longer_than_the_lease(heartbeat_interval_s)
 
@@ -143,3 +143,84 @@ def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.6])
+def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float) -> None:
+    """vLLM's real Schedulers: P holds for lease_s=1 s; the decode leg reaches D ``delay_s`` after
+    P answered (a router queueing it). D's count from its own arrival would still give the lease
+    0.9 s; P published when its hold ends (``remote_held_until``), so D reads a leg that came in
+    time and refuses one that came after P freed the blocks (they may hold another request's KV
+    by then): the request fails cleanly, nothing written."""
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
+    d = PDEngine(PDCase(), "decode", "D", SIDE)
+    try:
+        oracle.fill_decode(d.ranks[0])
+        params = prefill(p, "r", 40)
+        assert params["remote_held_until"] > time.time()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < delay_s:  # the leg on its way; P's workers keep stepping
+            p.step()
+            time.sleep(0.02)
+        d.add("r", prompt(1, 40), 2, params)
+        deadline = time.monotonic() + 30
+        while ("r" not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
+            d.step()
+            p.step()
+            time.sleep(0.005)
+        assert p.finished_sending == {"r"}
+        if delay_s < 0.9:
+            assert d.finished_recving == {"r"} and not d.failed_recving
+            assert oracle.compare(d.ranks[0], d.expected(0, {"r": d.recv_blocks["r"]})) is None
+        else:
+            assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0])
+            assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
+            assert sum(s.reduce()["expired_leases"] for s in p.stats) == 1
+        clean(p)
+        clean(d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_control_without_the_published_end_d_reads_blocks_p_freed(monkeypatch) -> None:
+    """The control of the test above: a D that counts the lease from its own arrival only reads
+    the late leg from blocks P had already freed (expired before D's READ), and calls it loaded."""
+    from nixlkv.vllm import metadata
+
+    by_arrival = metadata.lease_view
+    monkeypatch.setattr(metadata, "lease_view",
+                        lambda lease_s, arrived, now=None, held_until=None, wall_now=None: by_arrival(lease_s, arrived, now))
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
+    d = PDEngine(PDCase(), "decode", "D", SIDE)
+    try:
+        params = prefill(p, "r", 40)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.6:
+            p.step()
+            time.sleep(0.02)
+        assert p.finished_sending == {"r"}  # freed by its lease before D heard of it
+        d.add("r", prompt(1, 40), 2, params)
+        deadline = time.monotonic() + 30
+        while "r" not in d.outputs and time.monotonic() < deadline:
+            d.step()
+            p.step()
+            time.sleep(0.005)
+        assert d.finished_recving == {"r"} and not d.failed_recving  # read from freed blocks
+    finally:
+        p.close()
+        d.close()
+
+
+def test_the_lease_view_takes_the_earlier_end() -> None:
+    from nixlkv.vllm.metadata import lease_view
+
+    # arrived 10 s ago on D's clock, lease 30 s: 17 s left by D's count
+    assert lease_view(30.0, 100.0, 110.0).held_for_s == pytest.approx(17.0)
+    # P's hold ends in 5 s on the wall clock: 5 s less the 3 s margin
+    assert lease_view(30.0, 100.0, 110.0, held_until=1005.0, wall_now=1000.0).held_for_s == pytest.approx(2.0)
+    # P's hold ended before D heard of the request: nothing left, whatever D's count says
+    assert lease_view(30.0, 100.0, 100.0, held_until=990.0, wall_now=1000.0).held_for_s < 0
+    # the wall clock alone (no arrival known), and nothing at all
+    assert lease_view(30.0, None, None, held_until=1040.0, wall_now=1000.0).held_for_s == pytest.approx(37.0)
+    assert lease_view(30.0, None) is None and lease_view(None, 100.0, held_until=1e9) is None

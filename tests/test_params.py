@@ -37,7 +37,9 @@ def test_good_params_read_back() -> None:
     ("remote_lease_s", float("inf")), ("remote_lease_s", float("nan")), ("remote_lease_s", 0),
     ("remote_lease_s", MAX_LEASE_S * 2), ("remote_lease_s", "30"),
     ("remote_num_tokens", -3), ("remote_num_tokens", "40"), ("remote_num_tokens", 4.0),
-    ("tp_size", 0), ("tp_size", "2"), ("tp_size", 4097), ("tp_size", 1 << 16), ("remote_generation", 7), ("remote_generation", ""),
+    ("tp_size", 0), ("tp_size", "2"), ("tp_size", 4097), ("tp_size", 1 << 16),
+    ("remote_held_until", float("inf")), ("remote_held_until", float("nan")), ("remote_held_until", 0),
+    ("remote_held_until", -1.0), ("remote_held_until", "1795000000"), ("remote_held_until", True), ("remote_generation", 7), ("remote_generation", ""),
 ])
 def test_each_malformed_field_is_refused_by_name(field: str, value: object) -> None:
     with pytest.raises(ParamsError, match=field):

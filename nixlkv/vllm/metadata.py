@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,9 @@ RemoteKey = tuple[str, str, int]  # (engine id, side-channel host, port)
 
 
 # D counts P's lease from its own arrival time, which is later than P's start of the lease by
-# the proxy's latency: D assumes only this fraction of the lease.
+# the proxy's latency: D assumes only this fraction of the lease. Where P also published when its
+# hold ends on its wall clock, D takes the earlier of the two ends, that one less the same margin
+# (for the two hosts' clocks).
 LEASE_SAFETY = 0.9
 
 
@@ -80,14 +83,15 @@ class NixlkvMetadata(KVConnectorMetadata):
 
 def recv_from_params(
     params: dict[str, Any], local_block_ids: Any, report: bool, arrived: float | None = None,
-    num_tokens: int | None = None, now: float | None = None,
+    num_tokens: int | None = None, now: float | None = None, wall_now: float | None = None,
 ) -> RecvRequest:
     """A RecvRequest from vLLM-NixlConnector-compatible kv_transfer_params (ParamsError, a
     ValueError, naming the field: ``nixlkv.vllm.params``); ``num_tokens``: the tokens the decode
     engine's blocks hold once loaded; ``arrived`` and ``now``: the request's arrival and the
-    present, both on the scheduler's clock."""
+    present, both on the scheduler's clock; ``wall_now``: the present in Unix seconds (read
+    where not given), for the end of P's hold P published."""
     r = remote(params)
-    view = lease_view(r.lease_s, arrived, now)
+    view = lease_view(r.lease_s, arrived, now, r.held_until, wall_now)
     return RecvRequest(
         local_block_ids=block_id_groups(local_block_ids),
         remote_block_ids=r.block_ids,
@@ -103,12 +107,24 @@ def recv_from_params(
     )
 
 
-def lease_view(lease_s: float | None, arrived: float | None, now: float | None = None) -> LeaseView | None:
+def lease_view(
+    lease_s: float | None, arrived: float | None, now: float | None = None, held_until: float | None = None,
+    wall_now: float | None = None,
+) -> LeaseView | None:
     """What D may assume of P's hold at ``now``, from P's published lease and D's arrival time
-    (both on the scheduler's clock; ``now`` defaults to the arrival)."""
-    if lease_s is None or arrived is None:
+    (both on the scheduler's clock; ``now`` defaults to the arrival) and, where P published it,
+    the end of its hold on its wall clock (``held_until``, against ``wall_now``, read where not
+    given): the earlier end. A decode leg that reached D late (a router queueing it) has less of
+    the lease left than D's arrival says; one that reached D after P freed the blocks has none."""
+    if lease_s is None or (arrived is None and held_until is None):
         return None
-    return LeaseView(lease_s, arrived + LEASE_SAFETY * lease_s - (arrived if now is None else now))
+    margin = (1 - LEASE_SAFETY) * lease_s
+    ends = []
+    if arrived is not None:
+        ends.append(arrived + LEASE_SAFETY * lease_s - (arrived if now is None else now))
+    if held_until is not None:
+        ends.append(held_until - (time.time() if wall_now is None else wall_now) - margin)
+    return LeaseView(lease_s, min(ends))
 
 
 def block_id_groups(ids: Any) -> tuple[list[int], ...]:

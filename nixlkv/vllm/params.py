@@ -23,6 +23,10 @@ from ..core.topology import MAX_TP_SIZE
 # nixlkv's own keys beside vLLM NixlConnector's (optional; a proxy forwards kv_transfer_params whole).
 GENERATION_KEY = "remote_generation"  # liveness.engine_generation of the P that prefilled
 LEASE_KEY = "remote_lease_s"  # how long that P holds the blocks without news from D
+# when that hold ends at the latest without news from D, in Unix seconds on P's clock: D's own
+# count from its arrival cannot see a decode leg delayed on its way (a router queueing it)
+HELD_UNTIL_KEY = "remote_held_until"
+MAX_UNIX_S = 1e11  # a time after the year 5000 is no clock's reading
 MAX_BLOCK_ID = 2**31 - 1
 NULL_BLOCK_ID = 0  # vLLM's null block: the placeholder of a window's dropped blocks, repeated freely
 MAX_LEASE_S = 86400.0  # a day: a lease is how long P holds blocks unread; an endless one leaks them
@@ -52,6 +56,7 @@ class _Remote(msgspec.Struct):
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] | None = None
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)] | None = msgspec.field(default=None, name=LEASE_KEY)
     generation: Id | None = msgspec.field(default=None, name=GENERATION_KEY)
+    held_until: Annotated[float, msgspec.Meta(gt=0, le=MAX_UNIX_S)] | None = msgspec.field(default=None, name=HELD_UNTIL_KEY)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class RemoteParams:
     num_tokens: int | None
     lease_s: float | None
     generation: str | None
+    held_until: float | None = None  # P's hold ends by then (Unix seconds, P's clock) without news from D
 
 
 def _convert(value: Any, typ: Any, what: str) -> Any:
@@ -94,7 +100,7 @@ def remote(params: Any) -> RemoteParams:
     return RemoteParams(
         engine_id=r.remote_engine_id, request_id=r.remote_request_id, host=_host(r.remote_host),
         port=r.remote_port, block_ids=block_groups(r.remote_block_ids), tp_size=r.tp_size,
-        num_tokens=r.remote_num_tokens, lease_s=r.lease_s, generation=r.generation,
+        num_tokens=r.remote_num_tokens, lease_s=r.lease_s, generation=r.generation, held_until=r.held_until,
     )
 
 

@@ -28,7 +28,7 @@ from .handshake import SideChannelServer
 from .metadata import (
     LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups, lease_view, recv_from_params,
 )
-from .params import GENERATION_KEY, LEASE_KEY, ParamsError, flags, remote
+from .params import GENERATION_KEY, HELD_UNTIL_KEY, LEASE_KEY, ParamsError, flags, remote
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -120,8 +120,9 @@ class NixlkvScheduler:
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
         self.generation: str | None = None  # this engine's, published to consumers
-        # D: request waiting for remote KV -> (remote, P's request id, P's lease or None, arrival on this scheduler's clock)
-        self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float]] = {}
+        # D: request waiting for remote KV -> (remote, P's request id, P's lease or None, arrival on this
+        # scheduler's clock, the end of P's hold P published on its wall clock or None)
+        self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float, float | None]] = {}
         self._last_heartbeat = float("-inf")
         self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
         # D: request -> the tokens of its prompt D's own prefix cache held when it claimed the rest
@@ -171,7 +172,8 @@ class NixlkvScheduler:
             r = remote(request.kv_transfer_params)
         except ParamsError:
             return  # get_num_new_matched_tokens logs it and prefills locally
-        self._awaiting[request.request_id] = ((r.engine_id, r.host, r.port), r.request_id, r.lease_s, time.monotonic())
+        self._awaiting[request.request_id] = (
+            (r.engine_id, r.host, r.port), r.request_id, r.lease_s, time.monotonic(), r.held_until)
 
     def _flags(self, request: Any) -> tuple[bool, bool]:
         """(do_remote_prefill, do_remote_decode) of a request; params that do not pass count as
@@ -278,16 +280,17 @@ class NixlkvScheduler:
             return {}
         # A P whose lease is shorter than the interval would free the blocks between heartbeats:
         # beat at least three times per the shortest lease D waits under.
-        leases = [lease for _, _, lease, _ in self._awaiting.values() if lease is not None]
+        leases = [lease for _, _, lease, _, _ in self._awaiting.values() if lease is not None]
         if leases:
             interval = min(interval, min(leases) / 3)
         now = time.monotonic()
         if now - self._last_heartbeat < interval:
             return {}
         self._last_heartbeat = now
+        wall_now = time.time()
         out: dict[RemoteKey, dict[str, LeaseView | None]] = {}
-        for key, remote_rid, lease, arrived in self._awaiting.values():
-            out.setdefault(key, {})[remote_rid] = lease_view(lease, arrived, now)
+        for key, remote_rid, lease, arrived, held_until in self._awaiting.values():
+            out.setdefault(key, {})[remote_rid] = lease_view(lease, arrived, now, held_until, wall_now)
         return out
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -335,6 +338,8 @@ class NixlkvScheduler:
             "tp_size": self.tp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
             LEASE_KEY: self.config.lease_s,
+            # the hold starts when a worker is handed the request (the next step): it ends later
+            HELD_UNTIL_KEY: time.time() + self.config.lease_s,
             **({GENERATION_KEY: self.generation} if self.generation else {}),
         }
 
