@@ -27,8 +27,11 @@ the engines' own metrics say about their KV blocks.
    the abort lands, both engines must hold no blocks afterwards (P's freed by D's notification or at
    the lease), both must still serve, and a request through the proxy must answer as D alone.
 8. **P short of KV blocks** (run before 5, P then restarted as it was): P restarted with room for
-   two of six concurrent requests through the proxy; each holds its blocks for D's read, so P must
-   wait for D's reads to free room before it prefills the next. Every answer must pass the drift rule
+   two of six concurrent requests, each prefilled on P and sent to D a second after P answered (a
+   slow decode leg, played by the drill itself rather than the proxy: P holds each answered prompt
+   that long whatever the machine's speed, where D's prompt reads let a fast P hold one at a
+   time); each holds its blocks for D's read, so P must wait for D's reads to free room before it
+   prefills the next. Every answer must pass the drift rule
    against D alone, P must have filled (its usage seen near full, else the drill tested nothing),
    each request must have been read once, and neither engine holds blocks afterwards. With nixlkv,
    D must have handshaken the restarted P once, its plan recounted: the segments D had for P's
@@ -41,6 +44,7 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -261,21 +265,43 @@ def _least_room(srv: Servers, block: int) -> int:
     return -(-srv.recipe.max_model_len // block) + 4
 
 
-def _judged_at_once(srv: Servers, prompts: list[list[int]], refs: list[Completion], max_tokens: int) -> list[str]:
-    """``prompts`` through the proxy at once, each judged against its reference by the drift rule
-    (batched: other GEMM shapes than the one-at-a-time references); what went wrong, per request."""
-    model = str(srv.model_dir)
+def _judged_at_once(prompts: list[list[int]], refs: list[Completion], ask: Callable[[list[int]], Completion]) -> list[str]:
+    """``ask(prompt)`` for every prompt at once, each answer judged against its reference by the
+    drift rule (batched: other GEMM shapes than the one-at-a-time references); what went wrong,
+    per request."""
     faults = []
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(complete, srv.proxy_url, model, p, max_tokens, timeout_s=600) for p in prompts]
+        futures = [pool.submit(ask, p) for p in prompts]
         for i, (ref, fut) in enumerate(zip(refs, futures)):
             try:
                 v = judge(ref, fut.result(), "drift")
                 if not v.ok:
                     faults.append(f"request {i}: {v.reason}")
-            except CompletionError as exc:
+            except (CompletionError, ServeError) as exc:
                 faults.append(f"request {i} failed: {exc}")
     return faults
+
+
+def _through_proxy(srv: Servers, max_tokens: int) -> Callable[[list[int]], Completion]:
+    """A prompt through the proxy."""
+    return lambda prompt: complete(srv.proxy_url, str(srv.model_dir), prompt, max_tokens, timeout_s=600)
+
+
+SLOW_DECODE_S = 1.0  # drill 8: how long after P's answer each decode leg reaches D (well inside LEASE_S)
+
+
+def _with_slow_decode(srv: Servers, max_tokens: int, delay_s: float) -> Callable[[list[int]], Completion]:
+    """A prompt prefilled on P (the proxy's first leg) and sent to D ``delay_s`` after P answered:
+    P holds every answered prompt's blocks at least that long, so its room fills whatever the
+    machine's speed."""
+    model = str(srv.model_dir)
+
+    def ask(prompt: list[int]) -> Completion:
+        params = prefill_on(srv.p_url, model, prompt)
+        time.sleep(delay_s)
+        return complete(srv.d_url, model, prompt, max_tokens, kv_transfer_params=params, timeout_s=600)
+
+    return ask
 
 
 def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
@@ -303,7 +329,7 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    faults = _judged_at_once(srv, prompts, refs, case.max_tokens)
+    faults = _judged_at_once(prompts, refs, _with_slow_decode(srv, case.max_tokens, SLOW_DECODE_S))
     done.set()
     watcher.join()
     facts["p_peak_kv_usage"] = round(peak[0], 3)
@@ -340,7 +366,7 @@ def _short_decode(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
     refs = [complete(srv.d_url, model, p, answer) for p in prompts]  # one at a time: each fits
     before = scrape(srv.d_url)
-    faults = _judged_at_once(srv, prompts, refs, answer)
+    faults = _judged_at_once(prompts, refs, _through_proxy(srv, answer))
     moved = delta(scrape(srv.d_url), before)
     facts["preemptions"] = moved.get("vllm:num_preemptions_total", 0.0)
     facts["transfers"] = _transfer_facts(moved).get("transfers", 0.0)
