@@ -245,56 +245,55 @@ def test_lease_expiry_frees_blocks(caplog) -> None:
         p.close()
 
 
-def test_notifications_before_the_hand_over_still_free() -> None:
-    """D may finish reading before P's worker gets the request in its metadata (the next step)."""
+@pytest.fixture
+def early_pair():
+    """P's worker, and ``notify(rid)``: D's notification that it read ``rid`` before P's worker
+    was handed the request, back once P noted it (nothing freed meanwhile)."""
     sc = fa_scenario(1, 1, num_tokens=40)
     p = Engine(sc, "prefill", "P")
     d = Engine(sc, "decode", "D")
     try:
         pw, dw = p.workers[0], d.workers[0]
         name = dw.nixl.add_remote(pw.nixl.metadata())
-        dw.nixl.agent.send_notif(name, notification("early", 1))
-        deadline = time.monotonic() + 5
-        while "early" not in pw._early and time.monotonic() < deadline:
-            assert pw.get_finished(set())[0] == set()
-            time.sleep(0.005)
-        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"early": 30.0}))
-        assert pw.get_finished(set())[0] == {"early"}
-        assert not pw._holds
+
+        def notify(rid: str) -> None:
+            dw.nixl.agent.send_notif(name, notification(rid, 1))
+            deadline = time.monotonic() + 5
+            while rid not in pw._early and time.monotonic() < deadline:
+                assert pw.get_finished(set())[0] == set()
+                time.sleep(0.005)
+
+        yield pw, notify
     finally:
         p.close()
         d.close()
 
 
-def test_notifications_for_requests_never_handed_over_are_bounded(monkeypatch, caplog) -> None:
+def test_notifications_before_the_hand_over_still_free(early_pair) -> None:
+    """D may finish reading before P's worker gets the request in its metadata (the next step)."""
+    pw, notify = early_pair
+    notify("early")
+    pw.start_load_kv(NixlkvMetadata(reqs_to_send={"early": 30.0}))
+    assert pw.get_finished(set())[0] == {"early"}
+    assert not pw._holds
+
+
+def test_notifications_for_requests_never_handed_over_are_bounded(early_pair, monkeypatch, caplog) -> None:
     """A peer notifying distinct ids P was never handed cannot grow P's map of early notifications
     without end: past the bound the oldest is forgotten, the newest still frees its request."""
     import nixlkv.vllm.worker as worker_module
 
     monkeypatch.setattr(worker_module, "MAX_EARLY_REQUESTS", 3, raising=False)
-    sc = fa_scenario(1, 1, num_tokens=40)
-    p = Engine(sc, "prefill", "P")
-    d = Engine(sc, "decode", "D")
-    try:
-        pw, dw = p.workers[0], d.workers[0]
-        name = dw.nixl.add_remote(pw.nixl.metadata())
-        rids = [f"junk-{i}" for i in range(5)] + ["late"]
-        with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
-            for rid in rids:  # one at a time: NIXL does not promise the order of separate messages
-                dw.nixl.agent.send_notif(name, notification(rid, 1))
-                deadline = time.monotonic() + 5
-                while rid not in pw._early and time.monotonic() < deadline:
-                    assert pw.get_finished(set())[0] == set()
-                    time.sleep(0.005)
-                assert len(pw._early) <= 3
-        assert list(pw._early) == ["junk-3", "junk-4", "late"]  # the oldest forgotten
-        assert "forgot the oldest, junk-0" in caplog.text
-        assert pw.take_stats().reduce()["ignored_notifications"] == 3
-        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"late": 30.0}))
-        assert pw.get_finished(set())[0] == {"late"}
-    finally:
-        p.close()
-        d.close()
+    pw, notify = early_pair
+    with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
+        for rid in [f"junk-{i}" for i in range(5)] + ["late"]:  # one at a time: NIXL does not order separate messages
+            notify(rid)
+            assert len(pw._early) <= 3
+    assert list(pw._early) == ["junk-3", "junk-4", "late"]  # the oldest forgotten
+    assert "forgot the oldest, junk-0" in caplog.text
+    assert pw.take_stats().reduce()["ignored_notifications"] == 3
+    pw.start_load_kv(NixlkvMetadata(reqs_to_send={"late": 30.0}))
+    assert pw.get_finished(set())[0] == {"late"}
 
 
 def test_read_that_never_completes_times_out(monkeypatch, caplog) -> None:
