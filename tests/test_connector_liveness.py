@@ -146,12 +146,13 @@ def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
 
 
 @pytest.mark.parametrize("delay_s", [0.3, 1.6])
-def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float) -> None:
+def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog) -> None:
     """vLLM's real Schedulers: P holds for lease_s=1 s; the decode leg reaches D ``delay_s`` after
     P answered (a router queueing it). D's count from its own arrival would still give the lease
     0.9 s; P published when its hold ends (``remote_held_until``), so D reads a leg that came in
     time and refuses one that came after P freed the blocks (they may hold another request's KV
     by then): the request fails cleanly, nothing written."""
+    caplog.set_level(logging.ERROR, logger="nixlkv.connector")
     p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
     d = PDEngine(PDCase(), "decode", "D", SIDE)
     try:
@@ -176,6 +177,7 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float) -> None
             assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0])
             assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
             assert sum(s.reduce()["expired_leases"] for s in p.stats) == 1
+            assert any("after the end of the hold the remote published" in r.getMessage() for r in caplog.records)
         clean(p)
         clean(d)
     finally:

@@ -402,7 +402,9 @@ class NixlkvWorker:
         plan = remote.prepared.plan
         if any(req.local_block_ids) and self._lease_lapsed(req):
             self._fail(rid, req, "the remote's lease on the blocks may have expired before they could be read "
-                                 "(queued longer than its lease_s with no heartbeat in time); not reading them")
+                                 "(queued here longer than its lease_s with no heartbeat in time, or reached this "
+                                 "engine after the end of the hold the remote published: a decode leg delayed on its "
+                                 "way, or the two hosts' clocks apart by more than a tenth of the lease); not reading them")
             return
         try:
             local = list(req.local_block_ids) + [[]] * (self.num_groups - len(req.local_block_ids))
