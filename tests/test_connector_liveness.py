@@ -137,6 +137,7 @@ def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
             assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0])
             assert str(d.outputs["r"].finish_reason).lower().endswith("error")
             assert p_stats == {"expired_leases": 1, "lease_extensions": 0}, p_stats
+            assert sum(s.reduce()["lapsed_holds"] for s in d.stats) == 1
             assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
         clean(p)
         clean(d)
@@ -178,6 +179,7 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog)
             assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
             assert sum(s.reduce()["expired_leases"] for s in p.stats) == 1
             assert any("after the end of the hold the remote published" in r.getMessage() for r in caplog.records)
+            assert sum(s.reduce()["lapsed_holds"] for s in d.stats) == 1
         clean(p)
         clean(d)
     finally:

@@ -149,13 +149,15 @@ class NixlkvStats(KVConnectorStats):
     # blocks stay held), release_retries (the retries until it did) and staged_loads (loads read
     # through the staging buffer), handshakes_planned / _rebased / _recounted (completed
     # handshakes by how their plan was made: the strategies asked, another engine's plan at these
-    # addresses, or another engine's segments with these block counts);
+    # addresses, or another engine's segments with these block counts), lapsed_holds (loads not
+    # read because P's hold may have ended: queued past the lease, or reached D after the end P
+    # published, a late decode leg or the hosts' clocks apart);
     # P: expired_leases, ignored_notifications (not nixlkv's or malformed), lease_extensions (a
     # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held).
     COUNTERS = ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications",
                 "heartbeats_sent", "lease_extensions", "stale_heartbeats", "remotes_released",
                 "unreleased_transfers", "release_retries", "staged_loads",
-                "handshakes_planned", "handshakes_rebased", "handshakes_recounted")
+                "handshakes_planned", "handshakes_rebased", "handshakes_recounted", "lapsed_holds")
 
     def reset(self) -> None:
         self.data = {"bytes": [], "descriptors": [], "transfer_s": [], "post_s": [], **dict.fromkeys(self.COUNTERS, 0)}

@@ -44,6 +44,8 @@ COUNTERS = {
     "handshakes_planned": "Handshakes whose plan the strategies made (the first of a layout and shape) (decode side).",
     "handshakes_rebased": "Handshakes given another engine's plan at their addresses (the same layout) (decode side).",
     "handshakes_recounted": "Handshakes given another engine's segments with their own block counts (decode side).",
+    "lapsed_holds": "Loads not read because the prefill engine's hold may have ended: queued past its lease, or "
+                    "arrived after the end it published (a late decode leg, or the hosts' clocks apart) (decode side).",
 }
 
 

@@ -401,6 +401,7 @@ class NixlkvWorker:
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
         plan = remote.prepared.plan
         if any(req.local_block_ids) and self._lease_lapsed(req):
+            self.stats.count("lapsed_holds")
             self._fail(rid, req, "the remote's lease on the blocks may have expired before they could be read "
                                  "(queued here longer than its lease_s with no heartbeat in time, or reached this "
                                  "engine after the end of the hold the remote published: a decode leg delayed on its "
