@@ -5,15 +5,18 @@ real NIXL): prompts of any length arrive at random steps, and each request takes
 - ``p_abort``: aborted on P while it may still be prefilling;
 - ``d_abort_now``: D aborts it before its blocks are allocated;
 - ``d_abort_later``: D aborts it some steps after it arrived (while it loads, or decodes);
-- ``unread``: P's params never reach D.
+- ``unread``: P's params never reach D;
+- ``late``: P's params reach D after P's lease ended (a router that held the decode leg): D must
+  not read P's freed blocks; the load fails and D answers it alone.
 
 Whatever the order, afterwards: no request is left on either engine and every block is back in
 its pool (vLLM's own leak check); every request P handed over is freed once, by D's notification
-unless D never heard of it (then by the lease); every ``normal`` request decodes on D from a
-successful load; no load fails.
+unless D never heard of it in time (then by the lease); every ``normal`` request decodes on D
+from a successful load; the loads that fail are exactly the ``late`` ones.
 
 Controls show the checks can fail: a P whose lease frees a request D did read (the notifications
-ignored), and a D that keeps one request's blocks.
+ignored), a D that keeps one request's blocks, and a D that reads the late legs (judging P's hold
+by its own arrival alone).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
 SIDE = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
 LEASE_S = 2.0
-KINDS = ("normal", "normal", "p_abort", "d_abort_now", "d_abort_later", "unread")
+KINDS = ("normal", "normal", "p_abort", "d_abort_now", "d_abort_later", "unread", "late")
+LATE_S = LEASE_S + 0.5  # how long after P's answer a late decode leg reaches D
 CASES = (PDCase(), PDCase(model="llama-sw"), PDCase(p_tp=2, d_tp=1), PDCase(p_tp=1, d_tp=2),
          PDCase(model="nemotron-h"), PDCase(model="llama", d_block=32),
          PDCase(num_blocks=20))  # a pool of 19 blocks: P queues prompts, D waits for room
@@ -68,6 +72,7 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
     try:
         handed: set[str] = set()  # P's outputs with params (P holds their blocks)
         to_d: dict[int, list[tuple[Req, dict]]] = {}
+        late: list[tuple[float, Req, dict]] = []  # (when, request, params): legs held past P's lease
         d_aborts: dict[int, list[str]] = {}
         p_aborts: dict[int, list[str]] = {}
         step = 0
@@ -81,7 +86,10 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
                         p_aborts.setdefault(step + q.abort_after, []).append(q.rid)
             for rid in p_aborts.pop(step, []):
                 p.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-            for q, params in to_d.pop(step, []):
+            now = time.monotonic()
+            due = [(q, params) for when, q, params in late if when <= now]
+            late = [x for x in late if x[0] > now]
+            for q, params in to_d.pop(step, []) + due:
                 d.add(q.rid, prompt(int(q.rid[1:].replace("-", "")) % 97, q.tokens), q.max_tokens, params)
                 if q.kind == "d_abort_now":
                     d.scheduler.finish_requests(q.rid, RequestStatus.FINISHED_ABORTED)
@@ -94,13 +102,15 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
                 out = p.outputs.get(q.rid)
                 if out is not None and q.rid not in handed and out.kv_transfer_params:
                     handed.add(q.rid)
-                    if q.kind not in ("unread", "p_abort"):
+                    if q.kind == "late":
+                        late.append((time.monotonic() + LATE_S, q, dict(out.kv_transfer_params)))
+                    elif q.kind not in ("unread", "p_abort"):
                         to_d.setdefault(step + 1 + q.delay, []).append((q, dict(out.kv_transfer_params)))
             d.step()
             if d_hook is not None:
                 d_hook(d, step)
             step += 1
-            idle = not (p.scheduler.requests or d.scheduler.requests or to_d or d_aborts or p_aborts)
+            idle = not (p.scheduler.requests or d.scheduler.requests or to_d or late or d_aborts or p_aborts)
             if idle and step > 4 and all(q.p_step < step for q in reqs):
                 break
             time.sleep(0.001)
@@ -120,12 +130,13 @@ def check(seed: int, out: dict) -> None:
         assert leaks["requests"] == leaks["waiting"] == leaks["running"] == leaks["nonzero_refs"] == 0, (seed, side, leaks)
         assert leaks["free_blocks"] == leaks["expected_free"], (seed, side, leaks)
     assert out["freed"] == handed, (seed, "freed", out["freed"], handed)
-    unread = {q.rid for q in reqs if q.kind in ("unread", "p_abort")} & handed
+    unread = {q.rid for q in reqs if q.kind in ("unread", "p_abort", "late")} & handed
     # every prefill rank holds the request and counts its own lease
     assert out["expired"] == len(unread) * out["case"].p_tp, (seed, "expired leases", out["expired"], unread)
     normal = {q.rid for q in reqs if q.kind == "normal"}
     assert normal <= handed and normal <= out["decoded"] and normal <= out["loaded"], (seed, "normal", out)
-    assert not out["failed"], (seed, "failed loads", out["failed"])
+    assert out["failed"] == {q.rid for q in reqs if q.kind == "late"}, (seed, "failed loads", out["failed"])
+    assert {q.rid for q in reqs if q.kind == "late"} <= out["decoded"], (seed, "late ones answered", out)
 
 
 SEEDS = range(12)
@@ -162,3 +173,16 @@ def test_control_blocks_kept_are_seen() -> None:
 
     with pytest.raises(AssertionError, match="'d'"):
         check(0, run(0, d_hook=keep_one))
+
+
+def test_control_late_legs_read_from_freed_blocks_are_seen(monkeypatch) -> None:
+    """A D that judges P's hold by its own arrival alone reads the late legs from blocks P freed."""
+    from nixlkv.vllm import metadata
+
+    by_arrival = metadata.lease_view
+    monkeypatch.setattr(metadata, "lease_view",
+                        lambda lease_s, arrived, now=None, held_until=None, wall_now=None: by_arrival(lease_s, arrived, now))
+    seed = next(s for s in SEEDS if any(q.kind == "late" for q in draw(s)[1]))
+    with pytest.raises(AssertionError, match="failed loads"):
+        check(seed, run(seed))
+
