@@ -28,7 +28,7 @@ from .handshake import SideChannelServer
 from .metadata import (
     LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups, lease_view, recv_from_params,
 )
-from .params import GENERATION_KEY, HELD_UNTIL_KEY, LEASE_KEY, ParamsError, flags, remote
+from .params import GENERATION_KEY, HELD_UNTIL_KEY, LEASE_KEY, ParamsError, RemoteParams, flags, remote
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -120,9 +120,8 @@ class NixlkvScheduler:
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
         self.generation: str | None = None  # this engine's, published to consumers
-        # D: request waiting for remote KV -> (remote, P's request id, P's lease or None, arrival on this
-        # scheduler's clock, the end of P's hold P published on its wall clock or None)
-        self._awaiting: dict[str, tuple[RemoteKey, str, float | None, float, float | None]] = {}
+        # D: request waiting for remote KV -> (its checked params, its arrival on this scheduler's clock)
+        self._awaiting: dict[str, tuple[RemoteParams, float]] = {}
         self._last_heartbeat = float("-inf")
         self._short: set[str] = set()  # P: requests whose prompt stop_short cut, until they finish
         # D: request -> the tokens of its prompt D's own prefix cache held when it claimed the rest
@@ -172,8 +171,7 @@ class NixlkvScheduler:
             r = remote(request.kv_transfer_params)
         except ParamsError:
             return  # get_num_new_matched_tokens logs it and prefills locally
-        self._awaiting[request.request_id] = (
-            (r.engine_id, r.host, r.port), r.request_id, r.lease_s, time.monotonic(), r.held_until)
+        self._awaiting[request.request_id] = (r, time.monotonic())
 
     def _flags(self, request: Any) -> tuple[bool, bool]:
         """(do_remote_prefill, do_remote_decode) of a request; params that do not pass count as
@@ -260,7 +258,7 @@ class NixlkvScheduler:
         try:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
             self._recv[request.request_id] = recv_from_params(
-                params, local, report=num_external_tokens > 0, arrived=awaiting[3] if awaiting else None,
+                params, local, report=num_external_tokens > 0, arrived=awaiting[1] if awaiting else None,
                 num_tokens=hit + num_external_tokens, now=time.monotonic(),
             )
         except (ValueError, TypeError) as exc:
@@ -280,7 +278,7 @@ class NixlkvScheduler:
             return {}
         # A P whose lease is shorter than the interval would free the blocks between heartbeats:
         # beat at least three times per the shortest lease D waits under.
-        leases = [lease for _, _, lease, _, _ in self._awaiting.values() if lease is not None]
+        leases = [r.lease_s for r, _ in self._awaiting.values() if r.lease_s is not None]
         if leases:
             interval = min(interval, min(leases) / 3)
         now = time.monotonic()
@@ -289,8 +287,9 @@ class NixlkvScheduler:
         self._last_heartbeat = now
         wall_now = time.time()
         out: dict[RemoteKey, dict[str, LeaseView | None]] = {}
-        for key, remote_rid, lease, arrived, held_until in self._awaiting.values():
-            out.setdefault(key, {})[remote_rid] = lease_view(lease, arrived, now, held_until, wall_now)
+        for r, arrived in self._awaiting.values():
+            out.setdefault((r.engine_id, r.host, r.port), {})[r.request_id] = lease_view(
+                r.lease_s, arrived, now, r.held_until, wall_now)
         return out
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
