@@ -187,14 +187,20 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog)
         d.close()
 
 
-def test_control_without_the_published_end_d_reads_blocks_p_freed(monkeypatch) -> None:
-    """The control of the test above: a D that counts the lease from its own arrival only reads
-    the late leg from blocks P had already freed (expired before D's READ), and calls it loaded."""
+def judge_by_arrival_alone(monkeypatch) -> None:
+    """The controls' D: it ignores the end of the hold P published, and counts P's lease from its
+    own arrival only (as before remote_held_until)."""
     from nixlkv.vllm import metadata
 
     by_arrival = metadata.lease_view
     monkeypatch.setattr(metadata, "lease_view",
                         lambda lease_s, arrived, now=None, held_until=None, wall_now=None: by_arrival(lease_s, arrived, now))
+
+
+def test_control_without_the_published_end_d_reads_blocks_p_freed(monkeypatch) -> None:
+    """The control of the test above: a D that counts the lease from its own arrival only reads
+    the late leg from blocks P had already freed (expired before D's READ), and calls it loaded."""
+    judge_by_arrival_alone(monkeypatch)
     p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
     d = PDEngine(PDCase(), "decode", "D", SIDE)
     try:

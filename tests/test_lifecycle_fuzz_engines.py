@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import pytest
 
 from pd_harness import PDCase, PDEngine, prompt
+from test_connector_liveness import judge_by_arrival_alone
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -177,11 +178,7 @@ def test_control_blocks_kept_are_seen() -> None:
 
 def test_control_late_legs_read_from_freed_blocks_are_seen(monkeypatch) -> None:
     """A D that judges P's hold by its own arrival alone reads the late legs from blocks P freed."""
-    from nixlkv.vllm import metadata
-
-    by_arrival = metadata.lease_view
-    monkeypatch.setattr(metadata, "lease_view",
-                        lambda lease_s, arrived, now=None, held_until=None, wall_now=None: by_arrival(lease_s, arrived, now))
+    judge_by_arrival_alone(monkeypatch)
     seed = next(s for s in SEEDS if any(q.kind == "late" for q in draw(s)[1]))
     with pytest.raises(AssertionError, match="failed loads"):
         check(seed, run(seed))
