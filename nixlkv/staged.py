@@ -114,7 +114,13 @@ class Reader:
         """The staging buffer, on the KV cache's device, registered with this rank's agent."""
         if self.buffer is None:
             device = self._memory[0][2].device
-            self.buffer = torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
+            try:
+                self.buffer = torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
+            except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+                raise StagingError(
+                    f"staging_bytes={self.staging_bytes} could not be allocated on {device} ({type(exc).__name__}: "
+                    f"{str(exc)[:160]}); lower staging_bytes or use descriptor_mode 'direct'"
+                ) from None
             regs = [(self.buffer.data_ptr(), self.staging_bytes, device.index or 0, "")]
             self._reg = self.nixl.agent.register_memory(regs, self.nixl.mem_type)
         return self.buffer

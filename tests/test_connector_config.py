@@ -91,6 +91,10 @@ def test_unknown_key_lists_known_keys() -> None:
     ("heartbeat_interval_s", float("inf")),
     ("nixl_num_threads", 2**70),
     ("nixl_progress_delay_us", 10**7),
+    # no upper bound before: a handshake guard that guards nothing, a buffer allocated (or refused
+    # by the allocator) at the first handshake that stages instead of at start-up
+    ("max_handshake_bytes", (1 << 30) + 1),
+    ("staging_bytes", 1 << 50),
 ])
 def test_bad_values_name_the_key(key, value) -> None:
     with pytest.raises(ConfigError, match=key):

@@ -161,6 +161,25 @@ def test_auto_probes_staging_only_while_it_is_within_reach(dispatcher, monkeypat
     assert modes.count("staged") == 2 and modes[PROBE_EVERY - 1] == "staged"
 
 
+def test_a_staging_buffer_that_cannot_be_allocated_is_a_staging_error_naming_the_setting(dispatcher) -> None:
+    """An operator's staging_bytes beyond the device's memory fails the handshake or request that
+    first needs the buffer with a StagingError naming the setting and both fixes (the worker fails
+    that remote's requests only), not torch's bare allocator message."""
+    plan, resolved = _plan(dispatcher, 4, 2, 1024, "contiguous")
+    huge = 1 << 50  # beyond any address space: refused at once, nothing touched
+    rp = ReaderPlan(prepared=SimpleNamespace(plan=plan), staged=StagedPlan(plan, huge))
+    reader = Reader(_NoNixl(), "auto", huge, [torch.zeros(64, dtype=torch.uint8)])  # costs measured on first use
+    with pytest.raises(StagingError, match=rf"staging_bytes={huge} could not be allocated on cpu .*descriptor_mode 'direct'"):
+        reader.choose(rp, resolved)
+    assert reader.buffer is None
+    # the control: a buffer that fits is allocated on the same path
+    fits = Reader(_NoNixl(), "auto", 1 << 20, [torch.zeros(64, dtype=torch.uint8)])
+    # (an agent that accepts the registration: only the allocation is under test)
+    fits.nixl = SimpleNamespace(agent=SimpleNamespace(register_memory=lambda regs, mem_type: "registered"), mem_type="DRAM")
+    fits.choose(rp, resolved)
+    assert fits.buffer is not None and fits.buffer.numel() == 1 << 20
+
+
 def test_staging_refuses_a_page_larger_than_the_buffer(dispatcher) -> None:
     plan, resolved = _plan(dispatcher, 4, 2, 1024, "contiguous")
     with pytest.raises(StagingError, match=r"staging_bytes=4096 .*16384 B.*descriptor_mode 'direct'"):

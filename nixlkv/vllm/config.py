@@ -15,6 +15,12 @@ from ..core.staging import DEFAULT_STAGING_BYTES, DESCRIPTOR_MODES
 from .params import MAX_LEASE_S
 
 MIN_STAGING_BYTES = 1 << 20  # two halves of at least one typical page each
+# More than the largest request's KV (Llama-70B-like, 128k tokens, one rank: ~40 GiB): a request
+# is staged in rounds of half the buffer, so a larger one is never used, only allocated.
+MAX_STAGING_BYTES = 1 << 36
+# A rank's geometry is kilobytes: the bound keeps a peer from making a decode worker read (and
+# decode) gigabytes; beyond a GiB the guard would guard nothing.
+MAX_HANDSHAKE_BYTES = 1 << 30
 
 
 class ConfigError(NixlkvError):
@@ -149,7 +155,8 @@ class ConnectorConfig:
                 )
             out["descriptor_mode"] = value
         for key, lo, hi in (("nixl_num_threads", 0, MAX_NIXL_THREADS), ("nixl_progress_delay_us", 0, MAX_PROGRESS_DELAY_US),
-                            ("max_handshake_bytes", 1024, None), ("staging_bytes", MIN_STAGING_BYTES, None)):
+                            ("max_handshake_bytes", 1024, MAX_HANDSHAKE_BYTES),
+                            ("staging_bytes", MIN_STAGING_BYTES, MAX_STAGING_BYTES)):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
