@@ -14,6 +14,7 @@ buffer one at a time, first come first served.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +36,8 @@ from .core.staging import (
     choose,
 )
 from .transfer import InFlight, NixlRank, PreparedPlan, TransferError, notification
+
+logger = logging.getLogger("nixlkv.connector")
 
 PROBE_EVERY = 16  # auto: every so many declined requests, one is staged to re-measure the copy
 # ... but only while staging is within reach: the plan's smallest direct descriptor under this many
@@ -142,7 +145,13 @@ class Reader:
             return rp  # auto: this plan is posted directly
         if self.mode == "auto" and not staged.can_help:
             return rp
-        buffer = self._ensure_buffer()
+        try:
+            buffer = self._ensure_buffer()
+        except StagingError as exc:
+            if self.mode == "staged":
+                raise
+            logger.warning("nixlkv: %s; descriptor_mode auto posts this remote's reads directly", exc)
+            return rp  # auto: the plan as it is, every request read directly
         dev = buffer.device.index or 0
         halves: list[object] = []
         remote: dict[int, object] = {}

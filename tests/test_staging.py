@@ -161,23 +161,31 @@ def test_auto_probes_staging_only_while_it_is_within_reach(dispatcher, monkeypat
     assert modes.count("staged") == 2 and modes[PROBE_EVERY - 1] == "staged"
 
 
-def test_a_staging_buffer_that_cannot_be_allocated_is_a_staging_error_naming_the_setting(dispatcher) -> None:
-    """An operator's staging_bytes beyond the device's memory fails the handshake or request that
+def test_a_staging_buffer_that_cannot_be_allocated_fails_staged_by_name_and_auto_reads_directly(dispatcher, caplog) -> None:
+    """An operator's staging_bytes beyond the device's memory: ``staged`` fails the handshake that
     first needs the buffer with a StagingError naming the setting and both fixes (the worker fails
-    that remote's requests only), not torch's bare allocator message."""
+    that remote's requests only), not torch's bare allocator message; ``auto`` reads that remote
+    directly, saying why (what auto does wherever staging cannot apply)."""
     plan, resolved = _plan(dispatcher, 4, 2, 1024, "contiguous")
     huge = 1 << 50  # beyond any address space: refused at once, nothing touched
-    rp = ReaderPlan(prepared=SimpleNamespace(plan=plan), staged=StagedPlan(plan, huge))
-    reader = Reader(_NoNixl(), "auto", huge, [torch.zeros(64, dtype=torch.uint8)])  # costs measured on first use
+    memory = [torch.zeros(64, dtype=torch.uint8)]
+    nixl = SimpleNamespace(prepare=lambda plan, agents: SimpleNamespace(plan=plan), agent=None)
+    assert StagedPlan(plan, huge // 2).can_help  # the plan would stage: the buffer is asked for
+    staged = Reader(nixl, "staged", huge, memory)
     with pytest.raises(StagingError, match=rf"staging_bytes={huge} could not be allocated on cpu .*descriptor_mode 'direct'"):
-        reader.choose(rp, resolved)
-    assert reader.buffer is None
-    # the control: a buffer that fits is allocated on the same path
-    fits = Reader(_NoNixl(), "auto", 1 << 20, [torch.zeros(64, dtype=torch.uint8)])
-    # (an agent that accepts the registration: only the allocation is under test)
-    fits.nixl = SimpleNamespace(agent=SimpleNamespace(register_memory=lambda regs, mem_type: "registered"), mem_type="DRAM")
-    fits.choose(rp, resolved)
-    assert fits.buffer is not None and fits.buffer.numel() == 1 << 20
+        staged.prepare(plan, {})
+    assert staged.buffer is None
+    auto = Reader(nixl, "auto", huge, memory, costs=CHEAP_COPY)
+    with caplog.at_level("WARNING", logger="nixlkv.connector"):
+        rp = auto.prepare(plan, {})
+    assert rp.staged is None and auto.buffer is None and "posts this remote's reads directly" in caplog.text
+    assert auto.choose(rp, resolved).mode == "direct"
+    # the control: a buffer that fits is allocated and registered on the same path
+    registered = []
+    fits = Reader(SimpleNamespace(agent=SimpleNamespace(register_memory=lambda regs, mem_type: registered.append(regs)),
+                                  mem_type="DRAM"), "auto", 1 << 20, memory)
+    fits.choose(ReaderPlan(prepared=SimpleNamespace(plan=plan), staged=StagedPlan(plan, 1 << 19)), resolved)
+    assert fits.buffer is not None and fits.buffer.numel() == 1 << 20 and len(registered) == 1
 
 
 def test_staging_refuses_a_page_larger_than_the_buffer(dispatcher) -> None:
