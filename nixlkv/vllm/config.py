@@ -159,8 +159,8 @@ class ConnectorConfig:
                             ("staging_bytes", MIN_STAGING_BYTES, MAX_STAGING_BYTES)):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-                    raise ConfigError(f"{key} must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {value!r}")
+                if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                    raise ConfigError(f"{key} must be an integer >= {lo} and <= {hi}, got {value!r}")
                 out[key] = value
         for key in ("capture_dir", "dump_kv_dir"):
             if extra.get(key) is not None:
