@@ -146,6 +146,24 @@ def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
         d.close()
 
 
+def _leg_on_its_way(p: PDEngine, delay_s: float) -> None:
+    """``delay_s`` of a decode leg on its way to D (a router queueing it): P's workers keep stepping."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < delay_s:
+        p.step()
+        time.sleep(0.02)
+
+
+def _decode_leg(p: PDEngine, d: PDEngine, params: dict) -> None:
+    """Request ``r`` reaches D with P's ``params``; both step until D answered and P let it go."""
+    d.add("r", prompt(1, 40), 2, params)
+    deadline = time.monotonic() + 30
+    while ("r" not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
+        d.step()
+        p.step()
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("delay_s", [0.3, 1.6])
 def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog) -> None:
     """vLLM's real Schedulers: P holds for lease_s=1 s; the decode leg reaches D ``delay_s`` after
@@ -160,16 +178,8 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog)
         oracle.fill_decode(d.ranks[0])
         params = prefill(p, "r", 40)
         assert params["remote_held_until"] > time.time()
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < delay_s:  # the leg on its way; P's workers keep stepping
-            p.step()
-            time.sleep(0.02)
-        d.add("r", prompt(1, 40), 2, params)
-        deadline = time.monotonic() + 30
-        while ("r" not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
-            d.step()
-            p.step()
-            time.sleep(0.005)
+        _leg_on_its_way(p, delay_s)
+        _decode_leg(p, d, params)
         assert p.finished_sending == {"r"}
         if delay_s < 0.9:
             assert d.finished_recving == {"r"} and not d.failed_recving
@@ -205,17 +215,9 @@ def test_control_without_the_published_end_d_reads_blocks_p_freed(monkeypatch) -
     d = PDEngine(PDCase(), "decode", "D", SIDE)
     try:
         params = prefill(p, "r", 40)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 1.6:
-            p.step()
-            time.sleep(0.02)
+        _leg_on_its_way(p, 1.6)
         assert p.finished_sending == {"r"}  # freed by its lease before D heard of it
-        d.add("r", prompt(1, 40), 2, params)
-        deadline = time.monotonic() + 30
-        while "r" not in d.outputs and time.monotonic() < deadline:
-            d.step()
-            p.step()
-            time.sleep(0.005)
+        _decode_leg(p, d, params)
         assert d.finished_recving == {"r"} and not d.failed_recving  # read from freed blocks
     finally:
         p.close()
