@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import pytest
 
 from pd_harness import PDCase, PDEngine, prompt
+from test_connector_lifecycle import SIDE
 from test_connector_liveness import judge_by_arrival_alone
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
-SIDE = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
 LEASE_S = 2.0
 KINDS = ("normal", "normal", "p_abort", "d_abort_now", "d_abort_later", "unread", "late")
 LATE_S = LEASE_S + 0.5  # how long after P's answer a late decode leg reaches D
@@ -50,6 +50,10 @@ class Req:
     p_step: int  # when P gets it
     delay: int  # steps between P's output and D getting it
     abort_after: int  # steps after arrival the abort comes (p_abort, d_abort_later)
+
+    def prompt(self) -> list[int]:
+        """Its prompt, the same on P and D (seeded by its id)."""
+        return prompt(int(self.rid[1:].replace("-", "")) % 97, self.tokens)
 
 
 def draw(seed: int) -> tuple[PDCase, list[Req]]:
@@ -81,7 +85,7 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
         while time.monotonic() < deadline:
             for q in reqs:
                 if q.p_step == step:
-                    p.add(q.rid, prompt(int(q.rid[1:].replace("-", "")) % 97, q.tokens), 1,
+                    p.add(q.rid, q.prompt(), 1,
                           {"do_remote_decode": True, "do_remote_prefill": False})
                     if q.kind == "p_abort":
                         p_aborts.setdefault(step + q.abort_after, []).append(q.rid)
@@ -91,7 +95,7 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
             due = [(q, params) for when, q, params in late if when <= now]
             late = [x for x in late if x[0] > now]
             for q, params in to_d.pop(step, []) + due:
-                d.add(q.rid, prompt(int(q.rid[1:].replace("-", "")) % 97, q.tokens), q.max_tokens, params)
+                d.add(q.rid, q.prompt(), q.max_tokens, params)
                 if q.kind == "d_abort_now":
                     d.scheduler.finish_requests(q.rid, RequestStatus.FINISHED_ABORTED)
                 elif q.kind == "d_abort_later":
