@@ -318,14 +318,14 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve_matrix(args: argparse.Namespace) -> int:
     from .serving.check import Options
-    from .serving.matrix import default_cases, markdown, merge, run_matrix, select, to_json
+    from .serving.matrix import default_cases, failed_cells, markdown, merge, rows_of, run_matrix, select, to_json
 
     def save(rows: list) -> None:
         if args.json_out:
             Path(args.json_out).write_text(to_json(rows) + "\n")
 
     if args.merge:
-        rows = merge(json.loads(Path(p).read_text()) for p in args.merge)
+        rows = merge(rows_of(json.loads(Path(p).read_text())) for p in args.merge)
     else:
         opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                        proxy_cmd=args.proxy_cmd,
@@ -339,7 +339,10 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(table)
     save(rows)
     print(to_json(rows) if args.json else table)
-    return 0
+    failed = failed_cells(rows)
+    if failed:
+        print(f"[serve-matrix] {len(failed)} nixlkv cell(s) failed: {'; '.join(failed)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
@@ -463,9 +466,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-both", action="store_true",
                    help="start every engine with kv_role kv_both, as vLLM's own P/D test does (each request's "
                    "kv_transfer_params decide whether an engine prefills for a remote decode or loads)")
-    p.add_argument("--verify-bytes", action="store_true",
-                   help="the engines dump every request's blocks (dump_kv_dir) and D's loaded KV is judged "
-                   "per token and head against P's (nixlkv's connector only)")
+    p.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_false",
+                   help="skip the byte check (on by default: the engines dump every request's blocks, D's loaded "
+                   "KV is judged per token and head against P's, and graded controls damaged on D must be "
+                   "rejected; nixlkv's connector only)")
+    p.add_argument("--verify-bytes", dest="verify_bytes", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--connector-config", action="append", metavar="KEY=VALUE",
                    help="a kv_connector_extra_config entry for every engine, repeatable (e.g. "
                    "--connector-config descriptor_mode=staged; VALUE is read as JSON where it is JSON)")
@@ -479,9 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
     p.add_argument("--policy", action="append", choices=("recompute", "fail"),
                    help="D's kv_load_failure_policy (repeatable; default both)")
-    p.add_argument("--verify-bytes", action="store_true",
-                   help="the engines dump every request's blocks; after the drills, every load is judged "
-                   "per token and head against P's (nixlkv's connector only)")
+    p.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_false",
+                   help="skip the byte check (on by default: the engines dump every request's blocks; after the "
+                   "drills every load that completed is judged per token and head against P's; nixlkv only)")
+    p.add_argument("--verify-bytes", dest="verify_bytes", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--connector-config", action="append", metavar="KEY=VALUE",
                    help="a kv_connector_extra_config entry for every engine, repeatable (e.g. "
                    "--connector-config descriptor_mode=staged)")

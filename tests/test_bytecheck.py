@@ -45,16 +45,16 @@ def page_rows(kv: np.ndarray, first_token: int, rows: int, block: int, heads: li
 
 
 def dump(role: str, rank: int, tp: int, kv: np.ndarray, ids: list[int], block: int, num_tokens: int, total: int,
-         facts: dict | None = None, interior: str | None = None, tail: bool = False, name: str = "l0") -> Dump:
+         facts: dict | None = None, interior: str | None = None, name: str = "l0", local_hit: int = 0) -> Dump:
+    """One rank's dump: ``ids`` is the request's block list from token 0, as vLLM's KV manager holds it."""
     local = total // tp if total >= tp else 1
     heads = held_heads(rank, tp, local, total).tolist()
-    first = (-(-num_tokens // block) - len(ids)) * block if tail else 0
-    raw = page_rows(kv, first, len(ids), block, heads, interior)
+    raw = page_rows(kv, 0, len(ids), block, heads, interior)
     for i, b in enumerate(ids):
         if b == 0:
             raw[i] = 0xEE  # the null block holds anything
     meta = {"role": role, "engine_id": role[0].upper(), "tp_rank": rank, "tp_size": tp, "num_tokens": num_tokens,
-            "prefill_request_id": "r", "request_id": "r",
+            "prefill_request_id": "r", "request_id": "r", "local_hit": local_hit,
             "groups": [{"block_ids": ids, "block_size": block, "transfer": True}],
             "layers": {name: {"group": 0, "kernel_blocks_per_block": 1}}}
     record = {"layers": {name: {"spec": "SlidingWindowSpec" if (facts or {}).get("sliding_window") else "FullAttentionSpec",
@@ -90,7 +90,7 @@ def test_a_faithful_load_passes_across_tp_and_block_sizes(p_tp: int, d_tp: int, 
     kv = model_kv(70, 4)
     q = 69  # D loads all but the last prompt token
     p = [dump("prefill", r, p_tp, kv, [5, 9, 3, 20, 21], 16, 70, 4, interior=interior) for r in range(p_tp)]
-    d = [dump("decode", r, d_tp, kv, [7, 2, 8, 11, 12, 13, 30, 31, 32], 8, q, 4, interior=interior, tail=True)
+    d = [dump("decode", r, d_tp, kv, [7, 2, 8, 11, 12, 13, 30, 31, 32], 8, q, 4, interior=interior)
          for r in range(d_tp)]
     v = judge_load("r", p, d)
     assert v.ok, v.shown
@@ -105,37 +105,37 @@ def _fails(p: list[Dump], d: list[Dump], text: str) -> None:
 def test_every_kind_of_wrong_load_is_named() -> None:
     kv = model_kv(40, 2)
     p = [dump("prefill", r, 2, kv, [5, 9, 3], 16, 40, 2) for r in range(2)]
-    good = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2, tail=True)
+    good = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2)
     assert judge_load("r", p, [good]).ok
     # the heads the other way round (a plan that pairs P rank 0 with D's second head)
-    swapped = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2, tail=True)
+    swapped = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2)
     swapped.layers["l0"] = swapped.layers["l0"][:, ::-1].copy()
     _fails(p, [swapped], "head 0")
     # the blocks the other way round
-    shifted = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2, tail=True)
+    shifted = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2)
     shifted.layers["l0"] = shifted.layers["l0"][[1, 0, 2]].copy()
     _fails(p, [shifted], "needed tokens differ")
     # one byte of the last loaded token
-    flipped = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2, tail=True)
+    flipped = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2)
     flipped.layers["l0"][2, 1, 38 - 32, C - 1] ^= 1
     _fails(p, [flipped], "head 1: 1 of 39 needed tokens differ")
     # D's block for a needed token is the null block; P's is
-    _fails(p, [dump("decode", 0, 1, kv, [7, 0, 8], 16, 39, 2, tail=True)], "in null blocks")
+    _fails(p, [dump("decode", 0, 1, kv, [7, 0, 8], 16, 39, 2)], "in null blocks")
     nulled = [dump("prefill", r, 2, kv, [5, 0, 3], 16, 40, 2) for r in range(2)]
     _fails(nulled, [good], "no longer held tokens")
-    # a load whose token count D did not know is not judged, never passed
-    unknown = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2, tail=True)
+    # a load whose token count D did not know is not judged, and fails
+    unknown = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2)
     unknown.meta["num_tokens"] = -1
     v = judge_load("r", p, [unknown])
-    assert v.ok and v.layers == 0 and v.unjudged == {"l0": "D's token count unknown"}
+    assert not v.ok and v.layers == 0 and v.unjudged == {"l0": "D's token count unknown"}
     # D claims more tokens than P computed
-    _fails(p, [dump("decode", 0, 1, model_kv(48, 2), [7, 2, 8], 16, 41, 2, tail=True)], "no longer held tokens [40]")
+    _fails(p, [dump("decode", 0, 1, model_kv(48, 2), [7, 2, 8], 16, 41, 2)], "no longer held tokens [40]")
 
 
 def test_a_window_needs_only_its_last_tokens_and_a_prefix_hit_is_not_judged() -> None:
     kv, window = model_kv(100, 2), {"sliding_window": 16}
     p = [dump("prefill", 0, 1, kv, [0, 0, 0, 0, 0, 6, 7], 16, 100, 2, facts=window)]  # P freed blocks out of the window
-    d = dump("decode", 0, 1, kv, [0, 0, 0, 0, 0, 9, 10], 16, 99, 2, facts=window, tail=True)
+    d = dump("decode", 0, 1, kv, [0, 0, 0, 0, 0, 9, 10], 16, 99, 2, facts=window)
     v = judge_load("r", p, [d])
     assert v.ok and v.tokens == 15 * 2, v.shown
     d.layers["l0"][5, :, 3] ^= 0xFF  # token 83: out of the window of token 99 (84..99), never read
@@ -144,9 +144,15 @@ def test_a_window_needs_only_its_last_tokens_and_a_prefix_hit_is_not_judged() ->
     _fails(p, [d], "first at [84]")
     # D hit 64 tokens in its own prefix cache and loaded the rest: its own blocks are not P's to judge
     full = [dump("prefill", 0, 1, kv, [1, 2, 3, 4, 5, 6, 7], 16, 100, 2)]
-    tail = dump("decode", 0, 1, kv, [21, 22, 23], 16, 99, 2, tail=True)
-    v = judge_load("r", full, [tail])
+    mine = dump("decode", 0, 1, kv, [17, 18, 19, 20, 21, 22, 23], 16, 99, 2, local_hit=64)
+    mine.layers["l0"][:4] ^= 0x3C  # D computed these itself: bits of its own
+    v = judge_load("r", full, [mine])
     assert v.ok and v.tokens == (99 - 64) * 2
+    mine.layers["l0"][4, 0, 0] ^= 0x3C  # token 64, the first one loaded
+    _fails(full, [mine], "first at [64]")
+    # a table longer than the tokens (D's block for the token it computes itself) is no shift
+    longer = dump("decode", 0, 1, kv, [17, 18, 19, 20, 21, 22, 23, 24], 16, 99, 2)
+    assert judge_load("r", full, [longer]).ok
 
 
 def _config(block: int, num_blocks: int, layers: list[str]) -> SimpleNamespace:
@@ -154,15 +160,15 @@ def _config(block: int, num_blocks: int, layers: list[str]) -> SimpleNamespace:
     return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[group])
 
 
-def _write(tmp: Path, role: str, rank: int, tp: int, kv: np.ndarray, ids: list[int], tokens: int, tail: bool) -> None:
+def _write(tmp: Path, role: str, rank: int, tp: int, kv: np.ndarray, ids: list[int], tokens: int,
+           extra: dict | None = None) -> None:
     """One worker's capture record and its dump of one request, from a real torch view (kernel
     blocks of 8 tokens, two per 16-token block)."""
     heads = held_heads(rank, tp, 2 // tp, 2).tolist()
     view = torch.zeros((2 * 32, len(heads), 8, C // ES), dtype=torch.bfloat16)
     raw = view.view(torch.uint8)
-    first = (-(-tokens // 16) - len(ids)) * 16 if tail else 0
     for i, b in enumerate(ids):
-        rows = torch.from_numpy(page_rows(kv, first + 16 * i, 2, 8, heads, None))
+        rows = torch.from_numpy(page_rows(kv, 16 * i, 2, 8, heads, None))
         raw[2 * b: 2 * b + 2] = rows
     engine = role[0].upper()
     record = {"engine_id": engine, "tp_rank": rank, "tp_size": tp,
@@ -170,15 +176,15 @@ def _write(tmp: Path, role: str, rank: int, tp: int, kv: np.ndarray, ids: list[i
                                 "view": {"shape": list(view.shape)}}}}
     (tmp / f"{engine}-tp{rank}.json").write_text(json.dumps(record))
     dump_request(tmp, role=role, engine_id=engine, tp_rank=rank, tp_size=tp, prefill_request_id="cmpl-1/x",
-                 request_id="d-1" if tail else "cmpl-1/x", num_tokens=tokens, block_ids=[ids],
-                 kv_cache_config=_config(16, 32, ["l0"]), kv_caches={"l0": view})
+                 request_id="d-1" if role == "decode" else "cmpl-1/x", num_tokens=tokens, block_ids=[ids],
+                 kv_cache_config=_config(16, 32, ["l0"]), kv_caches={"l0": view}, extra=extra)
 
 
 def test_dumps_of_kernel_blocks_are_judged_from_a_directory_with_controls(tmp_path: Path) -> None:
     kv = model_kv(40, 2)
     for r in range(2):
-        _write(tmp_path, "prefill", r, 2, kv, [4, 9, 3], 40, tail=False)
-    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39, tail=True)
+        _write(tmp_path, "prefill", r, 2, kv, [4, 9, 3], 40)
+    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39)
     files = sorted(p.name for p in (tmp_path / "requests" / "cmpl-1_x").iterdir())
     assert files == ["decode-D-tp0.npz", "prefill-P-tp0.npz", "prefill-P-tp1.npz"]
     meta, layers = load_dump(tmp_path / "requests" / "cmpl-1_x" / "decode-D-tp0.npz")
@@ -188,15 +194,73 @@ def test_dumps_of_kernel_blocks_are_judged_from_a_directory_with_controls(tmp_pa
     assert v.ok and s["token_heads"] == 39 * 2 and s["control"] == {"request": "cmpl-1/x", "flip byte": True,
                                                                      "swap blocks": True, "bites": True}, s
     # D read P's blocks in the wrong order: the same directory, judged, fails
-    _write(tmp_path, "decode", 0, 1, kv, [2, 7, 8], 39, tail=True)
+    _write(tmp_path, "decode", 0, 1, kv, [2, 7, 8], 39)
     kv_wrong = np.concatenate([kv[16:32], kv[:16], kv[32:]])
-    _write(tmp_path, "decode", 0, 1, kv_wrong, [7, 2, 8], 39, tail=True)
+    _write(tmp_path, "decode", 0, 1, kv_wrong, [7, 2, 8], 39)
     assert not judge_dir(tmp_path).ok
     # a decode dump whose prefill ranks did not all dump is not judged as passed
-    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39, tail=True)
+    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39)
     (tmp_path / "requests" / "cmpl-1_x" / "prefill-P-tp1.npz").unlink()
     v = judge_dir(tmp_path)
     assert not v.ok and v.missing == ["cmpl-1/x"]
+
+
+def _pair(tmp: Path, kv: np.ndarray) -> None:
+    for r in range(2):
+        _write(tmp, "prefill", r, 2, kv, [4, 9, 3], 40)
+
+
+def test_nothing_passes_by_absence(tmp_path: Path) -> None:
+    """A load D claimed is judged from every decode rank's dump: one without a dump, one whose dump
+    could not be written, one that failed or never reached a step, each fails the verdict by name."""
+    from nixlkv.vllm.kvdump import write_expectation, write_failure
+
+    kv = model_kv(40, 2)
+    _pair(tmp_path, kv)
+    write_expectation(tmp_path, "cmpl-1/x", "D", "d-1", 1, "loading")
+    v = judge_dir(tmp_path)
+    assert not v.ok and v.missing == ["cmpl-1/x (decode D: dumps of ranks [] of 1)"], v.summary()
+    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39)
+    assert judge_dir(tmp_path).ok  # the control: the dump there, the same claim passes
+    write_expectation(tmp_path, "cmpl-1/x", "D", "d-1", 2, "loading")  # D at TP 2: rank 1's dump is missing
+    assert judge_dir(tmp_path).missing == ["cmpl-1/x (decode D: dumps of ranks [0] of 2)"]
+    write_failure(tmp_path, "cmpl-1/x", "decode", "D", 1, "d-1", "the dump could not be written: OSError: full")
+    v = judge_dir(tmp_path)
+    assert not v.ok and not v.missing and v.failed == [
+        "cmpl-1/x (decode D rank 1): the dump could not be written: OSError: full"]
+    assert not judge_dir(tmp_path, allow_failed=True).ok  # a dump that could not be written is never allowed
+    write_failure(tmp_path, "cmpl-1/x", "decode", "D", 1, "d-1", "the load failed: READ error")
+    assert not judge_dir(tmp_path).ok and judge_dir(tmp_path, allow_failed=True).ok
+    write_expectation(tmp_path, "cmpl-1/x", "D", "d-1", 1, "finished before its first step (FINISHED_ABORTED)")
+    (tmp_path / "requests" / "cmpl-1_x" / "decode-D-tp1.failed.json").unlink()
+    v = judge_dir(tmp_path)
+    assert not v.ok and v.abandoned == ["cmpl-1/x (decode request d-1 on D): finished before its first step "
+                                        "(FINISHED_ABORTED)"]
+    # a layer the judge cannot read fails the load
+    unreadable = dump("decode", 0, 1, kv, [7, 2, 8], 16, 39, 2)
+    unreadable.record["layers"]["l0"]["hints"]["total_kv_heads"] = 3
+    v = judge_load("r", [dump("prefill", 0, 1, kv, [5, 9, 3], 16, 40, 2)], [unreadable])
+    assert not v.ok and v.unjudged == {"l0": "heads not a TP sharding of the model's"}
+
+
+def test_graded_controls_must_each_be_rejected(tmp_path: Path) -> None:
+    """A load D damaged on purpose (its dump says what) is a control: the verdict passes only if the
+    judge rejects it; a control that damaged nothing, or that the judge passes, fails the verdict."""
+    kv = model_kv(40, 2)
+    _pair(tmp_path, kv)
+    damaged = kv.copy()
+    damaged[20, 1] = 0  # one token of one head
+    _write(tmp_path, "decode", 0, 1, damaged, [7, 2, 8], 39, extra={"damage": {"kind": "token", "tokens": [20, 21]}})
+    v = judge_dir(tmp_path)
+    assert not v.loads and len(v.controls) == 1 and v.controls_ok
+    s = v.summary()
+    assert s["graded_controls"][0]["rejected"] and s["graded_controls"][0]["kind"] == "token", s
+    assert "first at [20]" in s["graded_controls"][0]["why"]
+    assert not v.ok  # controls alone judge no plain load
+    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39, extra={"damage": {"kind": "token", "tokens": [20, 21]}})
+    assert not judge_dir(tmp_path).controls_ok  # the control did not change a needed byte: the check is blind
+    _write(tmp_path, "decode", 0, 1, kv, [7, 2, 8], 39, extra={"damage": {"kind": "head", "skipped": "no heads"}})
+    assert not judge_dir(tmp_path).controls_ok
 
 
 # ---------------------------------------------------------------- real connectors (pd_harness)
@@ -286,6 +350,7 @@ def test_a_dump_that_cannot_be_written_never_fails_the_request(tmp_path: Path, c
 
     from nixlkv.testing import oracle
     from nixlkv.vllm.config import ConfigError, ConnectorConfig
+    from nixlkv.vllm.kvdump import DumpOrder
     from nixlkv.vllm.metadata import NixlkvMetadata
 
     from connector_helpers import Engine, blocks, fa_scenario
@@ -307,7 +372,8 @@ def test_a_dump_that_cannot_be_written_never_fails_the_request(tmp_path: Path, c
             oracle.fill_decode(r)
         with caplog.at_level(logging.WARNING, logger="nixlkv"):
             for w in p.workers:
-                w.start_load_kv(NixlkvMetadata(reqs_to_send={"req-1": 30.0}, reqs_to_dump={"req-1": ((p_ids,), 40)}))
+                w.start_load_kv(NixlkvMetadata(reqs_to_send={"req-1": 30.0},
+                                               reqs_to_dump={"req-1": DumpOrder("prefill", "req-1", (p_ids,), 40)}))
             req = recv(p, "req-1", d_ids, p_ids)
             req.num_tokens = 40
             d.workers[0].start_load_kv(NixlkvMetadata(reqs_to_recv={"req-1": req}))

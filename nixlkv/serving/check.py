@@ -35,12 +35,14 @@ from . import models
 from .client import (
     Completion, CompletionError, chat, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
 )
-from .bytecheck import judge_dir
+from .bytecheck import ByteVerdict, judge_dir
 from .compare import judge
 from .launch import (LOOPBACK, EngineSpec, Process, ServeError, custom_proxy_process, default_python, engine_process,
                      proxy_process)
 from .proxy import PREFILL_PARAMS
+from ..vllm import damage
 from ..vllm.config import ConnectorConfig
+from ..vllm.kvdump import EXPECT_PREFIX
 
 FIRST_ID = len(models.SPECIAL_TOKENS)  # prompts avoid the special tokens
 
@@ -102,7 +104,9 @@ class Options:
     start_timeout_s: float = 900.0
     negative_control: bool = True
     quick: bool = False  # fewer prompts (CI's smoke case)
-    verify_bytes: bool = False  # engines dump each request's blocks; D's loaded KV judged against P's (bytecheck)
+    # engines dump each request's blocks, D's loaded KV is judged against P's (bytecheck) and graded
+    # controls are damaged on D; off only when asked (a case then says its bytes were not checked)
+    verify_bytes: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     proxy_cmd: str | None = None  # the user's own proxy's command line (launch.custom_proxy_process); None: nixlkv's
 
@@ -169,10 +173,14 @@ class Row:
     ttft_s: float | None
     error: str | None = None
     answer: list[int] | None = None  # D's token ids through the proxy (connectors are compared on them)
+    loads: list[str] | None = None  # P's request ids of the loads D claimed for this row (None: bytes not dumped)
+    bytes_ok: bool | None = None  # every one of them judged byte-exact (None: not judged)
+    answers_decide: bool = True  # False where D alone is no reference at all (the verdict is reported only)
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.verdict.get("ok", False) and self.moved
+        answered = self.verdict.get("ok", False) or not self.answers_decide
+        return self.error is None and answered and self.moved and self.bytes_ok is not False
 
 
 @dataclass
@@ -190,6 +198,9 @@ class Result:
     engines: dict[str, Any] | None = None  # several engines of a kind: the requests each one served
     bytes: dict[str, Any] | None = None  # --verify-bytes: D's loaded KV judged against P's (bytecheck)
     staged: dict[str, Any] | None = None  # descriptor_mode staged: the rows' loads that went through staging
+    # graded negative controls: one small thing of a load damaged on D, each rejected by the bytes
+    controls: list[dict[str, Any]] | None = None
+    notes: list[str] = field(default_factory=list)  # what the case did not run, and why
 
     @property
     def ok(self) -> bool:
@@ -200,8 +211,9 @@ class Result:
         engines_ok = self.engines is None or self.engines.get("ok", False)
         bytes_ok = self.bytes is None or self.bytes.get("ok", False)
         staged_ok = self.staged is None or self.staged.get("ok", False)
+        controls_ok = self.controls is None or (bool(self.controls) and all(c["bytes_rejected"] for c in self.controls))
         return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
-            and engines_ok and bytes_ok and staged_ok
+            and engines_ok and bytes_ok and staged_ok and controls_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -236,9 +248,12 @@ class Servers:
         self.more_p: list[Process] = []
         self.more_d: list[Process] = []
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
+        d_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else dict(env)
+        if self.dump_dir is not None:  # the graded controls' hook, armed on D only (nixlkv.vllm.damage)
+            d_env[damage.ENV] = "1"
         self.d_spec = EngineSpec(self.model_dir, d_role, base + 1, base + 20, case.connector, case.d_tp,
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
-                                 env={**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else env,
+                                 env=d_env,
                                  load_failure_policy=d_policy, extra_config=dict(dumps),
                                  extra_args=engine_args + tuple(case.d_args))
         # further engines (case.prefills, case.decodes): P's or D's configuration, each on ports of its own
@@ -299,6 +314,17 @@ class Servers:
             self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir).start()
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
+
+    def claimed_loads(self) -> set[str]:
+        """P's request ids of every load a decode engine has claimed so far (its scheduler's notes
+        under dump_kv_dir): a row's loads are those claimed while it ran."""
+        if self.dump_dir is None:
+            return set()
+        return {p.parent.name for p in (self.dump_dir / "requests").glob(f"*/{EXPECT_PREFIX}*.json")}
+
+    def loads_since(self, claimed: set[str]) -> list[str] | None:
+        """The loads claimed since ``claimed`` was read (None: bytes are not dumped)."""
+        return sorted(self.claimed_loads() - claimed) if self.dump_dir is not None else None
 
     def forget_on_decode(self) -> None:
         """With prefix caching, D forgets what it cached: its reference answer computed the prompt, and
@@ -399,7 +425,7 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             ref = complete(srv.d_url, model, prompt, case.max_tokens)
             natural = natural_answer(srv, case, rule, prompt)
             srv.forget_on_decode()
-            before = srv.decode_metrics()
+            before, claimed = srv.decode_metrics(), srv.claimed_loads()
             got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
             facts = _transfer_facts(delta(srv.decode_metrics(), before))
         except (CompletionError, OSError) as exc:
@@ -407,7 +433,7 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             continue
         verdict = judge(ref, got, rule, natural)
         rows.append(Row(name, len(prompt), verdict.to_dict(), facts, kv_moved(facts, len(prompt)), got.ttft_s,
-                        answer=got.token_ids))
+                        answer=got.token_ids, loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide))
     return rows
 
 
@@ -425,7 +451,7 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         ref = chat(srv.d_url, model, messages, case.max_tokens)
         natural = natural_answer(srv, case, rule, messages, ask=chat)
         srv.forget_on_decode()
-        before = srv.decode_metrics()
+        before, claimed = srv.decode_metrics(), srv.claimed_loads()
         got = chat(srv.proxy_url, model, messages, case.max_tokens, stream=True)
         facts = _transfer_facts(delta(srv.decode_metrics(), before))
     except (CompletionError, OSError) as exc:
@@ -435,7 +461,8 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
                    "the chat answers carry no token ids (return_tokens_as_token_ids): nothing to judge")
     verdict = judge(ref, got, rule, natural)
-    return Row(CHAT_ROW, n, verdict.to_dict(), facts, n > 1 and kv_moved(facts, n), got.ttft_s, answer=got.token_ids)
+    return Row(CHAT_ROW, n, verdict.to_dict(), facts, n > 1 and kv_moved(facts, n), got.ttft_s, answer=got.token_ids,
+               loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide)
 
 
 CHAT_ROW = "chat"
@@ -452,7 +479,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
     naturals = [natural_answer(srv, case, "drift", p) for p in prompts]
     srv.forget_on_decode()
-    before = srv.decode_metrics()
+    before, claimed = srv.decode_metrics(), srv.claimed_loads()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=case.concurrency) as pool:
         futs = [pool.submit(complete, srv.proxy_url, model, p, case.max_tokens) for p in prompts]
@@ -471,7 +498,9 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     verdicts = [judge(r, g, "drift", n).to_dict() if g is not None else {"ok": False}
                 for r, g, n in zip(refs, gots, naturals)]
     moved = facts["loaded_tokens"] >= sum(lens) - len(lens) and facts.get("transfers", 0) >= len(lens)
-    return {"ok": not errors and moved and all(v["ok"] for v in verdicts), "lengths": lens, "verdicts": verdicts,
+    answered = all(v["ok"] for v in verdicts) or not srv.recipe.answers_decide
+    return {"ok": not errors and moved and answered, "lengths": lens, "verdicts": verdicts,
+            "loads": srv.loads_since(claimed),
             "answers": [g.token_ids if g is not None else None for g in gots],
             "facts": facts, "moved": moved, "errors": errors, "wall_s": wall}
 
@@ -621,7 +650,7 @@ def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int
             prepare()
             refs = (complete(srv.d_url, model, prompt, case.max_tokens), natural_answer(srv, case, rule, prompt))
             prepare()
-        before = scrape(srv.d_url)
+        before, claimed = scrape(srv.d_url), srv.claimed_loads()
         got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
         facts = _transfer_facts(delta(scrape(srv.d_url), before))
     except (CompletionError, OSError) as exc:
@@ -629,7 +658,8 @@ def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int
     verdict = judge(refs[0], got, rule, refs[1])
     moved = facts["hit_tokens"] == hit and facts["loaded_tokens"] >= len(prompt) - hit - 1 \
         and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
-    return Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids), refs
+    return Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids,
+               loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide), refs
 
 
 def run_case(case: Case, opts: Options) -> Result:
@@ -659,15 +689,104 @@ def run_case(case: Case, opts: Options) -> Result:
             if several:
                 served = {kind: engines_served(urls, served_before[kind]) for kind, urls in several.items()}
                 result.engines = {"ok": all(v["ok"] for v in served.values()), "engines": served}
-            if opts.negative_control:
+            if opts.negative_control and rec.answers_decide:
                 result.negative_control = run_negative_control(srv, case, rule, block)
+            elif opts.negative_control:  # its verdict would be the answer judge's, which cannot decide here
+                result.notes.append(f"the swapped-KV control is not run: answers do not decide this model "
+                                    f"({rec.reference_note}); the graded controls on the bytes do")
+            if srv.dump_dir is not None:
+                result.controls = run_graded_controls(srv, case, rule, block, rec.max_model_len)
         if srv.dump_dir is not None:  # every engine stopped: every dump written
-            result.bytes = judge_dir(srv.dump_dir).summary()
+            verdict = judge_dir(srv.dump_dir)
+            result.bytes = verdict.summary()
+            attach_bytes(result, verdict)
     except (ServeError, CompletionError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.case["log_dir"] = str(srv.log_dir)
     result.refusal = refusal_in(srv.log_dir / "decode.log")
     return result
+
+
+def control_kinds(dump_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The graded controls a model's layers admit, from the capture records its engines wrote:
+    (kinds to run, kinds left out with the reason)."""
+    layers = [rec for path in dump_dir.glob("*.json") for rec in json.loads(path.read_text())["layers"].values()]
+    attention = [r for r in layers if not damage.is_state(r)]
+    kinds: list[str] = []
+    left: dict[str, str] = {}
+    if attention:
+        kinds += list(damage.ATTENTION_KINDS)
+        if all("MLA" in r.get("spec", "") for r in attention):
+            kinds.remove("head")
+            left["head"] = damage.NO_HEADS
+    else:
+        left.update(dict.fromkeys(damage.ATTENTION_KINDS, "no attention layers"))
+    if any(damage.is_state(r) for r in layers):
+        kinds += list(damage.STATE_KINDS)
+    else:
+        left.update(dict.fromkeys(damage.STATE_KINDS, "no Mamba state layers"))
+    return kinds, left
+
+
+def run_graded_controls(srv: Servers, case: Case, rule: str, block: int, max_model_len: int) -> list[dict[str, Any]]:
+    """One prompt of three blocks and some (its last block partial), prefilled on P once per
+    control and decoded on D with one small thing of its load damaged after the READs (the test
+    hook of :mod:`nixlkv.vllm.damage`): the byte check must reject every one (filled in after the
+    engines stop, :func:`attach_bytes`); whether the answer judge also saw it is reported."""
+    if srv.dump_dir is None:
+        return []
+    model = str(srv.model_dir)
+    rng = np.random.default_rng(case.seed + 6)
+    n = min(3 * block + 7, max_model_len - case.max_tokens)
+    prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
+    kinds, left = control_kinds(srv.dump_dir)
+    out: list[dict[str, Any]] = [{"kind": k, "not_applicable": why, "bytes_rejected": True} for k, why in left.items()]
+    srv.forget_on_decode()
+    ref = complete(srv.d_url, model, prompt, case.max_tokens)
+    natural = natural_answer(srv, case, rule, prompt)
+    for kind in kinds:
+        srv.forget_on_decode()  # D computed the prompt for the reference, and a control's blocks are damaged
+        entry: dict[str, Any] = {"kind": kind, "prompt_len": n, "bytes_rejected": False}
+        try:
+            params = prefill_on(srv.p_url, model, prompt)
+            entry["request"] = str(params.get("remote_request_id"))
+            got = complete(srv.d_url, model, prompt, case.max_tokens,
+                           kv_transfer_params={**params, damage.PARAMS_KEY: kind})
+            v = judge(ref, got, rule, natural)
+            entry.update(answer_rejected=not v.ok, answer_reason=v.reason)
+        except (CompletionError, OSError, ServeError) as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(entry)
+    srv.forget_on_decode()
+    return out
+
+
+def attach_bytes(result: Result, verdict: ByteVerdict) -> None:
+    """The byte verdict, per row (its loads each judged exact, and at least one where the row says
+    the KV moved) and per graded control (rejected by the bytes, with what was damaged)."""
+    from ..vllm.kvdump import request_dir
+
+    def name(request: str) -> str:
+        return request_dir("", request).name
+
+    judged = {name(v.request): v for v in verdict.loads}
+    for row in result.rows:
+        if row.loads is None:
+            continue
+        mine = [judged.get(r) for r in row.loads]
+        row.bytes_ok = all(v is not None and v.ok for v in mine) and (bool(mine) or not row.moved)
+    if result.concurrent.get("loads") is not None:
+        mine = [judged.get(r) for r in result.concurrent["loads"]]
+        result.concurrent["bytes_ok"] = bool(mine) and all(v is not None and v.ok for v in mine)
+        result.concurrent["ok"] = result.concurrent.get("ok", False) and result.concurrent["bytes_ok"]
+    controls = {name(v.request): v for v in verdict.controls}
+    for entry in result.controls or ():
+        if "not_applicable" in entry:
+            continue
+        v = controls.get(name(entry.get("request", "")))
+        entry["damaged"] = (v.control if v is not None else None)
+        entry["bytes_rejected"] = v is not None and not v.ok and not (v.control or {}).get("skipped")
+        entry["bytes_reason"] = (v.shown or [""])[0] if v is not None else "no dump of this load"
 
 
 def staged_loads(rows: list[Row]) -> dict[str, Any]:
@@ -719,6 +838,8 @@ def format_table(results: list[Result]) -> str:
             lines.append(f"   error: {res.error}")
         if res.refusal:
             lines.append(f"   refused by the connector: {res.refusal}")
+        for note in res.notes:
+            lines.append(f"   note: {note}")
         if res.rows:
             lines.append(f"   {'prompt':<20}{'len':>5}  {'verdict':<8}{'1st diff':>9}{'max|dlp|':>10}"
                          f"{'hit':>6}{'loaded':>8}{'computed':>9}{'bytes':>10}{'xfers':>6}{'ttft ms':>9}")
@@ -766,12 +887,30 @@ def format_table(results: list[Result]) -> str:
                          f" ({reasons})")
         if res.bytes is not None:
             lines.append("   " + format_bytes(res.bytes))
+        elif res.rows:
+            lines.append("   bytes: NOT CHECKED (" + ("vLLM's connector writes no dumps" if res.case.get("connector") != "nixlkv"
+                                                   else "--no-verify-bytes") + ")")
+        for c in res.controls or ():
+            lines.append("   " + format_control(c))
         if res.staged is not None:
             st = res.staged
             lines.append(f"   staged: {'ok' if st.get('ok') else 'FAIL'} ({st.get('staged_loads', 0):.0f} of "
                          f"{st.get('transfers', 0):.0f} loads of the rows through the staging buffer)")
         lines.append(f"   logs: {res.case.get('log_dir')}")
     return "\n".join(lines)
+
+
+def format_control(c: dict[str, Any]) -> str:
+    """One line per graded control: what was damaged, the byte check's verdict, the answer judge's."""
+    if "not_applicable" in c:
+        return f"graded control {c['kind']}: not applicable ({c['not_applicable']})"
+    if c.get("error"):
+        return f"graded control {c['kind']}: FAIL, its request failed: {c['error']}"
+    hurt = c.get("damaged") or {}
+    where = ", ".join(f"{k} {v}" for k, v in hurt.items() if k != "kind")
+    return (f"graded control {c['kind']} ({where or 'nothing damaged'}): bytes "
+            + ("rejected" if c.get("bytes_rejected") else f"NOT REJECTED ({c.get('bytes_reason')})")
+            + "; answers " + ("rejected" if c.get("answer_rejected") else "passed"))
 
 
 def format_bytes(b: dict[str, Any]) -> str:
@@ -788,6 +927,10 @@ def format_bytes(b: dict[str, Any]) -> str:
         text += f" no prefill dump for {b['missing']}"
     if b.get("unjudged"):
         text += f" NOT JUDGED: {b['unjudged']}"
+    if b.get("failed"):
+        text += f" FAILED: {b['failed'][:3]}"
+    if b.get("abandoned"):
+        text += f" NEVER WENT ON: {b['abandoned'][:3]}"
     return text
 
 

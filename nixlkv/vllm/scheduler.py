@@ -24,7 +24,9 @@ from collections import OrderedDict
 from typing import Any
 
 from .config import ConnectorConfig
+from . import damage
 from .handshake import SideChannelServer
+from .kvdump import DumpOrder, write_expectation
 from .metadata import (
     LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups, lease_view, recv_from_params,
 )
@@ -116,7 +118,11 @@ class NixlkvScheduler:
         self.side_channel_port = config.side_channel_port + int(getattr(parallel, "data_parallel_index", 0) or 0)
         self._recv: dict[str, RecvRequest] = {}
         self._send: dict[str, float] = {}
-        self._dump: dict[str, tuple[tuple[list[int], ...], int]] = {}  # with dump_kv_dir: what P hands over
+        self._dump: dict[str, DumpOrder] = {}  # with dump_kv_dir: the blocks to write down this step
+        # D with dump_kv_dir: loads claimed, until vLLM first schedules their request -> (P's request id,
+        # the tokens D's own prefix cache held)
+        self._dumps_due: dict[str, tuple[str, int]] = {}
+        self._damage = damage.enabled()  # the graded controls' test hook (off unless its variable is set)
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
         self.generation: str | None = None  # this engine's, published to consumers
@@ -257,16 +263,45 @@ class NixlkvScheduler:
         awaiting = self._awaiting.get(request.request_id)
         try:
             # A full local prefix hit (nothing to read) still notifies P so it frees its blocks.
-            self._recv[request.request_id] = recv_from_params(
+            recv = recv_from_params(
                 params, local, report=num_external_tokens > 0, arrived=awaiting[1] if awaiting else None,
                 num_tokens=hit + num_external_tokens, now=time.monotonic(),
             )
+            self._recv[request.request_id] = recv
         except (ValueError, TypeError) as exc:
             logger.warning("nixlkv ignores invalid kv_transfer_params of %s: %s", request.request_id, exc)
+        else:
+            if self._damage:
+                try:
+                    recv.damage = damage.requested(params)
+                except ValueError as exc:  # a test's typo: the control is not applied, and its check fails
+                    logger.warning("nixlkv applies no control to %s: %s", request.request_id, exc)
+            if num_external_tokens > 0 and self.config.dump_kv_dir:
+                self._expect_dump(request.request_id, recv.remote_request_id, hit)
         params["do_remote_prefill"] = False  # one transfer per request
 
     # ------------------------------------------------------------------ both
+    def _expect_dump(self, rid: str, prefill_rid: str, hit: int) -> None:
+        """D with dump_kv_dir: a claimed load, written down now and dumped when vLLM first schedules it."""
+        self._dumps_due[rid] = (prefill_rid, hit)
+        try:
+            write_expectation(self.config.dump_kv_dir, prefill_rid, self.engine_id, rid, self.tp_size, "loading")
+        except OSError as exc:
+            logger.warning("nixlkv could not note the load of req=%s in %s: %s", rid, self.config.dump_kv_dir, exc)
+
+    def _order_dumps(self, scheduler_output: Any) -> None:
+        """D: the loaded requests vLLM schedules for the first time, with their block tables as its KV
+        manager holds them (prefix hit included) and the tokens computed so far: what the workers dump
+        before this step's forward pass writes anything."""
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            due = self._dumps_due.pop(new.req_id, None)
+            if due is not None:
+                self._dump[new.req_id] = DumpOrder("decode", due[0], tuple(list(g) for g in new.block_ids),
+                                                   int(new.num_computed_tokens), local_hit=due[1])
+
     def build_connector_meta(self, scheduler_output: Any) -> NixlkvMetadata:
+        if self._dumps_due:
+            self._order_dumps(scheduler_output)
         meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send, reqs_to_dump=self._dump,
                               heartbeats=self._due_heartbeats())
         self._recv, self._send, self._dump = {}, {}, {}
@@ -303,6 +338,13 @@ class NixlkvScheduler:
         self._short.discard(rid)
         self._local_hit.pop(rid, None)
         self._loading.discard(rid)
+        due = self._dumps_due.pop(rid, None)
+        if due is not None:  # the load never reached a step: the judge must hear of it
+            try:
+                write_expectation(self.config.dump_kv_dir, due[0], self.engine_id, rid, self.tp_size,
+                                  f"finished before its first step ({request.status.name})")
+            except OSError as exc:
+                logger.warning("nixlkv could not note the end of req=%s in %s: %s", rid, self.config.dump_kv_dir, exc)
         if not (prefill or decode):
             return False, None
         if prefill:
@@ -325,7 +367,7 @@ class NixlkvScheduler:
         if hold:
             self._send[rid] = self.config.lease_s
             if self.config.dump_kv_dir:
-                self._dump[rid] = (tuple(groups), int(request.num_computed_tokens))
+                self._dump[rid] = DumpOrder("prefill", rid, tuple(groups), int(request.num_computed_tokens))
         return hold, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -29,7 +29,8 @@ from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
 from ..transfer import InFlight, NixlRank, TransferError, parse_notification
 from ..vllm_layers import layer_caches, memory_device, registered_memory
 from .capture import engine_capture, write_capture
-from .kvdump import dump_request
+from . import damage
+from .kvdump import DumpOrder, dump_request, write_failure
 from . import handshake
 from .config import ConfigError, ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
@@ -139,7 +140,12 @@ class NixlkvWorker:
         self._done_send: set[str] = set()
         self.stats = NixlkvStats()
         self._ids = IdScratch()  # descriptor ids of the request being posted (NIXL copies them)
-        self._kv_caches: Mapping[str, Any] | None = None  # kept only to dump requests (dump_kv_dir)
+        # kept only to dump requests (dump_kv_dir) or damage them (the graded controls' test hook)
+        self._kv_caches: Mapping[str, Any] | None = None
+        self._capture: dict[str, Any] | None = None  # the capture record, where the two need it
+        self._damage = damage.enabled()
+        self._damaged: dict[str, dict[str, Any]] = {}  # request -> what its control damaged, until dumped
+        self._load_failures: dict[str, str] = {}  # with dump_kv_dir: request -> why its load failed, until dumped
 
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -152,7 +158,8 @@ class NixlkvWorker:
         # before NIXL: a directory that cannot be written stops the engine with nothing to tear down
         dirs = {key: d for key in ("capture_dir", "dump_kv_dir") if (d := getattr(self.config, key))}
         record = engine_capture(self.engine_id, self.topology.tp_rank, self.topology.tp_size,
-                                self.kv_cache_config, kv_caches, layers, self.model_facts) if dirs else None
+                                self.kv_cache_config, kv_caches, layers, self.model_facts) \
+            if dirs or self._damage else None
         for key, directory in dirs.items():  # a dump is read through the capture record beside it
             try:
                 logger.info("nixlkv captured the KV cache geometry to %s", write_capture(directory, record))
@@ -171,8 +178,8 @@ class NixlkvWorker:
         self.reader = Reader(
             self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
         )
-        if self.config.dump_kv_dir:
-            self._kv_caches = dict(kv_caches)
+        if self.config.dump_kv_dir or self._damage:
+            self._kv_caches, self._capture = dict(kv_caches), record
         logger.info(
             "nixlkv registered engine=%s rank=%d/%d regions=%d memory_ranges=%d",
             self.engine_id, self.topology.tp_rank, self.topology.tp_size, len(self.geometry.regions), len(memory),
@@ -197,8 +204,8 @@ class NixlkvWorker:
                         logger.info("nixlkv notifications arrived before the hand-over req=%s: freed", rid)
                         continue
                 self._holds[rid] = hold
-            for rid, (blocks, tokens) in meta.reqs_to_dump.items():
-                self._dump("prefill", rid, rid, blocks, tokens)
+            for rid, order in meta.reqs_to_dump.items():
+                self._dump(rid, order)
             for rid, req in meta.reqs_to_recv.items():
                 req.received_at = now  # durations in the metadata are read on this clock from here
                 self._start_recv(rid, req)
@@ -234,17 +241,42 @@ class NixlkvWorker:
     def busy(self) -> bool:
         return bool(self._waiting or self._flights or self._draining)
 
-    def _dump(self, role: str, prefill_rid: str, rid: str, blocks: Any, tokens: int | None) -> None:
-        """Write a request's blocks (dump_kv_dir); a failure to write is logged, never the request's."""
-        if self._kv_caches is None:
+    def _dump(self, rid: str, order: DumpOrder) -> None:
+        """Write a request's blocks (dump_kv_dir), or why they are not worth judging (its load failed);
+        a failure to write is noted for the judge and logged, never the request's."""
+        if self._kv_caches is None or not self.config.dump_kv_dir:
             return
+        where = (self.config.dump_kv_dir, order.prefill_request_id, order.role, self.engine_id, self.topology.tp_rank)
         try:
-            dump_request(self.config.dump_kv_dir, role=role, engine_id=self.engine_id,
+            failed = self._load_failures.pop(rid, None)
+            if failed is not None:
+                write_failure(*where, rid, f"the load failed: {failed}")
+                return
+            extra: dict[str, Any] = {"local_hit": order.local_hit}
+            if rid in self._damaged:
+                extra["damage"] = self._damaged.pop(rid)
+            dump_request(self.config.dump_kv_dir, role=order.role, engine_id=self.engine_id,
                          tp_rank=self.topology.tp_rank, tp_size=self.topology.tp_size,
-                         prefill_request_id=prefill_rid, request_id=rid, num_tokens=-1 if tokens is None else tokens,
-                         block_ids=blocks, kv_cache_config=self.kv_cache_config, kv_caches=self._kv_caches)
+                         prefill_request_id=order.prefill_request_id, request_id=rid, num_tokens=order.num_tokens,
+                         block_ids=order.block_ids, kv_cache_config=self.kv_cache_config, kv_caches=self._kv_caches,
+                         extra=extra)
         except (OSError, RuntimeError, ValueError, IndexError) as exc:
             logger.warning("nixlkv could not dump the KV blocks of req=%s to %s: %s", rid, self.config.dump_kv_dir, exc)
+            try:
+                write_failure(*where, rid, f"the dump could not be written: {type(exc).__name__}: {exc}")
+            except OSError:
+                pass  # the directory itself is gone: the judge finds no dump, which fails the load too
+
+    def _apply_control(self, rid: str, req: RecvRequest) -> None:
+        """The graded negative control a test asked for (nixlkv.vllm.damage), on decode rank 0 only."""
+        if self._kv_caches is None or self._capture is None or self.topology.tp_rank != 0 or req.damage is None:
+            return
+        try:
+            self._damaged[rid] = damage.damage_load(req.damage, self._capture, self._kv_caches,
+                                                    req.local_block_ids, int(req.num_tokens or 0))
+        except (RuntimeError, ValueError, IndexError, KeyError) as exc:
+            self._damaged[rid] = {"kind": req.damage, "skipped": f"{type(exc).__name__}: {exc}"}
+        logger.warning("nixlkv TEST CONTROL damaged the load of req=%s: %s", rid, self._damaged[rid])
 
     # ------------------------------------------------------------------ decode side
     def _remote(self, key: RemoteKey) -> _Remote:
@@ -452,9 +484,8 @@ class NixlkvWorker:
                 self.stats.record(f.flight.nbytes, f.flight.descriptors, elapsed, f.flight.post_seconds)
                 if f.flight.mode == "staged":
                     self.stats.count("staged_loads")
-                if any(f.request.local_block_ids):
-                    self._dump("decode", f.request.remote_request_id, rid, f.request.local_block_ids,
-                               f.request.num_tokens)
+                if self._damage and f.request.damage:
+                    self._apply_control(rid, f.request)
                 if f.request.report:
                     self._done_recv.add(rid)
                 logger.debug(
@@ -518,6 +549,10 @@ class NixlkvWorker:
 
     def _fail(self, rid: str, req: RecvRequest, why: str) -> None:
         self.stats.count("failed_transfers")
+        if self.config.dump_kv_dir and req.report:  # its dump, if vLLM schedules it, says so
+            self._load_failures[rid] = why
+            while len(self._load_failures) > MAX_EARLY_REQUESTS:
+                self._load_failures.pop(next(iter(self._load_failures)))
         self._held_until.pop((req.key, req.remote_request_id), None)
         blocks = sorted({b for g in req.local_block_ids for b in g})
         logger.error(
