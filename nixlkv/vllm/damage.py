@@ -6,7 +6,7 @@ complete, decode rank 0 zeroes, in its own KV cache, exactly one of
 
 - ``block``: one block of one layer (the first block the layer needs), every head;
 - ``head``: one KV head of one layer (the rank's first), every token the layer needs;
-- ``last_block``: the filled slots of the block holding the last loaded token, one layer;
+- ``last_block``: the filled slots of the last block D goes on from, one layer;
 - ``token``: one token slot of one layer (midway through what it needs), every head;
 - ``conv_channel``: one channel of one Mamba layer's running conv state;
 - ``ssm_group``: one head of one Mamba layer's running SSM state;
@@ -96,10 +96,13 @@ def damage_load(kind: str, record: Mapping[str, Any], kv_caches: Mapping[str, to
     return {"kind": kind, "skipped": skipped}
 
 
-def _attention(kind: str, layer: Mapping[str, Any], pages: np.ndarray, ids: list[int], q: int) -> dict[str, Any] | None:
+def _attention(kind: str, layer: Mapping[str, Any], pages: np.ndarray, ids: list[int], loaded: int) -> dict[str, Any] | None:
     view = as_pages(pages)
     per_block = view.shape[0] // len(ids) * view.shape[2]  # tokens per block
-    first = (-(-q // per_block) - len(ids)) * per_block  # the token block 0 of the list starts at
+    first = (-(-loaded // per_block) - len(ids)) * per_block  # the token block 0 of the list starts at
+    # The load may hold the prompt's last token, which D computes again (vLLM goes on from one short
+    # of the prompt): the control stays before it, where D surely goes on from what it loaded.
+    q = loaded - 1
     lo = max(needed_from(layer, q), first)
     if lo >= q:
         return None
