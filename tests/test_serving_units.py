@@ -21,7 +21,7 @@ from aiohttp import web
 from nixlkv.serving import check, client, cpu_isa, models
 from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
 from nixlkv.serving.client import Completion, CompletionError, parse_metrics, reset_prefix_cache
-from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NEAR_TIE, judge
+from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NATURAL_CAP, NEAR_TIE, allowance, judge
 from nixlkv.serving.launch import EngineSpec
 from nixlkv.serving.proxy import Proxy, decode_body, prefill_body
 
@@ -55,36 +55,69 @@ def test_drift_rejects_a_different_first_token() -> None:
     assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift").ok
 
 
+def forced_on(got: Completion, lps: list[float], tops: list[dict[int, float]]) -> Completion:
+    """D alone teacher-forced on ``got``'s tokens: its logprob of each, and its own top list there."""
+    return Completion(list(got.token_ids), lps, tops, 0.0)
+
+
 def test_drift_first_token_may_part_on_a_tie_seen_from_both_sides_only() -> None:
     ref = answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.52}, {6: -1.0}])
     # the answer's top two are the reference's 5 and its own 9, tied; the reference saw 9 just under 5
     tied = answer([9, 6], [-0.501, -1.0], [{9: -0.501, 5: -0.501}, {6: -1.0}])
+    forced = forced_on(tied, [-0.52, -1.02], [{5: -0.5, 9: -0.52}, {6: -1.02, 3: -2.0}])
+    v = judge(ref, tied, "drift", forced=forced)
+    assert v.ok and v.first_divergence == 0 and "near-ties, at token 0" in v.reason and v.tokens == 2
+    # the tokens after the parting are judged on the answer's path, never skipped: without D alone
+    # teacher-forced on the answer, token 1 is unjudged and the answer fails (before, the first-token
+    # tie passed the whole answer unread)
     v = judge(ref, tied, "drift")
-    assert v.ok and v.first_divergence == 0 and "tie" in v.reason
+    assert not v.ok and "unjudged" in v.reason
+    # token 1 far below D alone's own pick on the answer's path: a wrong KV, whatever the first tie
+    assert not judge(ref, tied, "drift", forced=forced_on(tied, [-0.52, -1.0], [{5: -0.5, 9: -0.52},
+                                                                               {6: -1.0, 3: -0.2}])).ok
     # tied in the answer, but the reference had 9 far below 5: a wrong first token
     far_ref = answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.5 - 3 * FIRST_TIE}, {6: -1.0}])
-    assert not judge(far_ref, tied, "drift").ok
+    assert not judge(far_ref, tied, "drift", forced=forced).ok
     # 9 not among the reference's top at all
-    assert not judge(answer([5, 6], [-0.5, -1.0]), tied, "drift").ok
+    assert not judge(answer([5, 6], [-0.5, -1.0]), tied, "drift", forced=forced).ok
     # not tied in the answer
     gap = answer([9, 6], [-0.4, -1.0], [{9: -0.4, 5: -0.5}, {6: -1.0}])
-    assert 0.1 > FIRST_TIE and not judge(ref, gap, "drift").ok
-    # tied, but the reference's token far from its reference logprob: another distribution
+    assert 0.1 > FIRST_TIE and not judge(ref, gap, "drift", forced=forced_on(gap, forced.logprobs, forced.top)).ok
+    # tied, but far from the reference's logprob of that token: another distribution
     moved = answer([9, 6], [-2.0, -1.0], [{9: -2.0, 5: -2.0}, {6: -1.0}])
-    assert not judge(answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.5}, {6: -1.0}]), moved, "drift").ok
+    assert not judge(answer([5, 6], [-0.5, -1.0], [{5: -0.5, 9: -0.5}, {6: -1.0}]), moved, "drift",
+                     forced=forced_on(moved, [-0.5, -1.0], [{5: -0.5, 9: -0.5}, {6: -1.0}])).ok
     # never under the exact rule
-    assert not judge(ref, tied, "exact").ok
+    assert not judge(ref, tied, "exact").ok and not judge(ref, tied, "exact", forced=forced).ok
 
 
-def test_drift_accepts_parting_on_a_near_tie_only() -> None:
+def test_drift_parts_only_on_the_references_own_near_tie_and_judges_every_token_after() -> None:
     # position 1: the reference's 6 (-1.0) and 3 (-1.1) are nearly tied -> may part there
     tied = answer([5, 3, 2, 2], [-0.5, -1.1, -0.3, -0.3])
-    assert judge(REF, tied, "drift").ok
+    on_path = forced_on(tied, [-0.5, -1.1, -0.35, -0.25], [{}, {}, {2: -0.35, 8: -2.0}, {2: -0.25}])
+    v = judge(REF, tied, "drift", forced=on_path)
+    assert v.ok and v.first_divergence == 1 and v.tokens == 4
+    # without D alone teacher-forced on the answer, tokens 2 and 3 would go unjudged: rejected
+    v = judge(REF, tied, "drift")
+    assert not v.ok and "unjudged" in v.reason and v.tokens == 2
+    # after the parting, token 2 where D alone on the answer's path picks 8 far above 2: a wrong KV
+    wrong = answer([5, 3, 2, 2], [-0.5, -1.1, -1.5, -0.3])
+    assert not judge(REF, wrong, "drift", forced=forced_on(wrong, [-0.5, -1.1, -1.5, -0.25],
+                                                           [{}, {}, {2: -1.5, 8: -0.3}, {2: -0.25}])).ok
+    # ... or token 3's logprob far from D alone's on that path
+    assert not judge(REF, tied, "drift", forced=forced_on(tied, [-0.5, -1.1, -0.35, -0.25 - 2 * DRIFT_TOL],
+                                                          on_path.top)).ok
+    # a teacher-forced reference of other tokens than the answer's judges nothing
+    assert not judge(REF, tied, "drift", forced=forced_on(REF, on_path.logprobs, on_path.top)).ok
     # position 2: 7 (-0.7) against 4 (-2.5) is no tie -> a wrong KV
     untied = answer([5, 6, 4, 4], [-0.5, -1.0, -2.5, -0.1])
-    v = judge(REF, untied, "drift")
+    v = judge(REF, untied, "drift", forced=forced_on(untied, [-0.5, -1.0, -2.5, -0.1], [{}, {}, {}, {4: -0.1}]))
     assert not v.ok and v.first_divergence == 2 and "without a near-tie" in v.reason
     assert 2.5 - 0.7 > NEAR_TIE
+    # the answer's own near-tie excuses nothing: it has 4 and 7 tied at position 2, D alone did not
+    own = answer([5, 6, 4, 4], [-0.5, -1.0, -1.0, -0.1],
+                 [{5: -0.5}, {6: -1.0}, {4: -1.0, 7: -1.01}, {4: -0.1}])
+    assert not judge(REF, own, "drift", forced=forced_on(own, [-0.5, -1.0, -2.5, -0.1], [{}, {}, {}, {4: -0.1}])).ok
 
 
 def test_drift_rejects_a_wide_logprob_gap_before_parting() -> None:
@@ -92,16 +125,27 @@ def test_drift_rejects_a_wide_logprob_gap_before_parting() -> None:
     assert not judge(REF, wide, "drift").ok
 
 
-def test_drift_across_tp_allows_only_the_models_own_tp_noise_measured_in_the_same_run() -> None:
-    # the model alone at P's TP size parts from D's own answer at token 2, without a near-tie
+def test_drift_across_tp_allows_the_models_own_tp_noise_up_to_a_cap() -> None:
+    # the model alone at P's TP size parts from D's own answer at token 2, 0.2 apart before it
     natural = answer([5, 6, 4, 4], [-0.5, -1.2, -2.5, -0.1])
+    # a P/D answer parting at 2 where D alone had no near-tie is wrong, whatever P alone does there
+    # (before, the answer was judged only up to where P alone parts, and passed)
     parted = answer([5, 6, 4, 4], [-0.5, -1.0, -2.5, -0.1])
-    assert not judge(REF, parted, "drift").ok  # the plain rule: parting at 2 without a near-tie
-    v = judge(REF, parted, "drift", natural)  # as the model does by itself: judged up to token 2
-    assert v.ok and "parts from D's own at token 2" in v.reason
+    assert not judge(REF, parted, "drift").ok
+    assert not judge(REF, parted, "drift", natural).ok
+    assert not judge(REF, parted, "drift", natural, forced_on(parted, parted.logprobs, [{}, {}, {}, {4: -0.1}])).ok
     # logprobs may drift by the tolerance plus the model's own gap (0.2 here), not more
+    assert 0.2 < NATURAL_CAP
     assert judge(REF, answer([5, 6, 7, 8], [-0.5, -1.0 - DRIFT_TOL - 0.15, -0.7, -0.2]), "drift", natural).ok
     assert not judge(REF, answer([5, 6, 7, 8], [-0.5, -1.0 - DRIFT_TOL - 0.25, -0.7, -0.2]), "drift", natural).ok
+    # and the model's own gap counts up to NATURAL_CAP only: P alone 2.0 off does not let an answer
+    # 0.7 off pass (before: 2.3 off passed with a P-alone gap of 2.0)
+    loud = answer([5, 6, 4, 4], [-0.5, -3.0, -2.5, -0.1])
+    assert allowance(REF, loud) == NATURAL_CAP
+    off = answer([5, 6, 7, 8], [-0.5, -1.0 - DRIFT_TOL - NATURAL_CAP - 0.05, -0.7, -0.2])
+    v = judge(REF, off, "drift", loud)
+    assert not v.ok and f"{DRIFT_TOL + NATURAL_CAP:.3f}" in v.reason
+    assert judge(REF, answer([5, 6, 7, 8], [-0.5, -1.0 - DRIFT_TOL - NATURAL_CAP + 0.05, -0.7, -0.2]), "drift", loud).ok
     # a wrong KV still moves the first token: rejected whatever the model's own noise
     assert not judge(REF, answer([9, 6, 7, 8], REF.logprobs), "drift", natural).ok
     # the model alone keeping D's tokens exactly changes nothing
@@ -114,19 +158,27 @@ def test_drift_across_tp_may_give_p_alones_first_token_where_tp_noise_alone_move
     ref = answer([305, 40, 223], [-2.093, -1.345, -1.290], [{305: -2.093, 28: -2.187}, {40: -1.345}, {223: -1.290}])
     natural = answer([28, 57, 184], [-2.112, -1.077, -0.366], [{28: -2.112, 305: -2.112}, {57: -1.077}, {184: -0.366}])
     got = answer([28, 57, 184], [-2.103, -1.084, -0.348], [{28: -2.103, 305: -2.103}, {57: -1.084}, {184: -0.348}])
+    forced = forced_on(got, [-2.187, -1.09, -0.36], [{305: -2.093, 28: -2.187}, {57: -1.09}, {184: -0.36, 7: -2.0}])
     assert not judge(ref, got, "drift").ok  # without P alone's answer: a first token moved past a tie
+    assert not judge(ref, got, "drift", forced=forced).ok
+    v = judge(ref, got, "drift", natural, forced)
+    assert v.ok and v.first_divergence == 0 and "P alone's first token" in v.reason and v.tokens == 3
+    # without the teacher-forced reference, the rest is judged against P alone's answer while it follows it
     v = judge(ref, got, "drift", natural)
-    assert v.ok and v.first_divergence == 0 and "model alone's at the other TP size" in v.reason
-    # judged against P alone's answer: a P/D answer that parts from it without a near-tie is wrong
-    assert not judge(ref, answer([28, 57, 9], [-2.103, -1.084, -0.348]), "drift", natural).ok
+    assert v.ok and v.tokens == 3
+    # judged on: a P/D answer that parts from D alone's path (or P alone's) without a near-tie is wrong
+    bad = answer([28, 57, 9], [-2.103, -1.084, -0.348])
+    assert not judge(ref, bad, "drift", natural).ok
+    assert not judge(ref, bad, "drift", natural, forced_on(bad, forced.logprobs[:2] + [-3.0],
+                                                           forced.top[:2] + [{184: -0.36, 9: -3.0}])).ok
     assert not judge(ref, answer([28, 57, 184], [-2.103, -1.084 - 2 * DRIFT_TOL, -0.348]), "drift", natural).ok
     # another first token than both D's and P alone's: wrong, as before
     assert not judge(ref, answer([9, 57, 184], got.logprobs), "drift", natural).ok
     # P alone's first token far below D's own in D's answer (no near-tie): no TP noise explains it
     far = answer(ref.token_ids, ref.logprobs, [{305: -2.093, 28: -2.093 - 2 * NEAR_TIE}, {40: -1.345}, {223: -1.29}])
-    assert not judge(far, got, "drift", natural).ok
-    # where P alone keeps D's first token, the first token must still be D's own
-    assert not judge(ref, got, "drift", ref).ok
+    assert not judge(far, got, "drift", natural, forced).ok
+    # where P alone keeps D's first token, the first token must still be D's own (or a tie)
+    assert not judge(ref, got, "drift", ref, forced).ok
 
 
 def test_judge_rejects_answers_of_other_lengths_and_unknown_rules() -> None:
@@ -787,6 +839,31 @@ def test_chat_answers_are_read_as_token_ids_streamed_or_not() -> None:
     for got in asyncio.run(_against("/v1/chat/completions", answer, calls)):
         assert got.token_ids == [11, 12] and got.logprobs == [-0.5, -0.25] and got.prompt_tokens == 40
         assert got.top[1] == {12: -0.25, 7: -1.25}
+
+
+def test_a_teacher_forced_reference_reads_prompt_logprobs_of_the_answers_tokens() -> None:
+    """client.forced asks one completion of prompt + answer but its last token with prompt_logprobs
+    (vLLM's shape: per prompt position None or {id: {logprob, rank, decoded_token}}); each answer
+    token's logprob and top list come from its position, the last one's from the generated token."""
+    seen: list[dict] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        given = [None] + [{str(t): {"logprob": -0.5, "rank": 2, "decoded_token": "x"},
+                           "99": {"logprob": -0.25, "rank": 1, "decoded_token": "y"}} for t in body["prompt"][1:]]
+        return web.json_response({"choices": [{"prompt_logprobs": given, "token_ids": [99], "logprobs": {
+            "tokens": ["token_id:99"], "token_logprobs": [-0.1], "top_logprobs": [{"token_id:99": -0.1, "token_id:8": -0.3}]}}]})
+
+    got, short = asyncio.run(_against("/v1/completions", engine, [
+        lambda url: client.forced(url, "m", [1, 2, 3], [5, 6, 8]),
+        lambda url: client.forced(url, "m", [1, 2, 3], [5, 6, 7]),
+    ]))
+    assert seen[0]["prompt"] == [1, 2, 3, 5, 6] and seen[0]["prompt_logprobs"] == client.TOP_LOGPROBS
+    assert seen[0]["max_tokens"] == 1 and seen[0]["temperature"] == 0.0
+    assert got.token_ids == [5, 6, 8] and got.logprobs == [-0.5, -0.5, -0.3]
+    assert got.top[0] == {5: -0.5, 99: -0.25} and got.top[2] == {99: -0.1, 8: -0.3}
+    assert short.logprobs[2] == float("-inf")  # below the engine's top list at the last position
 
 
 def test_a_client_that_hangs_up_is_told_where_it_got() -> None:

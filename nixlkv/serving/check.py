@@ -33,7 +33,8 @@ import numpy as np
 
 from . import models
 from .client import (
-    Completion, CompletionError, chat, complete, delta, reset_prefix_cache, sample_n, scrape, settled_kv_usage,
+    Completion, CompletionError, chat, complete, delta, forced, reset_prefix_cache, sample_n, scrape,
+    settled_kv_usage,
 )
 from .bytecheck import ByteVerdict, judge_dir
 from .compare import judge
@@ -411,6 +412,18 @@ def natural_answer(srv: Servers, case: Case, rule: str, prompt: Any,
     return ask(srv.p_url, str(srv.model_dir), prompt, case.max_tokens)
 
 
+def forced_reference(srv: Servers, rule: str, prompt: list[int], ref: Completion, got: Completion) -> Completion | None:
+    """D alone teacher-forced on the P/D answer's tokens, where the drift rule reads it: the answer
+    parted from D alone's, and every token from there on is judged against what D alone computes
+    on the answer's own path (nixlkv.serving.compare)."""
+    if rule != "drift" or list(got.token_ids) == list(ref.token_ids) or len(got.token_ids) != len(ref.token_ids):
+        return None
+    # With prefix caching, D's cache now holds the blocks it loaded from P: a reference taken from
+    # them would share any fault of the transfer it judges. D forgets them first.
+    srv.forget_on_decode()
+    return forced(srv.d_url, str(srv.model_dir), prompt, list(got.token_ids))
+
+
 def kv_moved(facts: dict[str, float], prompt_len: int) -> bool:
     """D loaded the prompt (all but at most the token it recomputes for its logits) rather than
     computing it, in at least one transfer."""
@@ -428,10 +441,11 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             before, claimed = srv.decode_metrics(), srv.claimed_loads()
             got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
             facts = _transfer_facts(delta(srv.decode_metrics(), before))
+            on_path = forced_reference(srv, rule, prompt, ref, got)
         except (CompletionError, OSError) as exc:
             rows.append(Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"))
             continue
-        verdict = judge(ref, got, rule, natural)
+        verdict = judge(ref, got, rule, natural, on_path)
         rows.append(Row(name, len(prompt), verdict.to_dict(), facts, kv_moved(facts, len(prompt)), got.ttft_s,
                         answer=got.token_ids, loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide))
     return rows
@@ -454,13 +468,15 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         before, claimed = srv.decode_metrics(), srv.claimed_loads()
         got = chat(srv.proxy_url, model, messages, case.max_tokens, stream=True)
         facts = _transfer_facts(delta(srv.decode_metrics(), before))
+        n = ref.prompt_tokens or 0
+        if not ref.token_ids or min(ref.token_ids + got.token_ids) < 0:  # judged on ids, never on text
+            return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
+                       "the chat answers carry no token ids (return_tokens_as_token_ids): nothing to judge")
+        rendered = ref.raw.get("prompt_token_ids")  # the prompt D rendered (return_token_ids)
+        on_path = forced_reference(srv, rule, rendered, ref, got) if rendered else None
     except (CompletionError, OSError) as exc:
         return Row(CHAT_ROW, 0, {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}")
-    n = ref.prompt_tokens or 0
-    if not ref.token_ids or min(ref.token_ids + got.token_ids) < 0:  # judged on ids, never on text
-        return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
-                   "the chat answers carry no token ids (return_tokens_as_token_ids): nothing to judge")
-    verdict = judge(ref, got, rule, natural)
+    verdict = judge(ref, got, rule, natural, on_path)
     return Row(CHAT_ROW, n, verdict.to_dict(), facts, n > 1 and kv_moved(facts, n), got.ttft_s, answer=got.token_ids,
                loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide)
 
@@ -495,8 +511,17 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     # Batched with each other, decodes run other GEMM shapes than D's one-at-a-time references: bf16
     # reduction order moves logprobs a little (measured 0.045, both connectors alike), as another TP
     # size does. The batch is judged by the drift rule whatever the case's rule.
-    verdicts = [judge(r, g, "drift", n).to_dict() if g is not None else {"ok": False}
-                for r, g, n in zip(refs, gots, naturals)]
+    verdicts = []
+    for p, r, g, n in zip(prompts, refs, gots, naturals):
+        if g is None:
+            verdicts.append({"ok": False})
+            continue
+        try:
+            on_path = forced_reference(srv, "drift", p, r, g)
+        except (CompletionError, OSError) as exc:
+            errors.append(f"teacher-forced reference: {type(exc).__name__}: {exc}")
+            on_path = None
+        verdicts.append(judge(r, g, "drift", n, on_path).to_dict())
     moved = facts["loaded_tokens"] >= sum(lens) - len(lens) and facts.get("transfers", 0) >= len(lens)
     answered = all(v["ok"] for v in verdicts) or not srv.recipe.answers_decide
     return {"ok": not errors and moved and answered, "lengths": lens, "verdicts": verdicts,
@@ -752,7 +777,7 @@ def run_graded_controls(srv: Servers, case: Case, rule: str, block: int, max_mod
             entry["request"] = str(params.get("remote_request_id"))
             got = complete(srv.d_url, model, prompt, case.max_tokens,
                            kv_transfer_params={**params, damage.PARAMS_KEY: kind})
-            v = judge(ref, got, rule, natural)
+            v = judge(ref, got, rule, natural, forced_reference(srv, rule, prompt, ref, got))
             entry.update(answer_rejected=not v.ok, answer_reason=v.reason)
         except (CompletionError, OSError, ServeError) as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"

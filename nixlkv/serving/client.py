@@ -84,6 +84,35 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, s
     return _exchange(url, body, stream, _absorb, timeout_s)
 
 
+def forced(base_url: str, model: str, prompt: list[int], answer: list[int], *, timeout_s: float = 300.0) -> Completion:
+    """The engine teacher-forced on ``answer``: given ``prompt`` plus the answer's tokens, its logprob
+    of each answer token and its top alternatives at each position (``token_ids`` are the answer's).
+    The drift judge reads an answer that parted from the engine's own on this path (nixlkv.serving.
+    compare). One request: ``prompt_logprobs`` over prompt + answer but its last token (so it fits
+    wherever the answer did), whose position is the one generated token's top list; a token the
+    engine ranked below its top list gets -inf. vLLM reads no prefix cache for such a request: the
+    engine computes all of it."""
+    url = f"{base_url}/v1/completions"
+    if not answer:
+        return Completion([], [], [], 0.0)
+    body = {**request_body(model, list(prompt) + list(answer[:-1]), 1), "prompt_logprobs": TOP_LOGPROBS}
+    t0 = time.perf_counter()
+    with _post(url, body, timeout_s) as resp:
+        raw = json.loads(resp.read())
+    choice = raw["choices"][0]
+    given = choice.get("prompt_logprobs")
+    asked = len(prompt) + len(answer) - 1
+    if not isinstance(given, list) or len(given) != asked:
+        raise CompletionError(url, 200, f"no prompt_logprobs for {asked} tokens: {str(given)[:200]}")
+    top = [{int(k): float(v["logprob"]) for k, v in (entry or {}).items()} for entry in given[len(prompt):]]
+    ids: list[int] = []
+    last: list[dict[int, float]] = []
+    _absorb(choice, ids, [], last)
+    top.append(last[0] if last else {})
+    lps = [alts.get(t, float("-inf")) for alts, t in zip(top, answer)]
+    return Completion(list(answer), lps, top, time.perf_counter() - t0, raw=raw)
+
+
 Absorb = Callable[[dict[str, Any], list[int], list[float], list[dict[int, float]]], None]
 
 
@@ -140,6 +169,7 @@ def chat(base_url: str, model: str, messages: list[dict[str, str]], max_tokens: 
     body: dict[str, Any] = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
         "top_logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "ignore_eos": True, "stream": stream,
+        "return_token_ids": True,  # the rendered prompt's ids come back: a teacher-forced reference asks with them
     }
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -292,8 +292,9 @@ def write_tokenizer_config(folder: Path) -> None:
         path.write_text(text)
 
 
-def write_weights(folder: Path, rec: ModelRecipe) -> None:
-    """Seeded random weights through transformers' own init, saved as safetensors in bf16."""
+def weights_model(rec: ModelRecipe) -> Any:
+    """The recipe's model in transformers, bf16: seeded random weights through transformers' own
+    init (what :func:`write_weights` saves, and what tests run without a server)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -305,8 +306,12 @@ def write_weights(folder: Path, rec: ModelRecipe) -> None:
     if rec.post_init is not None:
         with torch.no_grad():
             rec.post_init(model)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(str(folder), safe_serialization=True)
+    return model.to(torch.bfloat16)
+
+
+def write_weights(folder: Path, rec: ModelRecipe) -> None:
+    """Seeded random weights through transformers' own init, saved as safetensors in bf16."""
+    weights_model(rec).save_pretrained(str(folder), safe_serialization=True)
     # save_pretrained writes what the config knows; keep the dtype vLLM should serve in
     cfg_path = folder / "config.json"
     saved = json.loads(cfg_path.read_text())
