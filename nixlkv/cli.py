@@ -303,9 +303,10 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     from .serving.bench import markdown, run
     from .serving.check import Case, Options
 
+    # timings: no dumps (the byte check copies every request's blocks to disk on the engines' threads)
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                    proxy_cmd=args.proxy_cmd,
-                   port=args.port, start_timeout_s=args.start_timeout)
+                   port=args.port, start_timeout_s=args.start_timeout, verify_bytes=False)
     rows = [run(Case(model=m, p_tp=args.p_tp, d_tp=args.d_tp), opts, prompt_len=args.prompt_len,
                 requests=args.requests, load_requests=args.load_requests, concurrency=args.concurrency)
             for m in (args.model or ["tiny-llama"])]
