@@ -47,8 +47,13 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _explain(result: dict) -> str:
-    keys = ("error", "rows", "concurrent", "negative_control", "bytes", "controls", "notes")
-    return json.dumps({k: result.get(k) for k in keys}, indent=1, default=str)[:8000]
+    rows = [{k: r.get(k) for k in ("name", "prompt_len", "ok", "moved", "loads", "bytes_ok", "error")}
+            | {"verdict": r.get("verdict", {}).get("reason")} for r in result.get("rows", [])]
+    keys = ("error", "bytes", "controls", "notes", "negative_control")
+    return json.dumps({"rows": rows, **{k: result.get(k) for k in keys},
+                       "concurrent": {k: result.get("concurrent", {}).get(k) for k in ("ok", "moved", "bytes_ok",
+                                                                                      "errors")}},
+                      indent=1, default=str)[:12000]
 
 
 def test_the_case_passes(served: dict) -> None:

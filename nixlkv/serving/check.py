@@ -799,7 +799,9 @@ def attach_bytes(result: Result, verdict: ByteVerdict) -> None:
         if row.loads is None:
             continue
         mine = [judged.get(r) for r in row.loads]
-        row.bytes_ok = all(v is not None and v.ok for v in mine) and (bool(mine) or not row.moved)
+        # P holds tokens D needs unless D computes the whole prompt (one token) or hit all but the last
+        needs_load = row.prompt_len - 1 - int(row.facts.get("hit_tokens", 0)) > 0
+        row.bytes_ok = all(v is not None and v.ok for v in mine) and (bool(mine) or not needs_load)
     if result.concurrent.get("loads") is not None:
         mine = [judged.get(r) for r in result.concurrent["loads"]]
         result.concurrent["bytes_ok"] = bool(mine) and all(v is not None and v.ok for v in mine)
