@@ -100,10 +100,11 @@ def _attention(kind: str, layer: Mapping[str, Any], pages: np.ndarray, ids: list
     view = as_pages(pages)
     per_block = view.shape[0] // len(ids) * view.shape[2]  # tokens per block
     first = (-(-loaded // per_block) - len(ids)) * per_block  # the token block 0 of the list starts at
-    # The load may hold the prompt's last token, which D computes again (vLLM goes on from one short
-    # of the prompt): the control stays before it, where D surely goes on from what it loaded.
+    # D goes on from ``loaded`` tokens, or one fewer where the load holds the prompt's last token (D
+    # computes it again). The control stays inside what either needs: from the later start of the
+    # two (a window's or chunk's start only moves forward with q), up to the earlier end.
     q = loaded - 1
-    lo = max(needed_from(layer, q), first)
+    lo = max(needed_from(layer, loaded), first)
     if lo >= q:
         return None
     element = pages.shape[-1] // int(layer["view"]["shape"][-1])
