@@ -329,8 +329,8 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
         rows = merge(rows_of(json.loads(Path(p).read_text())) for p in args.merge)
     else:
         opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
-                       proxy_cmd=args.proxy_cmd,
-                       port=args.port, start_timeout_s=args.start_timeout)
+                       proxy_cmd=args.proxy_cmd, port=args.port, start_timeout_s=args.start_timeout,
+                       quick=args.quick)
         cases = select(default_cases(), args.model, args.shape)
         connectors = tuple(args.connector or ("nixlkv", "vllm"))
         rows = run_matrix(cases, opts, connectors, after_row=save,
@@ -515,6 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "'P1->D1 b32/b64' (repeatable)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="no run: merge earlier --json-out files into one table")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: both")
+    p.add_argument("--quick", action="store_true", help="each case's quick prompt set (as serve-check --quick)")
     _serving_args(p)
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json-out", metavar="PATH")
