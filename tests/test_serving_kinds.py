@@ -65,7 +65,7 @@ def test_every_load_is_byte_exact_and_every_layer_judged(served: dict) -> None:
     res = served["result"]
     b = res["bytes"]
     assert b is not None and b["ok"] and b["mismatches"] == 0, _explain(res)
-    assert not b["unjudged"] and not b["missing"] and not b["failed"] and not b["abandoned"], b
+    assert not b["unjudged"] and not b["missing"] and not b["failed"], b
     assert b["token_heads"] > 0 and b["control"]["bites"], b
     if "conv_channel" in served["kinds"]:
         assert b["state_units"] > 0, b

@@ -1,9 +1,8 @@
 """The in-serving byte check: D's loaded KV against P's, per token and KV head, from real engines.
 
 Both engines run with ``dump_kv_dir`` (:mod:`nixlkv.vllm.kvdump`): P writes each request's blocks
-when it starts holding them, D the request's whole block table, as vLLM's KV manager holds it, at
-the step that first schedules the request after its load; D's scheduler notes every load it
-claims; each worker writes its capture record (every layer's own spec, head count, page interior,
+when it starts holding them, D the request's whole block table, as vLLM's KV manager holds it,
+once its READs complete and before any forward pass; D's scheduler notes every load it claims; each worker writes its capture record (every layer's own spec, head count, page interior,
 view). This judge knows nothing of nixlkv's plans or of the connector's block ids. From each
 layer's spec alone it says which tokens D needs to go on from where its load ends (``q``, the
 tokens D holds after the load):
@@ -24,8 +23,8 @@ tokens D goes on from, each channel and unit D holds equal to P's for the same g
 coordinates from vLLM's weight sharding: :func:`mamba_state_coordinates`); the conv state's
 scratch columns for speculative tokens are not compared.
 
-Nothing passes by absence: a layer the judge cannot read, a claimed load without a dump from every
-decode rank, a dump a worker could not write, a load that failed or never reached a step each fail
+Nothing passes by absence: a layer the judge cannot read, a claimed load without a dump (or a
+failure note) from every decode rank, a dump a worker could not write, a load that failed each fail
 the verdict. Loads a test damaged on purpose (:mod:`nixlkv.vllm.damage`) are graded controls: each
 must be rejected.
 """
@@ -97,7 +96,6 @@ class ByteVerdict:
     control: dict[str, Any] | None = None  # the judge's own control: damaged copies of the largest load
     controls: list[LoadVerdict] = field(default_factory=list)  # graded controls applied in the engine: each rejected
     failed: list[str] = field(default_factory=list)  # loads that failed, dumps that could not be written
-    abandoned: list[str] = field(default_factory=list)  # claimed loads whose request finished before a step
 
     @property
     def controls_ok(self) -> bool:
@@ -107,7 +105,7 @@ class ByteVerdict:
     def ok(self) -> bool:
         judged = any(v.layers for v in self.loads)
         control_ok = self.control is None or self.control.get("bites", False)
-        return (judged and not self.missing and not self.failed and not self.abandoned
+        return (judged and not self.missing and not self.failed
                 and all(v.ok for v in self.loads) and control_ok and self.controls_ok)
 
     def summary(self) -> dict[str, Any]:
@@ -118,7 +116,7 @@ class ByteVerdict:
             "bytes": sum(v.bytes for v in self.loads),
             "mismatches": sum(v.mismatches for v in self.loads),
             "shown": [s for v in self.loads for s in v.shown][:SHOWN], "missing": self.missing,
-            "failed": self.failed, "abandoned": self.abandoned,
+            "failed": self.failed,
             "unjudged": unjudged, "control": self.control,
             "graded_controls": [{"request": v.request, **(v.control or {}), "rejected": not v.ok,
                                  "why": (v.shown or [""])[0]} for v in self.controls],
@@ -364,9 +362,9 @@ def read_notes(directory: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
 def judge_dir(directory: Path | str, control: bool = True, allow_failed: bool = False) -> ByteVerdict:
     """Every load the decode engines claimed under ``directory``: each judged from every rank's dump,
     graded controls (loads damaged on purpose) each rejected, and (``control``) two corrupted copies
-    of the largest plain load, each of which must be rejected. ``allow_failed``: loads that failed,
-    or never reached a step, are listed but do not fail the verdict (a drill that fails them on
-    purpose); a dump that could not be written always does."""
+    of the largest plain load, each of which must be rejected. ``allow_failed``: loads that failed
+    are listed but do not fail the verdict (a drill that fails them on purpose); a dump that could
+    not be written always does."""
     directory = Path(directory)
     prefill, decode = read_dir(directory)
     expected, failures = read_notes(directory)
@@ -383,18 +381,13 @@ def judge_dir(directory: Path | str, control: bool = True, allow_failed: bool = 
     failed = [f"{n['prefill_request_id']} ({n['role']} {n['engine_id']} rank {n['tp_rank']}): {n['why']}"
               for n in failures if not (allow_failed and n["why"].startswith("the load failed"))]
     failed_ranks = {(n["prefill_request_id"], n["engine_id"], int(n["tp_rank"])) for n in failures}
-    abandoned = []
     for note in expected:
         request, engine = note["prefill_request_id"], note["engine_id"]
-        if note["status"] != "loading":
-            if not allow_failed:
-                abandoned.append(f"{request} (decode request {note['request_id']} on {engine}): {note['status']}")
-            continue
         dumped = {int(d.meta["tp_rank"]) for d in decode.get(request, {}).get(engine, [])}
         dumped |= {rank for (r, e, rank) in failed_ranks if (r, e) == (request, engine)}
         if dumped != set(range(int(note["tp_size"]))):
             missing.append(f"{request} (decode {engine}: dumps of ranks {sorted(dumped)} of {note['tp_size']})")
-    verdict = ByteVerdict(loads, missing, controls=controls, failed=failed, abandoned=abandoned)
+    verdict = ByteVerdict(loads, missing, controls=controls, failed=failed)
     if control and loads:
         verdict.control = run_control(prefill, decode, loads)
     return verdict

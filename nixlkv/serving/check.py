@@ -973,8 +973,6 @@ def format_bytes(b: dict[str, Any]) -> str:
         text += f" NOT JUDGED: {b['unjudged']}"
     if b.get("failed"):
         text += f" FAILED: {b['failed'][:3]}"
-    if b.get("abandoned"):
-        text += f" NEVER WENT ON: {b['abandoned'][:3]}"
     return text
 
 

@@ -6,9 +6,9 @@ block-id mapping shared by the connector's READ and its dump cannot hide:
 
 - a prefill worker, the blocks vLLM handed ``request_finished`` (when it starts holding them: the
   prefill's forward pass has written them, nothing has read them);
-- a decode worker, the request's whole block table from the step that first schedules it after
-  its load (vLLM's ``NewRequestData.block_ids``, prefix hit included), before that step's forward
-  pass writes anything.
+- a decode worker, the request's whole block table as vLLM's KV manager holds it when the load is
+  claimed (``update_state_after_alloc``'s blocks, prefix hit included), when its READs complete,
+  before any forward pass of the request (one would move a Mamba state on).
 
 Beside the dumps, D's scheduler writes one note per load it claims (``expect-<engine>.json``), and
 a worker that could not write a dump, or whose load failed, writes ``<file>.failed.json``: the
@@ -50,7 +50,7 @@ class DumpOrder:
     role: str  # "prefill" or "decode"
     prefill_request_id: str  # the name both engines' files share
     block_ids: tuple[list[int], ...]  # per KV group: P's held blocks, or D's whole block table
-    num_tokens: int  # the tokens those blocks hold (D: its own prefix hit plus what it loaded)
+    num_tokens: int  # the tokens those blocks hold (D: its own prefix hit plus what it loads)
     local_hit: int = 0  # D: the leading tokens its own prefix cache held (computed by D, not loaded)
 
 
@@ -120,12 +120,11 @@ def write_failure(directory: str | os.PathLike, prefill_request_id: str, role: s
 
 
 def write_expectation(directory: str | os.PathLike, prefill_request_id: str, engine_id: str, request_id: str,
-                      tp_size: int, status: str) -> Path:
-    """D's scheduler: a load it claimed (``status`` "loading"), or one whose request finished before
-    its first step (aborted, its load failed under the fail policy): the judge wants a dump from
-    every decode rank of each claimed load."""
+                      tp_size: int) -> Path:
+    """D's scheduler: a load it claimed. The judge wants a dump, or a failure note, from every decode
+    rank of each claimed load."""
     note = {"engine_id": engine_id, "request_id": request_id, "prefill_request_id": prefill_request_id,
-            "tp_size": tp_size, "status": status}
+            "tp_size": tp_size}
     path = request_dir(directory, prefill_request_id) / f"{EXPECT_PREFIX}{engine_id}.json"
     return write_atomically(path, json.dumps(note).encode())
 

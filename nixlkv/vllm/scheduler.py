@@ -118,10 +118,7 @@ class NixlkvScheduler:
         self.side_channel_port = config.side_channel_port + int(getattr(parallel, "data_parallel_index", 0) or 0)
         self._recv: dict[str, RecvRequest] = {}
         self._send: dict[str, float] = {}
-        self._dump: dict[str, DumpOrder] = {}  # with dump_kv_dir: the blocks to write down this step
-        # D with dump_kv_dir: loads claimed, until vLLM first schedules their request -> (P's request id,
-        # the tokens D's own prefix cache held)
-        self._dumps_due: dict[str, tuple[str, int]] = {}
+        self._dump: dict[str, DumpOrder] = {}  # with dump_kv_dir: the blocks to write down (P) or once loaded (D)
         self._damage = damage.enabled()  # the graded controls' test hook (off unless its variable is set)
         self._server: SideChannelServer | None = None
         self._reply: bytes = b""
@@ -277,31 +274,23 @@ class NixlkvScheduler:
                 except ValueError as exc:  # a test's typo: the control is not applied, and its check fails
                     logger.warning("nixlkv applies no control to %s: %s", request.request_id, exc)
             if num_external_tokens > 0 and self.config.dump_kv_dir:
-                self._expect_dump(request.request_id, recv.remote_request_id, hit)
+                self._expect_dump(request.request_id, recv.remote_request_id, blocks, hit + num_external_tokens, hit)
         params["do_remote_prefill"] = False  # one transfer per request
 
     # ------------------------------------------------------------------ both
-    def _expect_dump(self, rid: str, prefill_rid: str, hit: int) -> None:
-        """D with dump_kv_dir: a claimed load, written down now and dumped when vLLM first schedules it."""
-        self._dumps_due[rid] = (prefill_rid, hit)
+    def _expect_dump(self, rid: str, prefill_rid: str, blocks: Any, num_tokens: int, hit: int) -> None:
+        """D with dump_kv_dir: a claimed load, noted for the judge, and its dump ordered: the request's
+        whole block table as vLLM's KV manager holds it (``blocks.get_block_ids()``, prefix hit
+        included; never the connector's own ids), written by each worker when its READs complete,
+        before any forward pass of the request."""
+        self._dump[rid] = DumpOrder("decode", prefill_rid, tuple(list(g) for g in blocks.get_block_ids()),
+                                    num_tokens, local_hit=hit)
         try:
-            write_expectation(self.config.dump_kv_dir, prefill_rid, self.engine_id, rid, self.tp_size, "loading")
+            write_expectation(self.config.dump_kv_dir, prefill_rid, self.engine_id, rid, self.tp_size)
         except OSError as exc:
             logger.warning("nixlkv could not note the load of req=%s in %s: %s", rid, self.config.dump_kv_dir, exc)
 
-    def _order_dumps(self, scheduler_output: Any) -> None:
-        """D: the loaded requests vLLM schedules for the first time, with their block tables as its KV
-        manager holds them (prefix hit included) and the tokens computed so far: what the workers dump
-        before this step's forward pass writes anything."""
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            due = self._dumps_due.pop(new.req_id, None)
-            if due is not None:
-                self._dump[new.req_id] = DumpOrder("decode", due[0], tuple(list(g) for g in new.block_ids),
-                                                   int(new.num_computed_tokens), local_hit=due[1])
-
     def build_connector_meta(self, scheduler_output: Any) -> NixlkvMetadata:
-        if self._dumps_due:
-            self._order_dumps(scheduler_output)
         meta = NixlkvMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send, reqs_to_dump=self._dump,
                               heartbeats=self._due_heartbeats())
         self._recv, self._send, self._dump = {}, {}, {}
@@ -338,13 +327,6 @@ class NixlkvScheduler:
         self._short.discard(rid)
         self._local_hit.pop(rid, None)
         self._loading.discard(rid)
-        due = self._dumps_due.pop(rid, None)
-        if due is not None:  # the load never reached a step: the judge must hear of it
-            try:
-                write_expectation(self.config.dump_kv_dir, due[0], self.engine_id, rid, self.tp_size,
-                                  f"finished before its first step ({request.status.name})")
-            except OSError as exc:
-                logger.warning("nixlkv could not note the end of req=%s in %s: %s", rid, self.config.dump_kv_dir, exc)
         if not (prefill or decode):
             return False, None
         if prefill:

@@ -145,7 +145,7 @@ class NixlkvWorker:
         self._capture: dict[str, Any] | None = None  # the capture record, where the two need it
         self._damage = damage.enabled()
         self._damaged: dict[str, dict[str, Any]] = {}  # request -> what its control damaged, until dumped
-        self._load_failures: dict[str, str] = {}  # with dump_kv_dir: request -> why its load failed, until dumped
+        self._dumps_on_load: dict[str, DumpOrder] = {}  # with dump_kv_dir: D's loads to dump once read
 
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -205,7 +205,10 @@ class NixlkvWorker:
                         continue
                 self._holds[rid] = hold
             for rid, order in meta.reqs_to_dump.items():
-                self._dump(rid, order)
+                if order.role == "decode":  # written when its READs complete (or noted failed)
+                    self._dumps_on_load[rid] = order
+                else:
+                    self._dump(rid, order)
             for rid, req in meta.reqs_to_recv.items():
                 req.received_at = now  # durations in the metadata are read on this clock from here
                 self._start_recv(rid, req)
@@ -248,10 +251,6 @@ class NixlkvWorker:
             return
         where = (self.config.dump_kv_dir, order.prefill_request_id, order.role, self.engine_id, self.topology.tp_rank)
         try:
-            failed = self._load_failures.pop(rid, None)
-            if failed is not None:
-                write_failure(*where, rid, f"the load failed: {failed}")
-                return
             extra: dict[str, Any] = {"local_hit": order.local_hit}
             if rid in self._damaged:
                 extra["damage"] = self._damaged.pop(rid)
@@ -486,6 +485,9 @@ class NixlkvWorker:
                     self.stats.count("staged_loads")
                 if self._damage and f.request.damage:
                     self._apply_control(rid, f.request)
+                order = self._dumps_on_load.pop(rid, None)
+                if order is not None:
+                    self._dump(rid, order)
                 if f.request.report:
                     self._done_recv.add(rid)
                 logger.debug(
@@ -549,10 +551,14 @@ class NixlkvWorker:
 
     def _fail(self, rid: str, req: RecvRequest, why: str) -> None:
         self.stats.count("failed_transfers")
-        if self.config.dump_kv_dir and req.report:  # its dump, if vLLM schedules it, says so
-            self._load_failures[rid] = why
-            while len(self._load_failures) > MAX_EARLY_REQUESTS:
-                self._load_failures.pop(next(iter(self._load_failures)))
+        order = self._dumps_on_load.pop(rid, None)
+        if order is not None:  # the judge hears of it by name
+            try:
+                write_failure(self.config.dump_kv_dir, order.prefill_request_id, "decode", self.engine_id,
+                              self.topology.tp_rank, rid, f"the load failed: {why}")
+            except OSError as exc:
+                logger.warning("nixlkv could not note the failed load of req=%s in %s: %s", rid,
+                               self.config.dump_kv_dir, exc)
         self._held_until.pop((req.key, req.remote_request_id), None)
         blocks = sorted({b for g in req.local_block_ids for b in g})
         logger.error(
