@@ -693,9 +693,10 @@ def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int
         before, claimed = scrape(srv.d_url), srv.claimed_loads()
         got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
         facts = _transfer_facts(delta(scrape(srv.d_url), before))
+        on_path = forced_reference(srv, rule, prompt, refs[0], got)
     except (CompletionError, OSError) as exc:
         return Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"), None
-    verdict = judge(refs[0], got, rule, refs[1])
+    verdict = judge(refs[0], got, rule, refs[1], on_path)
     moved = facts["hit_tokens"] == hit and facts["loaded_tokens"] >= len(prompt) - hit - 1 \
         and facts["computed_tokens"] <= 1 and facts.get("transfers", 0) >= 1
     return Row(name, len(prompt), verdict.to_dict(), facts, moved, got.ttft_s, answer=got.token_ids,
