@@ -319,14 +319,19 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve_matrix(args: argparse.Namespace) -> int:
     from .serving.check import Options
-    from .serving.matrix import default_cases, failed_cells, markdown, merge, rows_of, run_matrix, select, to_json
+    from .serving.matrix import (default_cases, failed_cells, markdown, merge, merged_facts, rows_of, run_matrix,
+                                 select, to_json)
+
+    facts = None  # this run's date, commit and CPU; merged files keep their own runs'
 
     def save(rows: list) -> None:
         if args.json_out:
-            Path(args.json_out).write_text(to_json(rows) + "\n")
+            Path(args.json_out).write_text(to_json(rows, facts) + "\n")
 
     if args.merge:
-        rows = merge(rows_of(json.loads(Path(p).read_text())) for p in args.merge)
+        files = [json.loads(Path(p).read_text()) for p in args.merge]
+        rows = merge(rows_of(f) for f in files)
+        facts = merged_facts(files)
     else:
         opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                        proxy_cmd=args.proxy_cmd, port=args.port, start_timeout_s=args.start_timeout,
@@ -335,11 +340,11 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
         connectors = tuple(args.connector or ("nixlkv", "vllm"))
         rows = run_matrix(cases, opts, connectors, after_row=save,
                           progress=lambda m: print(f"[serve-matrix] {m}", file=sys.stderr, flush=True))
-    table = markdown(rows)
+    table = markdown(rows, facts)
     if args.markdown:
         Path(args.markdown).write_text(table)
     save(rows)
-    print(to_json(rows) if args.json else table)
+    print(to_json(rows, facts) if args.json else table)
     failed = failed_cells(rows)
     if failed:
         print(f"[serve-matrix] {len(failed)} nixlkv cell(s) failed: {'; '.join(failed)}", file=sys.stderr, flush=True)

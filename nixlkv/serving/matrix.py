@@ -154,6 +154,15 @@ def run_facts() -> dict[str, str]:
             "cores": str(len(__import__("os").sched_getaffinity(0)))}
 
 
+def merged_facts(files: list[Any]) -> dict[str, str]:
+    """The runs a merged table comes from: their date, commit and CPU, each named once (an older bare
+    list has none: "unknown")."""
+    runs = [f.get("run") if isinstance(f, dict) else None for f in files]
+    keys = ("date", "commit", "cpu", "cores")
+    seen = list(dict.fromkeys(tuple((r or {}).get(k, "unknown") for k in keys) for r in runs))
+    return {k: " / ".join(dict.fromkeys(run[i] for run in seen)) for i, k in enumerate(keys)}
+
+
 def rows_of(data: Any) -> list[dict[str, Any]]:
     """The rows of a --json-out file (``{"run": ..., "rows": [...]}``, or an older bare list)."""
     return data["rows"] if isinstance(data, dict) else data
@@ -201,7 +210,8 @@ def _cell(s: dict[str, Any] | None) -> str:
         dl = f", max abs dlogprob {s['max_dlogprob']:.3g}" if s.get("max_dlogprob") is not None else ""
         b = s.get("byte_check") or {}
         proof = (f"; bytes exact in {b.get('loads', 0)} loads, {b.get('controls_rejected', 0)}/{b.get('controls', 0)} "
-                 f"graded controls rejected" if b else "; bytes NOT CHECKED")
+                 f"graded controls rejected, {b.get('answers_saw', 0)} of them seen by the answers"
+                 if b else "; bytes NOT CHECKED")
         agree = f"; {s['agrees_with_vllm']}" if s.get("agrees_with_vllm") else ""
         answers = "answers reported only" if not s.get("answers_decide", True) else f"{s['rule']}{dl}"
         return f"PASS {s['exact']}/{s['prompts']} ({answers}; control rejected{proof}{agree})".replace("|", "/")
