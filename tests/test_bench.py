@@ -19,7 +19,7 @@ from nixlkv.bench import run as bench_run
 from nixlkv.bench.dram import run_transfer
 from nixlkv.bench.measure import Untimed, interleaved, posted_after_merge
 from nixlkv.bench.shapes import PATTERNS, Case, Shape, block_ids, fabricate_rank
-from nixlkv.bench.vllm_baseline import VllmPlanner
+from nixlkv.bench.vllm_planner import VllmPlanner
 from nixlkv.core import Dispatcher
 from nixlkv.core.staging import TransferCosts
 

@@ -48,6 +48,7 @@ from ..core import (
     covered_remote_ranks,
     hookimpl,
 )
+from ..scenario_kinds import KindDef
 from .full_attention import check_matching_facts
 
 # Facts both sides must agree on, with what a mismatch means for the operator.
@@ -158,18 +159,16 @@ def nixlkv_strategies() -> list[Strategy]:
 
 
 @hookimpl
-def nixlkv_scenario_kinds() -> Mapping[str, Any]:
+def nixlkv_scenario_kinds() -> Mapping[str, KindDef]:
     """The scenario layer kind ``circular_buffer`` (for ``nixlkv rehearse`` and the contract kit)."""
     return {"circular_buffer": scenario_kind()}
 
 
 @functools.cache
-def scenario_kind() -> Any:
+def scenario_kind() -> KindDef:
     """``circular_buffer``: ``capacity`` (rows, the spec's block_size), ``head_size``, optional
     ``num_kv_heads`` (head slots, each rank holds all) and ``dtype``. Defaults are DeepSeek-V4.1's
     compressor ring without speculative tokens: 8 rows of 1024 fp32 ([kv | score])."""
-    from ..testing.kinds import KindDef
-
     return KindDef(
         required=(),
         optional={"capacity": 8, "head_size": 1024, "num_kv_heads": 1, "dtype": "float32"},

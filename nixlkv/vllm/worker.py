@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import Dispatcher, IdScratch, NixlkvError, Topology, TransferPlan
-from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
-from ..transfer import InFlight, NixlRank, TransferError, parse_notification
-from ..vllm_layers import layer_caches, memory_device, registered_memory
+from ..transport.reader import Reader, ReaderPlan, StagedFlight, memory_tensors
+from ..transport.nixl_rank import InFlight, NixlRank, TransferError, parse_notification
+from .kv_views import layer_caches, memory_device, registered_memory
 from .capture import engine_capture, write_capture
 from .kvdump import dump_request
 from . import handshake
