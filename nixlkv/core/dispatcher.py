@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pluggy
 
-from .cached import remember
+from .memo import remember
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
 from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out, forget_copy_runs,
                        forget_parsed)

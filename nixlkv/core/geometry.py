@@ -14,20 +14,21 @@ columns); :meth:`RankGeometry.from_dict` also reads the per-region form earlier 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 import functools
 import marshal
 import operator
 import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate, chain, repeat
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
-from .cached import cached_property, remember
 from .errors import HandshakeError, IncompatibleGeometry
+from .memo import remember
 from .topology import MAX_TP_SIZE
 
 MAX_RUNS_PER_BOX = 1 << 16

@@ -13,13 +13,12 @@ import operator
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import PlanError, PlanValidationError, RequestError
-from .cached import cached_property
 from .geometry import COL_BASE, COL_BLOCKS, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
 from .strategy import (DeclaredPairing, OwnedTail, RunningState, Strategy, count_mismatch_message, declared_pairing,
                        null_block_message)
