@@ -9,6 +9,7 @@ blocks of a whole-page segment are adjacent on both sides and NIXL merges them.
 
 from __future__ import annotations
 
+import copy
 import operator
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -109,52 +110,6 @@ class _RankRows(NamedTuple):
     def rows(self, geometry: RankGeometry) -> np.ndarray:
         """These rows (int64 ``(address, length, device, stride, count)``) in ``geometry``."""
         return _descriptor_rows(geometry, self.region, self.offset, self.nbytes)
-
-
-_new = object.__new__
-
-
-def _record(cls: type, **fields: Any) -> Any:
-    """A frozen dataclass instance made without its ``__init__`` (whose per-field frozen
-    ``__setattr__`` costs a microsecond a record), its fields filled exactly."""
-    obj = _new(cls)
-    obj.__dict__.update(fields)
-    return obj
-
-
-def _with_fields(record: Any, **values: Any) -> Any:
-    """A copy of a frozen dataclass instance (not slotted) with ``values`` replacing its fields."""
-    obj = _new(type(record))
-    fields = obj.__dict__
-    fields.update(record.__dict__)
-    fields.update(values)
-    return obj
-
-
-# The per-request path's own records (slotted): filled through their slots, without __init__'s
-# frozen __setattr__ or a dict per record (a fifth of the cost of a __dict__ record).
-_READ_SLOTS = tuple(getattr(ReadOp, f).__set__ for f in ReadOp.__slots__)
-_RESOLVED_SLOTS = tuple(getattr(ResolvedRequest, f).__set__ for f in ResolvedRequest.__slots__)
-
-
-def _read_op(remote_rank: int, local_ids: np.ndarray, remote_ids: np.ndarray, nbytes: int | None) -> ReadOp:
-    op = _new(ReadOp)
-    set_rank, set_local, set_remote, set_nbytes = _READ_SLOTS
-    set_rank(op, remote_rank)
-    set_local(op, local_ids)
-    set_remote(op, remote_ids)
-    set_nbytes(op, nbytes)
-    return op
-
-
-def _resolved(reads: tuple[ReadOp, ...], notify_only: tuple[int, ...], consumers: int, pairs: Any = None) -> ResolvedRequest:
-    out = _new(ResolvedRequest)
-    set_reads, set_notify, set_consumers, set_pairs = _RESOLVED_SLOTS
-    set_reads(out, reads)
-    set_notify(out, notify_only)
-    set_consumers(out, consumers)
-    set_pairs(out, pairs)
-    return out
 
 
 class IdScratch:
@@ -594,11 +549,12 @@ class TransferPlan:
 
     def _with(self, **fields: Any) -> TransferPlan:
         """A copy of this plan with ``fields`` replaced (arrays shared: a plan never writes them)."""
-        plan = _new(TransferPlan)
-        plan.__dict__.update(self.__dict__)
-        plan.__dict__.pop("segments", None)  # cached views of the geometry and pairings they were made from
-        plan.__dict__.pop("layer_segments", None)
-        plan.__dict__.update(fields)
+        plan = copy.copy(self)
+        for view in ("segments", "layer_segments"):  # cached views of the geometry and pairings they were made from
+            if view in vars(plan):
+                delattr(plan, view)
+        for name, value in fields.items():
+            setattr(plan, name, value)
         return plan
 
     def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
@@ -625,7 +581,7 @@ class TransferPlan:
             made_as="rebased",
             remote={p: remote[p] for p in covered},
             remote_descs={p: found.rows(remote[p]).astype(np.uint64) for p, found in self._rank_rows.items()},
-            pairings=tuple(_with_fields(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
+            pairings=tuple(replace(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
     def _require_rebasable(self) -> None:
@@ -652,7 +608,7 @@ class TransferPlan:
         ranks = [remote[p] for p in self.sources]
         peer = ranks[0].regions  # each pairing's representative: the region at the same place
         pairings = tuple(  # a strategy's declared pairing is asked again: it may read the counts
-            _with_fields(g, remote_num_blocks=bound, remote_region=peer[i], owned=declared_pairing(g.strategy, g.local_region, peer[i]))
+            replace(g, remote_num_blocks=bound, remote_region=peer[i], owned=declared_pairing(g.strategy, g.local_region, peer[i]))
             for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
         )
         plan = self._with(made_as="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
@@ -695,7 +651,7 @@ class TransferPlan:
                 lp, rp, side_by_side = paired
                 k = lp.size
                 if not k:
-                    return _resolved((), self.covered, self.consumers)
+                    return ResolvedRequest((), self.covered, self.consumers)
                 take = np.empty if scratch is None else scratch.take
                 dtype, add = lane[3], np.add
                 reads = []
@@ -717,8 +673,8 @@ class TransferPlan:
                         local_ids, remote_ids = take(total, dtype), written[twin]
                         add(lp, starts[0], out=local_ids.reshape(rows, k))
                     written[p] = remote_ids
-                    reads.append(_read_op(p, local_ids, remote_ids, block_bytes * k))
-                return _resolved(tuple(reads), notify, self.consumers, ((lp, rp, None),))
+                    reads.append(ReadOp(p, local_ids, remote_ids, block_bytes * k))
+                return ResolvedRequest(tuple(reads), notify, self.consumers, ((lp, rp, None),))
         pairs = None if self._declared is None else _declared_pairs(self._declared, local_block_ids, remote_block_ids)
         if pairs is None:  # pairings asked one by one: they pair what the core does not, and name what is wrong
             pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
@@ -760,13 +716,13 @@ class TransferPlan:
                     add(rp, rstarts, out=remote_ids[at:end].reshape(rstarts.size, rp.size))
                 at = end
             remote_of[p] = remote_ids
-            reads.append(_read_op(p, local_ids, remote_ids, nbytes))
+            reads.append(ReadOp(p, local_ids, remote_ids, nbytes))
         if len(reads) == len(self.covered):
             notify_only: tuple[int, ...] = ()
         else:
             read = {r.remote_rank for r in reads}
             notify_only = tuple(p for p in self.covered if p not in read)
-        return _resolved(tuple(reads), notify_only, self.consumers, pairs)
+        return ResolvedRequest(tuple(reads), notify_only, self.consumers, pairs)
 
     def _pair(
         self, pairing: GroupPairing, lane: tuple[Any, ...] | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],
