@@ -576,11 +576,11 @@ def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -
     """The bench times a layout's first handshake after forget_handshakes(): every memo a parse
     or a plan fills in the process (not only the dispatcher's) must be empty then, or the
     first handshake it reports would be a warm one."""
-    from nixlkv.core import geometry, topology
+    from nixlkv.core import byte_runs, geometry, topology
     from nixlkv.core.dispatcher import forget_handshakes
 
     memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS), len(geometry._SHAPED),  # noqa: E731
-                     geometry._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
+                     byte_runs._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
     d = Dispatcher.from_plugins()
     # D at twice P's block size: each block pair copies half of D's tokens, runs per head that
     # box_copy_runs computes and remembers (a whole page or a head slice is one run, not remembered)

@@ -14,7 +14,8 @@ from .errors import (
     RequestError,
     StrategyConflict,
 )
-from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Segment, box_copy_runs
+from .byte_runs import box_copy_runs
+from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Segment
 from .hookspecs import hookimpl, hookspec
 from .plan import IdScratch, ReadOp, ResolvedRequest, TransferPlan
 from .registry import StrategyRegistry, plugin_manager

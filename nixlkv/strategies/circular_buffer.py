@@ -86,15 +86,10 @@ class CircularBufferStrategy(Strategy):
                 f"layer {layer.name!r}: ring page {layer.page.describe()} declares a kernel interior; a ring "
                 "is the model's own rows, moved as one whole page, and has none"
             )
-        return Region(
-            name=layer.name,
-            group=layer.group,
-            strategy=self.name,
-            base=layer.base,
-            num_blocks=layer.num_blocks,
-            block_stride=layer.block_stride,
-            page=layer.page,
-            facts={
+        return Region.of_layer(
+            layer,
+            self.name,
+            {
                 "dtype": str(spec.dtype).removeprefix("torch."),
                 "num_kv_heads": int(spec.num_kv_heads),
                 "head_size": int(spec.head_size),
