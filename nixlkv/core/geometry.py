@@ -14,11 +14,12 @@ columns); :meth:`RankGeometry.from_dict` also reads the per-region form earlier 
 
 from __future__ import annotations
 
+import copy
 import marshal
 import operator
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, chain, repeat
 from operator import itemgetter
@@ -109,10 +110,11 @@ class PageLayout:
 
     def __hash__(self) -> int:
         """Hashed once: pages key the memoised copy runs and geometry classes."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash((self.axes, self.parts))
-        return h
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.axes, self.parts))
 
     # Pages are immutable and asked about per layer and per peer at handshake: computed once.
     @cached_property
@@ -151,12 +153,7 @@ class PageLayout:
         if self.parts:
             return self.parts
         strides = self.strides()
-        axes = tuple((n, s, strides[n]) for n, s in self.axes)
-        if all(type(s) is int for _, s in self.axes):  # what the part would check, this page did
-            part = _new(PagePart)
-            part.__dict__.update(offset=0, axes=axes)
-            return (part,)
-        return (PagePart(0, axes),)
+        return (PagePart(0, tuple((n, s, strides[n]) for n, s in self.axes)),)
 
     def inner(self, axis: str) -> PageLayout:
         """The page inside one step of its outermost ``axis`` (one kernel page of ``kblock``)."""
@@ -367,9 +364,8 @@ class ColumnRegions(Sequence[Region]):
         return self._bases
 
     def _make(self, i: int) -> Region:
-        region = _new(Region)  # a copy of its class's validated region: name, base and group its own
-        region.__dict__.update(self._protos[self._classes[i]], name=self._names[i], base=self._bases[i], group=self._groups[i])
-        return region
+        """Region ``i``: its class's validated description with its own name, base and group."""
+        return Region(**{**self._protos[self._classes[i]], "name": self._names[i], "base": self._bases[i], "group": self._groups[i]})
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
@@ -413,10 +409,8 @@ class RankGeometry:
     mem_type: str = "DRAM"
 
     def __post_init__(self) -> None:
-        regions = self.regions
-        columnar = isinstance(regions, ColumnRegions)  # whose names were checked unique when parsed
-        names = regions.names if columnar else [r.name for r in regions]
-        self.__dict__["names"] = names  # the cached property's slot
+        columnar = isinstance(self.regions, ColumnRegions)  # whose names were checked unique when parsed
+        names = self.names
         if not columnar and len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise IncompatibleGeometry(f"engine {self.engine_id!r}: duplicate region names {dup}")
@@ -433,11 +427,12 @@ class RankGeometry:
         """Region name -> position in :attr:`regions` (for columnar planning)."""
         return dict(zip(self.names, range(len(self.regions))))
 
-    @property
+    @cached_property
     def names(self) -> list[str]:
         """The regions' names in order (a decode rank's are compared at every handshake), listed
         once at construction. Read-only."""
-        return self.__dict__["names"]
+        regions = self.regions
+        return regions.names if isinstance(regions, ColumnRegions) else [r.name for r in regions]
 
     @cached_property
     def class_firsts(self) -> dict[int, int]:
@@ -806,10 +801,8 @@ class _ColumnLayout:
             protos.append({**proto, "num_blocks": count})
             keys.append(counted_in(key, count))
             spans.append(span)
-        layout = _new(_ColumnLayout)  # by hand: copy.copy costs ~2 us here, ten times this
-        layout.names, layout.groups, layout.classes, layout.class_ids = self.names, self.groups, self.classes, self.class_ids
-        layout.protos, layout.keys, layout.firsts, layout.tail, layout.shape = protos, keys, self.firsts, None, None
-        layout.template = None
+        layout = copy.copy(self)  # the same names, groups, classes and first regions per class
+        layout.protos, layout.keys, layout.tail, layout.shape, layout.template = protos, keys, None, None, None
         if self.tail is not None:  # the tail with the new counts in its class keys; the shape is the same
             names, groups, class_ids, old = self.tail
             if self.shape is None:
@@ -940,14 +933,9 @@ def _parse_shared(items: list[Any]) -> tuple[tuple[Region, ...], tuple[int, ...]
         todo = [i for i, hit in zip(todo, same) if not hit]
     if not _copies_exact(items, classes):
         raise _NotPlain
-    regions = []
-    for (name, base, group), cid in zip(own, classes):
-        region = object.__new__(Region)  # a copy of a validated region: name, base and group are its own
-        fields = region.__dict__
-        fields.update(protos[cid].__dict__)
-        fields["name"], fields["base"], fields["group"] = name, base, group
-        regions.append(region)
-    return tuple(regions), tuple(classes)
+    # each region a copy of its class's validated region: name, base and group its own
+    regions = tuple(replace(protos[cid], name=name, base=base, group=group) for (name, base, group), cid in zip(own, classes))
+    return regions, tuple(classes)
 
 
 def _copies_exact(items: list[Mapping[str, Any]], classes: list[int]) -> bool:
