@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 def undeclared(plan):
     """The same plan resolving through the strategy's pair_blocks."""
     other = plan.undeclared()
-    assert all(g.owned is None for g in other.pairings) and other._owned_reads is None
+    assert all(g.declared is None for g in other.pairings) and other._one_tail_reads is None
     return other
 
 
@@ -60,7 +60,7 @@ def test_the_core_pairs_and_refuses_as_pair_blocks_does(p_tp: int, d_tp: int) ->
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, p_tp, d_tp)
     plan = d.plan(local, remote)
-    assert plan.pairings[0].owned == OwnedTail("full-attention")
+    assert plan.pairings[0].declared == OwnedTail("full-attention")
     slow = undeclared(plan)
     refused = 0
     for lo, ro in requests(np.random.default_rng(p_tp * 10 + d_tp), 40):
@@ -75,7 +75,7 @@ def test_the_comparison_can_fail(monkeypatch) -> None:
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, 2, 1)
     plan = d.plan(local, remote)
-    monkeypatch.setattr(plan_module, "_owned_pairs", lambda lane, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32), None))
+    monkeypatch.setattr(plan_module, "_tail_pairs", lambda tail, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32), None))
     assert outcome(plan, [[1, 2]], [[3, 4, 5]]) != outcome(undeclared(plan), [[1, 2]], [[3, 4, 5]])
 
 
@@ -109,7 +109,7 @@ def test_a_subclass_that_pairs_otherwise_is_not_paired_by_the_core() -> None:
     d = dispatcher_with(Trims())
     local, remote = ranks(d, SMALL, 2, 1)
     plan = d.plan(local, remote)
-    assert plan.pairings[0].owned is None
+    assert plan.pairings[0].declared is None
     assert outcome(plan, [[1, 2, 3]], [[4, 5, 6]])[0][0][1][:2] == [1, 2]  # the trimmed pairs
     region = local.regions[0]
     assert declared_pairing(SlidingWindowStrategy(), region, region) is None  # Windowed pairs before FullAttention declares
@@ -138,7 +138,7 @@ def test_blocks_of_other_sizes_are_paired_by_the_strategy() -> None:
     local = fabricate_rank(d, SMALL, "decode", 1, 0, 40)
     remote = {0: fabricate_rank(d, big, "prefill", 1, 0, 40)}
     plan = d.plan(local, remote)
-    assert plan.pairings[0].owned is None
+    assert plan.pairings[0].declared is None
 
 
 @pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
@@ -216,7 +216,7 @@ def test_every_declared_group_is_paired_in_one_step_as_pair_blocks_does(monkeypa
         except Exception:
             continue
         for plan in engines.plans:
-            if not any(isinstance(g.owned, RunningState) for g in plan.pairings):
+            if not any(isinstance(g.declared, RunningState) for g in plan.pairings):
                 continue
             assert plan._declared is not None
             slow = undeclared(plan)

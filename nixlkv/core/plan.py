@@ -37,7 +37,7 @@ class GroupPairing:
     remote_num_blocks: int  # same over its remote regions on every rank read
     local_region: Region  # a representative region of the group on each side, for pair_blocks
     remote_region: Region
-    owned: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
+    declared: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,32 @@ class ResolvedRequest:
     @property
     def notified_ranks(self) -> tuple[int, ...]:
         return tuple(sorted({r.remote_rank for r in self.reads} | set(self.notify_only)))
+
+
+class TailFacts(NamedTuple):
+    """What the core reads to pair one :class:`OwnedTail` group's block ids itself
+    (:func:`_tail_pairs`), bound once per plan."""
+
+    local_group: int
+    remote_group: int
+    pack_code: str  # struct code of the descriptor-id dtype ("i": int32, "q": int64)
+    dtype: np.dtype  # descriptor-id dtype
+    unsigned: np.dtype  # its unsigned counterpart, for one-sided bounds checks
+    local_limit: int  # block ids must be below these (the groups' least block counts)
+    remote_limit: int
+    kind: str  # the strategy's name for its blocks, in messages
+
+
+class ReadEntry(NamedTuple):
+    """One run of a remote rank's descriptor rows that one request's READ from it takes: the
+    rows of one pairing in one phase, with both sides' row starts as columns (so a request's IDs
+    are one broadcast add: row start + block id)."""
+
+    pairing: int  # index into TransferPlan.pairings
+    phase: int
+    local_starts: np.ndarray
+    remote_starts: np.ndarray
+    block_bytes: int  # bytes the rows move per block pair
 
 
 class _RankRows(NamedTuple):
@@ -279,7 +305,7 @@ class TransferPlan:
         # how this plan was made for its remote engine: "planned" (the strategies asked),
         # "rebased" (another engine's plan at this one's addresses) or "recounted" (another
         # engine's segments with this one's block counts); the connector logs it
-        self.made_as = "planned"
+        self.origin = "planned"
         self._validate()
         self._build_rows()
 
@@ -390,7 +416,7 @@ class TransferPlan:
         return t.layer_start[np.asarray(canon_of, dtype=np.int64)[layer]] + (np.arange(len(t)) - t.layer_start[layer])
 
     def _build_rows(self) -> None:
-        """Descriptor rows, ID starts and the per-request lanes: the local rows and how the rows
+        """Descriptor rows, ID starts and what the per-request path reads: the local rows and how the rows
         are laid out here, the remote rows in :meth:`_build_remote_rows`."""
         t = self._table
         n = len(t)
@@ -467,7 +493,7 @@ class TransferPlan:
         self._build_remote_rows()
 
     def _build_remote_rows(self) -> None:
-        """The remote descriptor rows, ID starts and the per-request lanes, from the remote ranks'
+        """The remote descriptor rows, ID starts and what the per-request path reads, from the remote ranks'
         regions and the row layout :meth:`_build_rows` made: all that another engine of the
         layout whose regions hold other block counts changes (:meth:`recounted`)."""
         remote_start = np.empty(len(self._row_segment), dtype=np.int64)
@@ -494,57 +520,60 @@ class TransferPlan:
         if self._entry_order is not None:  # each entry: a slice of the starts in entry order
             lstart, rstart = lstart[self._entry_order], rstart[self._entry_order]
         lcol, rcol = lstart[:, None], rstart[:, None]
-        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {
-            p: [(key, phase, lcol[a:b], rcol[a:b], nb) for key, phase, a, b, nb in found]
+        self._rank_keys: dict[int, list[ReadEntry]] = {
+            p: [ReadEntry(key, phase, lcol[a:b], rcol[a:b], nb) for key, phase, a, b, nb in found]
             for p, found in self._entries.items()
         }
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
         # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
-        self._remote_twin: dict[int, int] = {}
+        self._same_remote_ids: dict[int, int] = {}  # rank -> the earlier rank whose remote IDs it reads
         for i, p in enumerate(self.read_ranks):
             for q in self.read_ranks[:i]:
-                if q not in self._remote_twin and _same_remote_rows(self._rank_keys[p], self._rank_keys[q]):
-                    self._remote_twin[p] = q
+                if q not in self._same_remote_ids and _same_remote_rows(self._rank_keys[p], self._rank_keys[q]):
+                    self._same_remote_ids[p] = q
                     break
         self._rank_entries = [(p, self._rank_keys[p]) for p in self.read_ranks]
-        self._set_lanes()
+        self._bind_request_paths()
 
-    def _set_lanes(self) -> None:
+    def _bind_request_paths(self) -> None:
         """What the per-request path of pairings the core applies itself reads, bound once:
-        per :class:`OwnedTail` pairing its :func:`_owned_pairs` lane (None: the strategy's
-        pair_blocks); where every pairing is declared, what :func:`_declared_pairs` reads; and
-        where the plan is one OwnedTail pairing in one phase, per READ (rank, both sides' row
-        starts stacked ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it
-        shares) and the ranks only told."""
+        per :class:`OwnedTail` pairing its :class:`TailFacts` (None: the strategy's pair_blocks);
+        where every pairing is declared, what :func:`_declared_pairs` reads; and where the plan
+        is one OwnedTail pairing in one phase, per READ (rank, both sides' row starts stacked
+        ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it shares) and the
+        ranks only told."""
         code = "i" if self._id_dtype is np.int32 else "q"
-        self._owned = [
-            (g.local_group, g.remote_group, code, self._np_dtype, self._unsigned, g.local_num_blocks, g.remote_num_blocks, g.owned.kind)
-            if isinstance(g.owned, OwnedTail) else None
+        self._tail_facts = [
+            TailFacts(g.local_group, g.remote_group, code, self._np_dtype, self._unsigned, g.local_num_blocks,
+                      g.remote_num_blocks, g.declared.kind)
+            if isinstance(g.declared, OwnedTail) else None
             for g in self.pairings
         ]
         self._declared = None
-        if self.pairings and all(g.owned is not None for g in self.pairings):
+        if self.pairings and all(g.declared is not None for g in self.pairings):
             self._declared = (
                 code, self._np_dtype, self._unsigned,
                 min(min(g.local_num_blocks, g.remote_num_blocks) for g in self.pairings),
                 tuple((g.local_group, g.remote_group,
-                       (g.owned.local_speculative, g.owned.remote_speculative) if isinstance(g.owned, RunningState) else None)
+                       (g.declared.local_speculative, g.declared.remote_speculative)
+                       if isinstance(g.declared, RunningState) else None)
                       for g in self.pairings),
             )
-        self._owned_reads = None
-        if len(self.pairings) == 1 and self._owned[0] is not None \
-                and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
-            self._owned_reads = (
-                self._owned[0],
-                tuple((p, np.array((e[0][2], e[0][3])), e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries),
+        self._one_tail_reads = None
+        if len(self.pairings) == 1 and self._tail_facts[0] is not None \
+                and all(len(e) == 1 and e[0].phase == 0 for _, e in self._rank_entries):
+            self._one_tail_reads = (
+                self._tail_facts[0],
+                tuple((p, np.array((e[0].local_starts, e[0].remote_starts)), e[0].block_bytes, self._same_remote_ids.get(p))
+                      for p, e in self._rank_entries),
                 tuple(p for p in self.covered if p not in self.read_ranks),
             )
 
     def undeclared(self) -> TransferPlan:
         """This plan with every group paired by its strategy's own ``pair_blocks``, none by the
         core (what the contract kit compares a declared pairing with)."""
-        plan = self._with(pairings=tuple(replace(g, owned=None) for g in self.pairings))
-        plan._set_lanes()
+        plan = self._with(pairings=tuple(replace(g, declared=None) for g in self.pairings))
+        plan._bind_request_paths()
         return plan
 
     def _with(self, **fields: Any) -> TransferPlan:
@@ -578,7 +607,7 @@ class TransferPlan:
             _check_registered_all(remote[p])
         peer = remote[covered[0]].regions  # each pairing's representative: the region at the same place
         return self._with(
-            made_as="rebased",
+            origin="rebased",
             remote={p: remote[p] for p in covered},
             remote_descs={p: found.rows(remote[p]).astype(np.uint64) for p, found in self._rank_rows.items()},
             pairings=tuple(replace(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
@@ -608,10 +637,10 @@ class TransferPlan:
         ranks = [remote[p] for p in self.sources]
         peer = ranks[0].regions  # each pairing's representative: the region at the same place
         pairings = tuple(  # a strategy's declared pairing is asked again: it may read the counts
-            replace(g, remote_num_blocks=bound, remote_region=peer[i], owned=declared_pairing(g.strategy, g.local_region, peer[i]))
+            replace(g, remote_num_blocks=bound, remote_region=peer[i], declared=declared_pairing(g.strategy, g.local_region, peer[i]))
             for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
         )
-        plan = self._with(made_as="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
+        plan = self._with(origin="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
         if not self._aliased or all(_same_partition(self.remote[p], remote[p]) for p in self.sources):
             plan._build_remote_rows()  # the local rows and which layers share them stand
         else:
@@ -641,25 +670,25 @@ class TransferPlan:
         """
         if scratch is not None:
             scratch.reset()
-        owned = self._owned_reads
-        if owned is not None:
+        one_tail = self._one_tail_reads
+        if one_tail is not None:
             # One pairing the core applies itself, in one phase (a dense model at one block size):
             # only the per-READ steps (in this frame: a call costs here, next to the adds).
-            lane, reads_of, notify = owned
-            paired = _owned_pairs(lane, local_block_ids, remote_block_ids)
+            tail, reads_of, notify = one_tail
+            paired = _tail_pairs(tail, local_block_ids, remote_block_ids)
             if paired is not None:
                 lp, rp, side_by_side = paired
                 k = lp.size
                 if not k:
                     return ResolvedRequest((), self.covered, self.consumers)
                 take = np.empty if scratch is None else scratch.take
-                dtype, add = lane[3], np.add
+                dtype, add = tail.dtype, np.add
                 reads = []
                 written = {}
-                for p, starts, block_bytes, twin in reads_of:  # starts: (local, remote) row starts as columns
+                for p, starts, block_bytes, same_ids_as in reads_of:  # starts: (local, remote) row starts as columns
                     rows = starts.shape[1]
                     total = rows * k
-                    if twin is None:
+                    if same_ids_as is None:
                         both = take(2 * total, dtype)
                         local_ids, remote_ids = both[:total], both[total:]
                         if side_by_side is not None:  # one broadcast add writes both sides' IDs
@@ -670,20 +699,20 @@ class TransferPlan:
                             add(rp, starts[1], out=remote_ids.reshape(rows, k))
                             add(lp, starts[0], out=local_ids.reshape(rows, k))
                     else:
-                        local_ids, remote_ids = take(total, dtype), written[twin]
+                        local_ids, remote_ids = take(total, dtype), written[same_ids_as]
                         add(lp, starts[0], out=local_ids.reshape(rows, k))
                     written[p] = remote_ids
                     reads.append(ReadOp(p, local_ids, remote_ids, block_bytes * k))
                 return ResolvedRequest(tuple(reads), notify, self.consumers, ((lp, rp, None),))
         pairs = None if self._declared is None else _declared_pairs(self._declared, local_block_ids, remote_block_ids)
         if pairs is None:  # pairings asked one by one: they pair what the core does not, and name what is wrong
-            pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
-                     for pairing, lane in zip(self.pairings, self._owned)]
+            pairs = [self._pair(pairing, tail, local_block_ids, remote_block_ids, num_tokens)
+                     for pairing, tail in zip(self.pairings, self._tail_facts)]
         reads = []
         remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
         dtype = self._np_dtype
         take = np.empty if scratch is None else scratch.take
-        twins = self._remote_twin
+        same_ids = self._same_remote_ids
         add = np.add
         for p, entries in self._rank_entries:
             jobs = []
@@ -702,17 +731,17 @@ class TransferPlan:
                     nbytes += block_bytes * lp.size
             if not total:
                 continue
-            twin = remote_of.get(twins.get(p, -1))
-            if twin is None:  # both sides' IDs in one allocation
+            same_ids_as = remote_of.get(same_ids.get(p, -1))  # the remote IDs an earlier rank's READ wrote
+            if same_ids_as is None:  # both sides' IDs in one allocation
                 both = take(2 * total, dtype)
                 local_ids, remote_ids = both[:total], both[total:]
             else:
-                local_ids, remote_ids = take(total, dtype), twin
+                local_ids, remote_ids = take(total, dtype), same_ids_as
             at = 0
             for lstarts, rstarts, lp, rp in jobs:  # starts are columns: one broadcast add per side
                 end = at + lstarts.size * lp.size
                 add(lp, lstarts, out=local_ids[at:end].reshape(lstarts.size, lp.size))
-                if twin is None:
+                if same_ids_as is None:
                     add(rp, rstarts, out=remote_ids[at:end].reshape(rstarts.size, rp.size))
                 at = end
             remote_of[p] = remote_ids
@@ -725,14 +754,14 @@ class TransferPlan:
         return ResolvedRequest(tuple(reads), notify_only, self.consumers, pairs)
 
     def _pair(
-        self, pairing: GroupPairing, lane: tuple[Any, ...] | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],
+        self, pairing: GroupPairing, tail: TailFacts | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],
         num_tokens: int | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The strategy's block pairs of one group as descriptor-id dtype arrays, bounds checked;
-        phases only where some pair is not in phase 0. ``lane``: the core applies the pairing."""
+        phases only where some pair is not in phase 0. ``tail``: the core applies the pairing."""
         dtype = self._np_dtype
-        if lane is not None:
-            paired = _owned_pairs(lane, local_block_ids, remote_block_ids)
+        if tail is not None:
+            paired = _tail_pairs(tail, local_block_ids, remote_block_ids)
             if paired is not None:
                 return paired[0], paired[1], None
         lids = _ids(local_block_ids, pairing.local_group, "local", dtype)
@@ -844,18 +873,19 @@ def _base_parts(geometry: RankGeometry) -> tuple[list[int], int]:
     return found
 
 
-def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
+def _same_remote_rows(a: list[ReadEntry], b: list[ReadEntry]) -> bool:
     """Two ranks' resolve entries name the same (pairing, phase, remote row starts) in order."""
     return len(a) == len(b) and all(  # integer arrays of one dtype and shape: equal bytes are equal values
-        x[0] == y[0] and x[1] == y[1] and x[3].dtype == y[3].dtype and x[3].shape == y[3].shape
-        and x[3].tobytes() == y[3].tobytes() for x, y in zip(a, b)
+        x.pairing == y.pairing and x.phase == y.phase and x.remote_starts.dtype == y.remote_starts.dtype
+        and x.remote_starts.shape == y.remote_starts.shape and x.remote_starts.tobytes() == y.remote_starts.tobytes()
+        for x, y in zip(a, b)
     )
 
 
-def _owned_pairs(
-    lane: tuple[Any, ...], local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
+def _tail_pairs(
+    tail: TailFacts, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """The pairs of an :class:`OwnedTail` group (``lane``: what TransferPlan bound for it), with
+    """The pairs of an :class:`OwnedTail` group (``tail``: what TransferPlan bound for it), with
     both sides' id lists converted and checked together (one conversion, one null count, one
     bound): the pairs, refusals and messages of the strategy's own ``pair_blocks``
     (:func:`check_owned`, then :func:`tail_aligned`), and where both lists are as long (the
@@ -863,7 +893,7 @@ def _owned_pairs(
     add writes a READ's IDs on both sides: about a fifth cheaper than an add per side. None
     where the ids are not two plain lists of ints that fit: then the general path converts
     them and names what is wrong."""
-    lg, rg, code, dtype, unsigned, llim, rlim, kind = lane
+    lg, rg, code, dtype, unsigned, llim, rlim, kind = tail
     if lg >= len(local_block_ids) or rg >= len(remote_block_ids):
         return None
     lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
@@ -897,12 +927,12 @@ def _declared_pairs(
     other request (a list that is not a list of ints, a null id, an id out of bounds, a remote
     list too short): the pairings then run one by one, as the strategies' own ``pair_blocks``
     do, and name what is wrong."""
-    code, dtype, unsigned, limit, lanes = declared
+    code, dtype, unsigned, limit, groups = declared
     nl, nr = len(local_block_ids), len(remote_block_ids)
     owned: list[Any] = []  # the OwnedTail groups' lists, converted first: every id of them is checked
     states: list[Any] = []  # then the RunningState groups' lists, of which only the running states are
     cuts = []  # per pairing: in the owned part?, its local and remote pairs' start there, pairs
-    for lg, rg, state in lanes:
+    for lg, rg, state in groups:
         if lg >= nl or rg >= nr:
             return None
         lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
