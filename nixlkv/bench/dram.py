@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..core import Dispatcher, covered_remote_ranks
-from ..core.plan import expand_ids
+from ..core.request_ids import expand_ids
 from ..core.staging import TransferCosts, posted_direct
 from ..transport.reader import DEFAULT_STAGING_BYTES, Reader
 from ..transport.nixl_rank import NixlRank, TransferError

@@ -17,7 +17,8 @@ import torch
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
 from ..core.dispatcher import forget_handshakes
-from ..core.plan import expand_ids, largest, prepare_local
+from ..core.plan import prepare_local
+from ..core.request_ids import expand_ids, largest
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, decide, posted_direct
 from ..transport.reader import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer

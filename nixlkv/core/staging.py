@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .errors import NixlkvError, RequestError
-from .plan import ReadOp, ResolvedRequest, TransferPlan, row_index, row_starts
+from .plan import TransferPlan
+from .request_ids import ReadOp, ResolvedRequest, row_index, row_starts
 
 DESCRIPTOR_MODES = ("auto", "direct", "staged")
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import NixlkvError
-from ..core.plan import ResolvedRequest, TransferPlan
+from ..core.plan import TransferPlan
+from ..core.request_ids import ResolvedRequest
 from ..core.topology import MAX_TP_SIZE
 from .agents import make_agent
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..core.plan import ResolvedRequest, TransferPlan
+from ..core.plan import TransferPlan
+from ..core.request_ids import ResolvedRequest
 from ..core.staging import (
     DEFAULT_STAGING_BYTES,
     Choice,
