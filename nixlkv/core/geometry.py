@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import HandshakeError, IncompatibleGeometry
+from .errors import HandshakeError, IncompatibleGeometry, PlanValidationError
 from .memo import remember
 from .topology import MAX_TP_SIZE
 
@@ -577,6 +577,39 @@ class RankGeometry:
         if layout.shape is not None:
             self.__dict__["_shape_tail"] = layout.shape
 
+    @cached_property
+    def _registered_ok(self) -> bool:
+        """True where every region lies inside one registered memory range; raises
+        :class:`_OutsideMemory` otherwise, which is not remembered (:func:`first_outside_memory`)."""
+        outside = _first_outside(self)
+        if outside is not None:
+            raise _OutsideMemory(outside)
+        return True
+
+    @property
+    def regions_overlap(self) -> bool:
+        """Whether any two regions share bytes (a hybrid's groups alias one tensor); computed once."""
+        return self._overlap
+
+    @property
+    def groups_disjoint(self) -> bool:
+        """True: no two regions of one KV group share a byte of their pages; PlanValidationError
+        naming two that do otherwise (:func:`check_groups_disjoint`). A pass is remembered, a
+        failure is checked again by every plan that asks."""
+        return self._disjoint_ok
+
+    @cached_property
+    def _disjoint_ok(self) -> bool:
+        check_groups_disjoint(self, None)
+        return True
+
+    @cached_property
+    def _overlap(self) -> bool:
+        col = self.columns
+        order = np.argsort(col[:, COL_BASE], kind="stable")
+        base, end = col[order, COL_BASE], col[order, COL_END]
+        return bool(base.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any())
+
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
 
@@ -990,13 +1023,23 @@ SMALL_REDUCE = 256  # regions up to which a min or max over a column is cheaper 
 
 def first_outside_memory(geometry: RankGeometry) -> int | None:
     """The index of the first region of ``geometry`` that lies inside none of its registered
-    memory ranges, or None (remembered: a geometry is immutable). One range (the usual) is one
-    min and max; many are O((regions + ranges) log ranges) over the columns, so that a peer with
-    many of both cannot stall a handshake: a range holding ``[base, end)`` exists iff, among the
-    ranges starting at or before ``base``, the furthest end reaches ``end``. (Region ends lie
-    below 2**63, the geometry's own checks; range bounds are clipped there, which keeps every
-    comparison.)"""
-    if geometry.__dict__.get("_registered_ok") or not len(geometry.regions):
+    memory ranges, or None; a RankGeometry remembers a pass (it is immutable)."""
+    if not isinstance(geometry, RankGeometry):  # anything with memory, columns and regions
+        return _first_outside(geometry)
+    try:
+        geometry._registered_ok
+    except _OutsideMemory as outside:
+        return outside.index
+    return None
+
+
+def _first_outside(geometry: RankGeometry) -> int | None:
+    """:func:`first_outside_memory`, computed. One range (the usual) is one min and max; many are
+    O((regions + ranges) log ranges) over the columns, so that a peer with many of both cannot
+    stall a handshake: a range holding ``[base, end)`` exists iff, among the ranges starting at or
+    before ``base``, the furthest end reaches ``end``. (Region ends lie below 2**63, the
+    geometry's own checks; range bounds are clipped there, which keeps every comparison.)"""
+    if not len(geometry.regions):
         return None
     cap = (1 << 63) - 1
     col = geometry.columns
@@ -1006,7 +1049,6 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
         small = base.size <= SMALL_REDUCE
         lo, hi = (min(base.tolist()), max(end.tolist())) if small else (int(base.min()), int(end.max()))
         if lo >= min(addr, cap) and hi <= min(addr + nbytes, cap):
-            geometry.__dict__["_registered_ok"] = True
             return None
     ranges = sorted(geometry.memory)
     starts = np.array([min(a, cap) for a, _ in ranges], dtype=np.int64)
@@ -1015,8 +1057,48 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
     bad = (i < 0) | (reach[np.maximum(i, 0)] < end) if reach.size else np.ones(base.size, dtype=bool)
     if bad.any():
         return int(np.argmax(bad))
-    geometry.__dict__["_registered_ok"] = True
     return None
+
+
+class _OutsideMemory(Exception):
+    """Region ``index`` lies outside every registered range (a failed check, never remembered)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+def check_groups_disjoint(geometry: RankGeometry, written: np.ndarray | None) -> None:
+    """Pages of two regions of one KV group (among ``written``, or all) never share a byte
+    (block IDs are shared): PlanValidationError naming two that do. For all regions, read
+    :attr:`RankGeometry.groups_disjoint`, which remembers a pass."""
+    col = geometry.columns if written is None else geometry.columns[written]
+    idx = np.arange(len(geometry.regions)) if written is None else written
+    order = np.lexsort((col[:, COL_BASE], col[:, COL_GROUP]))
+    group, base, end, idx = col[order, COL_GROUP], col[order, COL_BASE], col[order, COL_END], idx[order]
+    if idx.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any():  # some overlap: look per group
+        for g in np.unique(group).tolist():
+            m = group == g
+            b, e = base[m], end[m]
+            if b.size > 1 and (b[1:] < np.maximum.accumulate(e)[:-1]).any():
+                regions = [geometry.regions[int(i)] for i in idx[m]]
+                for i, a in enumerate(regions):
+                    for other in regions[i + 1 :]:
+                        if other.base >= a.end:
+                            break
+                        _check_disjoint(a, other)
+
+
+def _check_disjoint(a: Region, b: Region) -> None:
+    """Pages of two regions of one KV group must never share a byte (block IDs are shared)."""
+    if a.block_stride == b.block_stride and a.num_blocks > 1 and b.num_blocks > 1:
+        d = (b.base - a.base) % a.block_stride
+        if d >= a.page.nbytes and d + b.page.nbytes <= a.block_stride:
+            return
+    raise PlanValidationError(
+        f"regions {a.name!r} and {b.name!r} of KV group {a.group} overlap in memory: one block's "
+        "write would clobber the other layer"
+    )
 
 
 def geometry_key(region: Region) -> tuple[Any, ...]:

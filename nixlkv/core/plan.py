@@ -21,7 +21,8 @@ import numpy as np
 from . import fast_path
 from .errors import PlanError, PlanValidationError, RequestError
 from .fast_path import TailFacts
-from .geometry import COL_BASE, COL_BLOCKS, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
+from .geometry import (COL_BASE, COL_BLOCKS, COL_PAGE, RankGeometry, Region, Segment, check_groups_disjoint,
+                       first_outside_memory)
 from .request_ids import (IdScratch, ReadOp, ResolvedRequest, as_ids, check_bounds, expand_ids, group_ids, largest,
                           row_index)
 from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy, declared_pairing
@@ -270,7 +271,10 @@ class TransferPlan:
         else:
             written = np.unique(t.local_idx)
             written = None if written.size == len(self.local.regions) else written
-        _check_groups_disjoint(self.local, written)
+        if written is None:
+            self.local.groups_disjoint
+        else:
+            check_groups_disjoint(self.local, written)
 
     def _validate_few(self, idx: np.ndarray) -> None:
         t = self._table
@@ -753,22 +757,14 @@ def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
     """Whether two ranks' regions share bases between the same regions (equal bases in one
     exactly where equal in the other): then any plan shares rows between the same layers for both.
     The partitions are equal iff each has as many parts as their meet (the distinct base pairs)."""
-    bases_a, parts_a = _base_parts(a)
+    bases_a = a.base_list
+    parts_a = len(set(bases_a))
     bases_b = b.base_list
     if len(bases_a) != len(bases_b):
         return False
     if len(set(map(operator.sub, bases_b, bases_a))) == 1:  # every base moved by one shift (one allocation)
         return True
     return len(set(bases_b)) == parts_a == len(set(zip(bases_a, bases_b)))
-
-
-def _base_parts(geometry: RankGeometry) -> tuple[list[int], int]:
-    """The regions' bases and how many distinct ones (once per geometry)."""
-    found = geometry.__dict__.get("_base_parts")
-    if found is None:
-        bases = geometry.base_list
-        found = geometry.__dict__["_base_parts"] = (bases, len(set(bases)))
-    return found
 
 
 def _same_remote_rows(a: list[ReadEntry], b: list[ReadEntry]) -> bool:
@@ -799,7 +795,7 @@ def prepare_local(geometry: RankGeometry) -> RankGeometry:
     first_outside_memory(geometry)
     _regions_overlap(geometry)
     try:
-        _check_groups_disjoint(geometry, None)
+        geometry.groups_disjoint
     except PlanValidationError:
         pass  # a plan writes only some regions: it checks those, and refuses an overlap among them
     return geometry
@@ -820,48 +816,4 @@ def _check_registered_all(geometry: RankGeometry) -> None:
 def _regions_overlap(geometry: RankGeometry) -> bool:
     """Whether any two regions of ``geometry`` share bytes (a hybrid's groups alias one tensor);
     once per geometry."""
-    found = geometry.__dict__.get("_overlap")
-    if found is None:
-        col = geometry.columns
-        order = np.argsort(col[:, COL_BASE], kind="stable")
-        base, end = col[order, COL_BASE], col[order, COL_END]
-        found = bool(base.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any())
-        geometry.__dict__["_overlap"] = found
-    return found
-
-
-def _check_groups_disjoint(geometry: RankGeometry, written: np.ndarray | None) -> None:
-    """Pages of two regions of one KV group (among ``written``, or all) never share a byte;
-    the check of all regions is done once per geometry."""
-    if written is None and geometry.__dict__.get("_disjoint_ok"):
-        return
-    col = geometry.columns if written is None else geometry.columns[written]
-    idx = np.arange(len(geometry.regions)) if written is None else written
-    order = np.lexsort((col[:, COL_BASE], col[:, COL_GROUP]))
-    group, base, end, idx = col[order, COL_GROUP], col[order, COL_BASE], col[order, COL_END], idx[order]
-    if idx.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any():  # some overlap: look per group
-        for g in np.unique(group).tolist():
-            m = group == g
-            b, e = base[m], end[m]
-            if b.size > 1 and (b[1:] < np.maximum.accumulate(e)[:-1]).any():
-                regions = [geometry.regions[int(i)] for i in idx[m]]
-                for i, a in enumerate(regions):
-                    for other in regions[i + 1 :]:
-                        if other.base >= a.end:
-                            break
-                        _check_disjoint(a, other)
-    if written is None:
-        geometry.__dict__["_disjoint_ok"] = True
-
-
-def _check_disjoint(a: Region, b: Region) -> None:
-    """Pages of two regions of one KV group must never share a byte (block IDs are shared)."""
-    if a.block_stride == b.block_stride and a.num_blocks > 1 and b.num_blocks > 1:
-        d = (b.base - a.base) % a.block_stride
-        if d >= a.page.nbytes and d + b.page.nbytes <= a.block_stride:
-            return
-    raise PlanValidationError(
-        f"regions {a.name!r} and {b.name!r} of KV group {a.group} overlap in memory: one block's "
-        "write would clobber the other layer"
-    )
-
+    return geometry.regions_overlap
