@@ -12,7 +12,7 @@ import pytest
 
 from nixlkv.bench.hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
 from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, Case, block_ids, fabricate_rank
-from nixlkv.bench.vllm_baseline import VllmPlanner
+from nixlkv.bench.vllm_planner import VllmPlanner
 from nixlkv.core import Dispatcher, covered_remote_ranks
 
 CASES = [

@@ -9,13 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from nixlkv.agent import AgentConfigError, make_agent
-from nixlkv.transfer import NixlRank
+from nixlkv.transport.agents import AgentConfigError, make_agent
+from nixlkv.transport.nixl_rank import NixlRank
 
 
 _IDLE = """
 import sys, time
-from nixlkv.agent import make_agent
+from nixlkv.transport.agents import make_agent
 delay, seconds = int(sys.argv[1]), float(sys.argv[2])
 agent = make_agent(f"idle-{delay}", progress_delay_us=delay)
 time.sleep(0.1)  # the thread starts

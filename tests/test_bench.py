@@ -19,7 +19,7 @@ from nixlkv.bench import run as bench_run
 from nixlkv.bench.dram import run_transfer
 from nixlkv.bench.measure import Untimed, interleaved, posted_after_merge
 from nixlkv.bench.shapes import PATTERNS, Case, Shape, block_ids, fabricate_rank
-from nixlkv.bench.vllm_baseline import VllmPlanner
+from nixlkv.bench.vllm_planner import VllmPlanner
 from nixlkv.core import Dispatcher
 from nixlkv.core.staging import TransferCosts
 
@@ -77,7 +77,7 @@ def test_vllm_baseline_moves_the_same_bytes_as_nixlkv(dispatcher, shape, p_tp, d
     p_ids = block_ids("fragmented", case.num_request_blocks, nb, rng)
     d_ids = block_ids("fragmented", case.num_request_blocks, nb, rng)
     ours = set(plan.byte_moves(plan.resolve([d_ids], [p_ids], case.num_tokens)))
-    from nixlkv.core.plan import expand_ids
+    from nixlkv.core.request_ids import expand_ids
 
     theirs = set()
     for read in vllm.reads([d_ids], [p_ids]):
@@ -307,7 +307,7 @@ def test_vllm_hybrid_baseline_moves_the_same_bytes_as_nixlkv(dispatcher, p_tp, d
 
 
 def _vllm_moves(vllm, d_ids, p_ids) -> set:
-    from nixlkv.core.plan import expand_ids
+    from nixlkv.core.request_ids import expand_ids
 
     moves = set()
     for read in vllm.reads(d_ids, p_ids):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nixlkv.testing import oracle
-from nixlkv.transfer import notification, parse_notification
+from nixlkv.transport.nixl_rank import notification, parse_notification
 from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.metadata import NixlkvMetadata, RecvRequest
 

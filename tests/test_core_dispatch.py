@@ -42,7 +42,7 @@ from nixlkv.core import (
     heads_held,
     hookimpl,
 )
-from nixlkv.core.plan import expand_ids
+from nixlkv.core.request_ids import expand_ids
 from nixlkv.core.registry import Registered
 
 # ============================================================================ toy specs

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nixlkv.core.errors import HandshakeError, IncompatibleGeometry
-from nixlkv.core.geometry import PageLayout, PagePart, RankGeometry, Region, Segment, box_copy_runs
+from nixlkv.core.byte_runs import box_copy_runs
+from nixlkv.core.geometry import PageLayout, PagePart, RankGeometry, Region, Segment
 
 HEAD_OUTER = PageLayout((("head", 4), ("token", 16), ("byte", 64)))
 TOKEN_OUTER = PageLayout((("token", 16), ("head", 4), ("byte", 64)))
@@ -170,7 +171,7 @@ def test_the_one_run_shortcut_answers_only_as_the_general_path_does(case: tuple)
     """box_copy_runs answers a whole page or a head slice (a range of the outermost axis, every
     other whole) without its general path: where it does, the general path gives that one run;
     where the general path refuses a box, so does box_copy_runs."""
-    from nixlkv.core.geometry import _box_copy_runs, _slab_run
+    from nixlkv.core.byte_runs import _box_copy_runs, _slab_run
 
     dst, dst_start, src, src_start, extent = case
     try:
@@ -188,7 +189,7 @@ def test_the_one_run_shortcut_answers_only_as_the_general_path_does(case: tuple)
 
 
 def test_the_one_run_shortcut_takes_whole_pages_and_head_slices_only() -> None:
-    from nixlkv.core.geometry import _slab_run
+    from nixlkv.core.byte_runs import _slab_run
 
     dst = PageLayout((("head", 2), ("token", 16), ("byte", 64)))
     assert _slab_run(HEAD_OUTER, {}, HEAD_OUTER, {}, {}) == (0, 0, HEAD_OUTER.nbytes)

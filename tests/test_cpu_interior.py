@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from nixlkv.core import HandshakeError, IncompatibleGeometry, PageLayout, Region, box_copy_runs
-from nixlkv.vllm_layers import interior_parts
+from nixlkv.vllm.kv_views import interior_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "tests" / "scenarios"
@@ -100,7 +100,7 @@ def test_planner_blind_to_the_cpu_interior_is_caught_by_the_oracle(name: str, mo
     """Negative control: pages described as the view says (no parts) pair half-blocks token-major,
     as both connectors did on 2026-11-23; the oracle must see wrong bytes. With parts: exact. The
     captured scenarios are the geometry the real engines built (issue #21's fault, reproduced)."""
-    import nixlkv.vllm_layers as vllm_layers
+    import nixlkv.vllm.kv_views as kv_views
     from nixlkv.core import Dispatcher
     from nixlkv.testing.rehearsal import build, transfer_and_check_modes
     from nixlkv.testing.scenario import ScenarioError, load
@@ -108,7 +108,7 @@ def test_planner_blind_to_the_cpu_interior_is_caught_by_the_oracle(name: str, mo
     scenario = load(SCENARIOS / f"{name}.yaml")
     exact = transfer_and_check_modes(scenario, build(scenario, Dispatcher.from_plugins()), ("direct",))
     assert exact["direct"].outcome == "byte-exact", exact["direct"].message
-    monkeypatch.setattr(vllm_layers, "interior_parts", lambda page, interior, element: ())
+    monkeypatch.setattr(kv_views, "interior_parts", lambda page, interior, element: ())
     if scenario.captured is not None:
         # the captured engine's pages carry the interior: a blind build is refused before any byte
         # moves; without that check the oracle below must still see the wrong bytes

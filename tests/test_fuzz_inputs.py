@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from nixlkv.core import Dispatcher, RankGeometry, covered_remote_ranks
-from nixlkv.core import plan as plan_module
+from nixlkv.core import request_ids
 from nixlkv.core.dispatcher import forget_handshakes
 from nixlkv.core.errors import NixlkvError
 from nixlkv.vllm.config import ConfigError, ConnectorConfig
@@ -165,7 +165,7 @@ def test_mutated_peers_and_requests_are_planned_or_refused_never_crash(setups, s
 def test_the_fuzzing_can_fail(setups, monkeypatch) -> None:
     """Negative control: resolve converting ids with ``int`` (as np.fromiter did: 1.5 is block 1)
     resolves a request of floats, and the same fuzzing sees it."""
-    monkeypatch.setattr(plan_module, "operator", types.SimpleNamespace(index=int, sub=operator.sub))
+    monkeypatch.setattr(request_ids, "operator", types.SimpleNamespace(index=int, sub=operator.sub))
     _, escaped = fuzz_peers(setups, 0, 240)
     assert any("no integers" in e for e in escaped), escaped[:3]
 

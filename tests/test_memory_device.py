@@ -9,7 +9,7 @@ import torch
 
 from connector_helpers import fa_scenario, make_worker
 from nixlkv.testing.engines import build_rank
-from nixlkv.vllm_layers import memory_device
+from nixlkv.vllm.kv_views import memory_device
 
 
 def _view(device: str) -> SimpleNamespace:

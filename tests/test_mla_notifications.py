@@ -14,7 +14,7 @@ import pytest
 from nixlkv.testing import rehearsal
 from nixlkv.testing.rehearsal import REQUEST_ID, rehearse
 from nixlkv.testing.scenario import load
-from nixlkv.transfer import NixlRank
+from nixlkv.transport.nixl_rank import NixlRank
 
 pytestmark = pytest.mark.nixl
 

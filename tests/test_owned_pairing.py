@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from nixlkv.core import Dispatcher, OwnedTail, PlanError, RequestError
-from nixlkv.core import plan as plan_module
+from nixlkv.core import fast_path, request_ids
 from nixlkv.core.strategy import declared_pairing
 from nixlkv.strategies.full_attention import FullAttentionStrategy
 from nixlkv.strategies.sliding_window import SlidingWindowStrategy
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 def undeclared(plan):
     """The same plan resolving through the strategy's pair_blocks."""
     other = plan.undeclared()
-    assert all(g.owned is None for g in other.pairings) and other._owned_reads is None
+    assert all(g.declared is None for g in other.pairings) and other._one_tail_reads is None
     return other
 
 
@@ -60,7 +60,7 @@ def test_the_core_pairs_and_refuses_as_pair_blocks_does(p_tp: int, d_tp: int) ->
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, p_tp, d_tp)
     plan = d.plan(local, remote)
-    assert plan.pairings[0].owned == OwnedTail("full-attention")
+    assert plan.pairings[0].declared == OwnedTail("full-attention")
     slow = undeclared(plan)
     refused = 0
     for lo, ro in requests(np.random.default_rng(p_tp * 10 + d_tp), 40):
@@ -75,7 +75,7 @@ def test_the_comparison_can_fail(monkeypatch) -> None:
     d = Dispatcher.from_plugins()
     local, remote = ranks(d, SMALL, 2, 1)
     plan = d.plan(local, remote)
-    monkeypatch.setattr(plan_module, "_owned_pairs", lambda lane, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32), None))
+    monkeypatch.setattr(fast_path, "tail_pairs", lambda tail, lb, rb: (np.array(lb[0], np.int32), np.array(rb[0][: len(lb[0])], np.int32), None))
     assert outcome(plan, [[1, 2]], [[3, 4, 5]]) != outcome(undeclared(plan), [[1, 2]], [[3, 4, 5]])
 
 
@@ -109,7 +109,7 @@ def test_a_subclass_that_pairs_otherwise_is_not_paired_by_the_core() -> None:
     d = dispatcher_with(Trims())
     local, remote = ranks(d, SMALL, 2, 1)
     plan = d.plan(local, remote)
-    assert plan.pairings[0].owned is None
+    assert plan.pairings[0].declared is None
     assert outcome(plan, [[1, 2, 3]], [[4, 5, 6]])[0][0][1][:2] == [1, 2]  # the trimmed pairs
     region = local.regions[0]
     assert declared_pairing(SlidingWindowStrategy(), region, region) is None  # Windowed pairs before FullAttention declares
@@ -138,7 +138,7 @@ def test_blocks_of_other_sizes_are_paired_by_the_strategy() -> None:
     local = fabricate_rank(d, SMALL, "decode", 1, 0, 40)
     remote = {0: fabricate_rank(d, big, "prefill", 1, 0, 40)}
     plan = d.plan(local, remote)
-    assert plan.pairings[0].owned is None
+    assert plan.pairings[0].declared is None
 
 
 @pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
@@ -146,14 +146,14 @@ def test_largest_is_the_max_on_both_sides_of_its_switch(dtype):
     """The per-request bound check's max (argmax below the switch, a reduce above) is the max,
     including ids past 2**31 (a negative int32 id viewed unsigned) at any position."""
     rng = np.random.default_rng(7)
-    switch = plan_module.LARGEST_BY_ARGMAX
+    switch = request_ids.LARGEST_BY_ARGMAX
     for n in (1, 2, 63, switch - 1, switch, 3 * switch + 1):
         ids = rng.integers(0, 1 << 20, n).astype(dtype)
         for at in {0, n // 2, n - 1}:
             case = ids.copy()
             case[at] = np.iinfo(np.uint32).max - 1
-            assert plan_module.largest(case) == case.max()
-        assert plan_module.largest(ids) == ids.max()
+            assert request_ids.largest(case) == case.max()
+        assert request_ids.largest(ids) == ids.max()
 
 
 def _group_requests(rng: np.random.Generator, plan, n: int):
@@ -196,14 +196,14 @@ def test_every_declared_group_is_paired_in_one_step_as_pair_blocks_does(monkeypa
     from nixlkv.testing.scenario import load
 
     calls = {"fast": 0, "declined": 0}
-    real = plan_module._declared_pairs
+    real = fast_path.declared_pairs
 
     def spy(*args):
         out = real(*args)
         calls["fast" if out is not None else "declined"] += 1
         return out
 
-    monkeypatch.setattr(plan_module, "_declared_pairs", spy)
+    monkeypatch.setattr(fast_path, "declared_pairs", spy)
     d = Dispatcher.from_plugins()
     compared = refused = 0
     scenarios = sorted((Path(__file__).parent / "scenarios").glob("*mamba*.yaml"))
@@ -216,7 +216,7 @@ def test_every_declared_group_is_paired_in_one_step_as_pair_blocks_does(monkeypa
         except Exception:
             continue
         for plan in engines.plans:
-            if not any(isinstance(g.owned, RunningState) for g in plan.pairings):
+            if not any(isinstance(g.declared, RunningState) for g in plan.pairings):
                 continue
             assert plan._declared is not None
             slow = undeclared(plan)

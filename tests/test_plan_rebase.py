@@ -56,7 +56,7 @@ def test_another_engine_of_the_layout_gets_the_plan_a_fresh_dispatcher_makes(p_t
     d, local, wire, first = first_engine_counted(p_tp, d_tp)
     again = d.plan(local, engine(wire, 2))
     assert Counting.calls == 1 and again._table is first._table  # rebased, not planned again
-    assert again.made_as == "rebased"
+    assert again.origin == "rebased"
     assert all(g.engine_id.endswith("-2") for g in again.remote.values())
     fresh = dispatcher_with(Counting()).plan(local, engine(wire, 2))
     assert again._table is not fresh._table
@@ -101,7 +101,7 @@ def test_an_engine_with_other_block_counts_gets_the_layouts_segments_and_its_own
     d, local, wire, first = first_engine_counted(p_tp, d_tp)
     again = d.plan(local, parsed(fewer_blocks(wire, 2)))
     assert Counting.calls == 1 and again._table is first._table  # recounted: the strategy is not asked again
-    assert (first.made_as, again.made_as) == ("planned", "recounted")
+    assert (first.origin, again.origin) == ("planned", "recounted")
     fresh = dispatcher_with(Counting()).plan(local, parsed(fewer_blocks(wire, 2)))
     assert Counting.calls == 2 and fresh._table is not first._table
     same_plan(again, fresh, nb=30)
@@ -194,8 +194,8 @@ def same_entries(a, b) -> None:
         assert len(x) == len(y)
         assert all(e[:2] == f[:2] and e[4] == f[4] and e[2].dtype == f[2].dtype == a._np_dtype
                    and np.array_equal(e[2], f[2]) and np.array_equal(e[3], f[3]) for e, f in zip(x, y))
-    assert a._remote_twin == b._remote_twin and a._owned == b._owned and a._declared == b._declared
-    assert (a._owned_reads is None) == (b._owned_reads is None)
+    assert a._same_remote_ids == b._same_remote_ids and a._tail_facts == b._tail_facts and a._declared == b._declared
+    assert (a._one_tail_reads is None) == (b._one_tail_reads is None)
 
 
 def hybrid_first_engine():
@@ -241,7 +241,7 @@ def test_a_hybrid_engine_with_other_block_counts_is_recounted_like_a_fresh_plan(
     fresh = Dispatcher.from_plugins().plan(local, parsed(fewer_blocks(wire, 3)))
     assert again._table is first._table and fresh._table is not first._table
     same_rows(again, fresh)
-    bounds = lambda plan: [(g.local_group, g.remote_group, g.remote_num_blocks, g.owned, g.remote_region) for g in plan.pairings]  # noqa: E731
+    bounds = lambda plan: [(g.local_group, g.remote_group, g.remote_num_blocks, g.declared, g.remote_region) for g in plan.pairings]  # noqa: E731
     assert bounds(again) == bounds(fresh) != bounds(first)  # control: the first engine's bounds differ
     assert again._declared == fresh._declared and again._declared is not None
     same_entries(again, fresh)
@@ -262,14 +262,14 @@ def test_a_hybrid_engine_with_other_block_counts_that_aliases_otherwise_finds_it
         bases[i] = w["memory"][0][0] + w["memory"][0][1] - (1 << 30)  # moved to memory of its own
     planned = d.plan(local, parsed(apart))
     fresh = Dispatcher.from_plugins().plan(local, parsed(apart))
-    assert planned.made_as == "recounted" and planned._table is first._table
+    assert planned.origin == "recounted" and planned._table is first._table
     same_rows(planned, fresh)
     same_entries(planned, fresh)
     assert planned.local_descs is not first.local_descs  # its local rows are made anew
     assert not np.array_equal(planned._shared, first._shared)  # control: the first engine's sharing would be wrong here
     alike_wire = {r: rank_with_fewer_blocks(other_engine(w, 4), 1) for r, w in wire.items()}
     alike = d.plan(local, parsed(alike_wire))
-    assert alike.made_as == "recounted" and alike._shared is first._shared  # aliasing alike: kept
+    assert alike.origin == "recounted" and alike._shared is first._shared  # aliasing alike: kept
     fresh_alike = Dispatcher.from_plugins().plan(local, parsed(alike_wire))
     same_rows(alike, fresh_alike)
     same_entries(alike, fresh_alike)
@@ -296,7 +296,7 @@ def test_recounted_bounds_are_each_pairings_least_count_where_the_peer_lists_lay
     counted[max(counted)]["region_classes"][attention]["num_blocks"] -= 3  # one class, on one rank
     again = d.plan(local, parsed(counted))
     fresh = Dispatcher.from_plugins().plan(local, parsed(counted))
-    assert again.made_as == "recounted" and fresh.made_as == "planned"
+    assert again.origin == "recounted" and fresh.origin == "planned"
     same_rows(again, fresh)
     bounds = lambda plan: [(g.local_group, g.remote_group, g.remote_num_blocks, g.remote_region) for g in plan.pairings]  # noqa: E731
     assert bounds(again) == bounds(fresh)
@@ -322,9 +322,9 @@ def test_a_recount_asks_the_strategy_for_its_declared_pairing_again() -> None:
     first = d.plan(local, engine(wire, 1))
     again = d.plan(local, parsed(fewer_blocks(wire, 5)))
     fresh = dispatcher_with(PairsByCount()).plan(local, parsed(fewer_blocks(wire, 5)))
-    assert again.made_as == "recounted" and again._table is first._table
-    assert first.pairings[0].owned is not None  # control: the first engine's 40 blocks declare it
-    assert [g.owned for g in again.pairings] == [g.owned for g in fresh.pairings] == [None]
+    assert again.origin == "recounted" and again._table is first._table
+    assert first.pairings[0].declared is not None  # control: the first engine's 40 blocks declare it
+    assert [g.declared for g in again.pairings] == [g.declared for g in fresh.pairings] == [None]
     same_plan(again, fresh, nb=34)
 
 
@@ -576,11 +576,11 @@ def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -
     """The bench times a layout's first handshake after forget_handshakes(): every memo a parse
     or a plan fills in the process (not only the dispatcher's) must be empty then, or the
     first handshake it reports would be a warm one."""
-    from nixlkv.core import geometry, topology
+    from nixlkv.core import byte_runs, geometry, topology
     from nixlkv.core.dispatcher import forget_handshakes
 
     memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS), len(geometry._SHAPED),  # noqa: E731
-                     geometry._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
+                     byte_runs._box_copy_runs_cached.cache_info().currsize, topology.head_sources.cache_info().currsize)
     d = Dispatcher.from_plugins()
     # D at twice P's block size: each block pair copies half of D's tokens, runs per head that
     # box_copy_runs computes and remembers (a whole page or a head slice is one run, not remembered)

@@ -13,14 +13,14 @@ import torch
 
 from nixlkv.bench.shapes import LLAMA_8B, Case, block_ids, fabricate_rank
 from nixlkv.core import Dispatcher, covered_remote_ranks
-from nixlkv.core.plan import expand_ids
+from nixlkv.core.request_ids import expand_ids
 from nixlkv.core.staging import Choice, StagedPlan, StagingError, TransferCosts, choose, posted_direct
-from nixlkv.staged import PROBE_EVERY, PROBE_REACH, Reader, ReaderPlan, memory_tensors
+from nixlkv.transport.reader import PROBE_EVERY, PROBE_REACH, Reader, ReaderPlan, memory_tensors
 from nixlkv.testing import oracle
 from nixlkv.testing.rehearsal import build, rehearse, request_blocks
 from nixlkv.testing.scenario import load
-from nixlkv.transfer import NixlRank, TransferError, parse_notification
-from nixlkv.vllm_layers import registered_memory
+from nixlkv.transport.nixl_rank import NixlRank, TransferError, parse_notification
+from nixlkv.vllm.kv_views import registered_memory
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 CHEAP_COPY = TransferCosts(copy_bytes_per_s=1e12)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from nixlkv.testing import oracle
-from nixlkv.transfer import InFlight
+from nixlkv.transport.nixl_rank import InFlight
 from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.metadata import NixlkvMetadata
 

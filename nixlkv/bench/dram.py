@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from ..core import Dispatcher, covered_remote_ranks
-from ..core.plan import expand_ids
+from ..core.request_ids import expand_ids
 from ..core.staging import TransferCosts, posted_direct
-from ..staged import DEFAULT_STAGING_BYTES, Reader
-from ..transfer import NixlRank, TransferError
+from ..transport.reader import DEFAULT_STAGING_BYTES, Reader
+from ..transport.nixl_rank import NixlRank, TransferError
 from .measure import Timing, memcpy_seconds, posted_after_merge
 from .shapes import Case, block_ids, fabricate_rank, rank_layout
-from .vllm_baseline import VllmPlanner
+from .vllm_planner import VllmPlanner
 
 WAIT_TIMEOUT = 120.0
 # The decode agent's UCX worker threads (``num_threads``), vLLM's NixlConnector's own setting: the

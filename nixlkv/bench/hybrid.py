@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core import Dispatcher, LayerCache, PageLayout, RankGeometry, Topology
+from ..core import Dispatcher, LayerCache, PageLayout, RankGeometry, Topology, covered_remote_ranks
 from ..testing.kinds import KINDS
+from .shapes import block_ids, fake_base
+from .vllm_planner import HybridVllmPlanner
 
 
 @dataclass(frozen=True)
@@ -182,10 +184,6 @@ def hybrid_block_ids(layout: HybridLayout, ids: list[int], num_attention_blocks:
 def hybrid_setup(case: Any, dispatcher: Dispatcher) -> tuple[RankGeometry, dict[int, RankGeometry], Any]:
     """(decode rank geometry, covered prefill ranks' geometry, vLLM's planner) of one planning
     case, both sides built from the same vLLM layout at the same made-up addresses."""
-    from ..core import covered_remote_ranks
-    from .shapes import fake_base
-    from .vllm_baseline import HybridVllmPlanner
-
     nb = case.num_blocks
     local_layout = hybrid_layout(case.shape, case.d_tp, nb)
     remote_layout = hybrid_layout(case.shape, case.p_tp, nb)
@@ -200,8 +198,6 @@ def hybrid_setup(case: Any, dispatcher: Dispatcher) -> tuple[RankGeometry, dict[
 
 def hybrid_request_ids(case: Any, layout: HybridLayout, rng: Any) -> tuple[list[list[int]], list[list[int]]]:
     """(prefill, decode) block ids per group of one request, each side drawn from its own pool."""
-    from .shapes import block_ids
-
     n = case.num_request_blocks
     k = state_group_count(layout)
     p_ids = hybrid_block_ids(layout, block_ids(case.pattern, n + k, case.num_blocks, rng), n)

@@ -17,14 +17,15 @@ import torch
 from ..core import Dispatcher, IdScratch, RankGeometry, covered_remote_ranks
 from ..core.errors import NixlkvError
 from ..core.dispatcher import forget_handshakes
-from ..core.plan import expand_ids, largest, prepare_local
+from ..core.plan import prepare_local
+from ..core.request_ids import expand_ids, largest
 from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, decide, posted_direct
-from ..staged import DEFAULT_STAGING_BYTES, measured_costs
+from ..transport.reader import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer
 from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup
 from .measure import Untimed, interleaved, posted_after_merge
 from .shapes import DEEPSEEK_MLA, LLAMA_8B, LLAMA_70B, PATTERNS, Case, block_ids, fabricate_rank
-from .vllm_baseline import VllmPlanner
+from .vllm_planner import VllmPlanner
 
 TOKENS = (1024, 8192, 131072)
 ENGINES = 4  # prefill engines of one layout a decode rank reads, for the registered descriptors

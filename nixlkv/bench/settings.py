@@ -16,7 +16,7 @@ from typing import Any
 
 from ..vllm.config import ConnectorConfig
 from ..vllm.metadata import NixlkvMetadata
-from .stall import BLOCK, HEAD_SIZE, HEADS, _workers, hand_over, scenario, serve
+from .stall import BLOCK, HEAD_SIZE, HEADS, fabricated_workers, hand_over, scenario, serve
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "nixlkv default (threads 0, telemetry off)": {},
@@ -29,8 +29,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 class _Pair:
     def __init__(self, sc: Any, config: ConnectorConfig, tag: str) -> None:
-        self.p = _workers(sc, "prefill", f"P-{tag}", config)
-        self.d = _workers(sc, "decode", f"D-{tag}", config)
+        self.p = fabricated_workers(sc, "prefill", f"P-{tag}", config)
+        self.d = fabricated_workers(sc, "decode", f"D-{tag}", config)
         self.engine = f"P-{tag}"
         self.server = serve(self.p, self.engine)
         self.n = 0

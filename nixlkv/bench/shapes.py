@@ -9,13 +9,12 @@ these numbers, so no memory is allocated unless a caller passes a real ``base`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..core import Dispatcher, LayerCache, PageLayout, RankGeometry, Topology
 from ..testing.kinds import KINDS
-from .hybrid import NEMOTRON_H_8B, HybridShape
 
 FAKE_BASE = 1 << 44  # planning-only geometry lives at made-up addresses; nothing is dereferenced
 RANK_SPAN = 1 << 40  # address distance between fabricated ranks, so no two ranks overlap
@@ -58,16 +57,27 @@ DEEPSEEK_MLA = Shape(
     {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "cache_dtype": "auto", "dtype": "bfloat16"},
     64,
 )
-SHAPES = {s.name: s for s in (LLAMA_8B, LLAMA_70B, DEEPSEEK_MLA, NEMOTRON_H_8B)}
-
 PATTERNS = ("contiguous", "fragmented")
+
+
+class ModelShape(Protocol):
+    """What a planning case reads of its model: a :class:`Shape` here, or a hybrid model
+    (:class:`nixlkv.bench.hybrid.HybridShape`), which lays its layers out through vLLM."""
+
+    name: str
+    block_size: int
+
+    @property
+    def is_mla(self) -> bool: ...
+
+    def total_kv_heads(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class Case:
     """One planning measurement: a shape, a P->D TP pair, a prompt length and a block-id pattern."""
 
-    shape: Shape | HybridShape
+    shape: ModelShape
     p_tp: int
     d_tp: int
     num_tokens: int

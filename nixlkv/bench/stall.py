@@ -56,7 +56,7 @@ def hand_over(p: list[NixlkvWorker], engine_id: str, port: int, rid: str, blocks
     return NixlkvMetadata(reqs_to_recv={rid: req})
 
 
-def _workers(sc: Any, role: str, engine_id: str, config: ConnectorConfig) -> list[NixlkvWorker]:
+def fabricated_workers(sc: Any, role: str, engine_id: str, config: ConnectorConfig) -> list[NixlkvWorker]:
     out = []
     for r in range(getattr(sc, role).tp):
         rank = build_rank(sc, role, r)
@@ -71,13 +71,13 @@ def _workers(sc: Any, role: str, engine_id: str, config: ConnectorConfig) -> lis
 def run(layers: int = 48, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, reps: int = 3) -> dict[str, Any]:
     sc = scenario(layers, p_tp, d_tp, num_blocks)
     config = ConnectorConfig(nixl_progress_delay_us=1000)
-    p = _workers(sc, "prefill", "P", config)
-    q = _workers(sc, "prefill", "Q", config)  # another prefill engine of the same layout
+    p = fabricated_workers(sc, "prefill", "P", config)
+    q = fabricated_workers(sc, "prefill", "Q", config)  # another prefill engine of the same layout
     server, other = serve(p, "P"), serve(q, "Q")
     runs = []
     try:
         for i in range(reps):
-            d = _workers(sc, "decode", f"D{i}", config)  # a fresh D each time: every first handshake is new
+            d = fabricated_workers(sc, "decode", f"D{i}", config)  # a fresh D each time: every first handshake is new
             try:
                 first = _one(p, d, "P", server.port, f"req-{i}")
                 second = _one(q, d, "Q", other.port, f"req-q-{i}")  # the same D meets Q next

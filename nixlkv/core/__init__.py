@@ -1,5 +1,6 @@
 """Engine-agnostic core: numpy and pluggy only; no engine, tensor or transfer library (enforced by tests)."""
 
+from .byte_runs import box_copy_runs
 from .dispatcher import Dispatcher
 from .errors import (
     HandshakeError,
@@ -14,10 +15,11 @@ from .errors import (
     RequestError,
     StrategyConflict,
 )
-from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Segment, box_copy_runs
+from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Segment
 from .hookspecs import hookimpl, hookspec
-from .plan import IdScratch, ReadOp, ResolvedRequest, TransferPlan
+from .plan import TransferPlan
 from .registry import StrategyRegistry, plugin_manager
+from .request_ids import IdScratch, ReadOp, ResolvedRequest
 from .strategy import OwnedTail, RunningState, Strategy, check_owned, tail_aligned
 from .topology import (
     HeadRun,

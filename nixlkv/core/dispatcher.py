@@ -10,10 +10,11 @@ from typing import Any
 import numpy as np
 import pluggy
 
-from .cached import remember
+from .byte_runs import forget_copy_runs
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
-from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out, forget_copy_runs,
+from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out,
                        forget_parsed)
+from .memo import remember
 from .plan import GroupPairing, PairingLayers, SegmentTable, TransferPlan, prepare_local
 from .registry import StrategyRegistry, plugin_manager
 from .strategy import Strategy, declared_pairing

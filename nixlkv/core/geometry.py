@@ -14,27 +14,26 @@ columns); :meth:`RankGeometry.from_dict` also reads the per-region form earlier 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-import functools
+import copy
 import marshal
 import operator
 import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import accumulate, chain, repeat
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
-from .cached import cached_property, remember
-from .errors import HandshakeError, IncompatibleGeometry
+from .errors import HandshakeError, IncompatibleGeometry, PlanValidationError
+from .memo import remember
 from .topology import MAX_TP_SIZE
 
-MAX_RUNS_PER_BOX = 1 << 16
 # RankGeometry.columns: the first five are a descriptor row's (address, length, device, stride, count)
 COL_BASE, COL_PAGE, COL_DEVICE, COL_STRIDE, COL_BLOCKS, COL_GROUP, COL_END = range(7)
 ADDRESS_LIMIT = 1 << 62  # addresses and spans beyond it are no memory an engine maps (and overflow int64 sums)
-SMALL_BOX = 256  # runs per part below which a box is computed without numpy
 
 
 @dataclass(frozen=True)
@@ -111,10 +110,11 @@ class PageLayout:
 
     def __hash__(self) -> int:
         """Hashed once: pages key the memoised copy runs and geometry classes."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash((self.axes, self.parts))
-        return h
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.axes, self.parts))
 
     # Pages are immutable and asked about per layer and per peer at handshake: computed once.
     @cached_property
@@ -129,12 +129,12 @@ class PageLayout:
         return total
 
     @cached_property
-    def _sizes(self) -> dict[str, int]:
+    def axis_sizes(self) -> dict[str, int]:
         return dict(self.axes)
 
     def size(self, axis: str) -> int:
         try:
-            return self._sizes[axis]
+            return self.axis_sizes[axis]
         except KeyError:
             raise IncompatibleGeometry(f"page {self.describe()} has no axis {axis!r}") from None
 
@@ -153,12 +153,7 @@ class PageLayout:
         if self.parts:
             return self.parts
         strides = self.strides()
-        axes = tuple((n, s, strides[n]) for n, s in self.axes)
-        if all(type(s) is int for _, s in self.axes):  # what the part would check, this page did
-            part = _new(PagePart)
-            part.__dict__.update(offset=0, axes=axes)
-            return (part,)
-        return (PagePart(0, axes),)
+        return (PagePart(0, tuple((n, s, strides[n]) for n, s in self.axes)),)
 
     def inner(self, axis: str) -> PageLayout:
         """The page inside one step of its outermost ``axis`` (one kernel page of ``kblock``)."""
@@ -175,203 +170,6 @@ class PageLayout:
         if self.parts:
             out["page_parts"] = [[p.offset, [[n, s, st] for n, s, st in p.axes]] for p in self.parts]
         return out
-
-
-def box_copy_runs(
-    dst: PageLayout,
-    dst_start: Mapping[str, int],
-    src: PageLayout,
-    src_start: Mapping[str, int],
-    extent: Mapping[str, int],
-) -> list[tuple[int, int, int]]:
-    """Contiguous byte runs ``(dst_offset, src_offset, nbytes)`` that copy a box of elements.
-
-    The box covers ``extent[a]`` elements of every axis ``a`` (the whole axis where not given,
-    which must then be the same size on both sides), starting at ``dst_start``/``src_start``.
-    Both pages must order their axes the same way: a copy between different axis orders is a
-    permute, not a byte copy, and is refused. Pages with parts are copied part by part (the
-    box's axes found in each part); both sides must then have the same parts. Runs are as long
-    as both sides allow, sorted by destination offset.
-
-    Memoised: a pure function of two immutable pages and a few integers, asked the same
-    questions by every handshake with engines of one model (as :func:`head_sources` is).
-    """
-    slab = _slab_run(dst, dst_start, src, src_start, extent)
-    if slab is not None:
-        return [slab]
-    try:
-        key = (dst, tuple(dst_start.items()), src, tuple(src_start.items()), tuple(extent.items()))
-        hash(key)
-    except TypeError:  # unhashable arguments: computed, not remembered
-        return _box_copy_runs(dst, dst_start, src, src_start, extent)
-    return list(_box_copy_runs_cached(*key))
-
-
-def _slab_run(
-    dst: PageLayout, dst_start: Mapping[str, int], src: PageLayout, src_start: Mapping[str, int], extent: Mapping[str, int],
-) -> tuple[int, int, int] | None:
-    """The one run of a box that takes a range of the outermost axis and the whole of every
-    other, between pages without parts whose inner axes are the same (row-major: such a box is
-    contiguous on both sides): a whole page, or a head slice of a head-outer page. None for any
-    other box, which the general path copies or refuses."""
-    if dst.parts or src.parts:
-        return None
-    (outer, dsize), *inner = dst.axes
-    (souter, ssize), *sinner = src.axes
-    if outer != souter or inner != sinner or not {*extent, *dst_start, *src_start} <= dst._sizes.keys():
-        return None
-    for name, size in inner:
-        if extent.get(name, size) != size or dst_start.get(name, 0) or src_start.get(name, 0):
-            return None
-    n = extent.get(outer, dsize if dsize == ssize else None)
-    d0, s0 = dst_start.get(outer, 0), src_start.get(outer, 0)
-    if n is None or n < 1 or d0 < 0 or s0 < 0 or d0 + n > dsize or s0 + n > ssize:
-        return None
-    step = dst.nbytes // dsize  # bytes per step of the outer axis, the same on both sides
-    return (d0 * step, s0 * step, n * step)
-
-
-def forget_copy_runs() -> None:
-    """Empty the memo of copy runs between pages (a process that never planned: benches)."""
-    _box_copy_runs_cached.cache_clear()
-
-
-@functools.lru_cache(maxsize=4096)
-def _box_copy_runs_cached(
-    dst: PageLayout, dst_start: tuple[tuple[str, int], ...], src: PageLayout, src_start: tuple[tuple[str, int], ...],
-    extent: tuple[tuple[str, int], ...],
-) -> tuple[tuple[int, int, int], ...]:
-    return tuple(_box_copy_runs(dst, dict(dst_start), src, dict(src_start), dict(extent)))
-
-
-def _box_copy_runs(
-    dst: PageLayout,
-    dst_start: Mapping[str, int],
-    src: PageLayout,
-    src_start: Mapping[str, int],
-    extent: Mapping[str, int],
-) -> list[tuple[int, int, int]]:
-    """:func:`box_copy_runs`, computed."""
-    if dst.names != src.names:
-        raise IncompatibleGeometry(
-            f"pages order their axes differently ({dst.describe()} vs {src.describe()}): "
-            "bytes would need a permute, not a copy"
-        )
-    ssizes = src._sizes  # the same names (checked above): each is there
-    for name, dsize in dst.axes:
-        ssize = ssizes[name]
-        n = extent.get(name)
-        if n is None:
-            if dsize != ssize:
-                raise IncompatibleGeometry(
-                    f"axis {name!r} has {dsize} on one side and {ssize} on the other "
-                    "and no extent was given"
-                )
-            n = dsize
-        d0, s0 = dst_start.get(name, 0), src_start.get(name, 0)
-        if n < 1 or d0 < 0 or s0 < 0 or d0 + n > dsize or s0 + n > ssize:
-            raise IncompatibleGeometry(
-                f"box on axis {name!r} [{d0}, {d0 + n}) / [{s0}, {s0 + n}) exceeds the page "
-                f"sizes {dsize} / {ssize}"
-            )
-    dparts, sparts = dst.memory_parts, src.memory_parts
-    if len(dparts) != len(sparts) or any(d.names != s.names for d, s in zip(dparts, sparts)):
-        raise IncompatibleGeometry(
-            f"pages lay out their bytes differently ({dst.describe()} vs {src.describe()}): "
-            "bytes would need a permute, not a copy"
-        )
-    boxed = {*extent, *dst_start, *src_start}
-    chunks = []
-    for dpart, spart in zip(dparts, sparts):
-        missing = [] if boxed.issubset(dpart.names) else sorted(a for a in boxed if a not in dpart.names and (
-            extent.get(a, dst.size(a)) != dst.size(a) or dst_start.get(a, 0) or src_start.get(a, 0)))
-        if missing:
-            raise IncompatibleGeometry(
-                f"page part {dpart.describe()} has no axis {missing[0]!r} to take part of: "
-                "its bytes would need a permute, not a copy"
-            )
-        chunks.append(_part_runs(dpart, dst_start, spart, src_start, extent))
-    if all(isinstance(c, list) for c in chunks):
-        return _coalesce_small([r for c in chunks for r in c])
-    return _coalesce(np.concatenate([np.asarray(c, dtype=np.int64).reshape(-1, 3) for c in chunks]))
-
-
-def _part_runs(
-    dst: PagePart, dst_start: Mapping[str, int], src: PagePart, src_start: Mapping[str, int], extent: Mapping[str, int]
-) -> np.ndarray:
-    """Runs ``[n, 3]`` (dst, src, nbytes) of one part pair: innermost axes merge into one run
-    while they step exactly over what is already contiguous on both sides."""
-    names = dst.names
-    d0s = [dst_start.get(name, 0) for name in names]
-    s0s = [src_start.get(name, 0) for name in names]
-    ext = []
-    for (name, dsize, _), (_, ssize, _), d0, s0 in zip(dst.axes, src.axes, d0s, s0s):
-        n = extent.get(name, dsize)
-        if n > dsize or n > ssize or d0 + n > dsize or s0 + n > ssize:
-            raise IncompatibleGeometry(f"box on axis {name!r} exceeds page part sizes {dsize} / {ssize}")
-        ext.append(n)
-    run, k = 1, len(ext)
-    while k > 0:
-        i = k - 1
-        (_, dsize, dstride), (_, ssize, sstride) = dst.axes[i], src.axes[i]
-        if dstride != run or sstride != run:
-            break
-        run *= ext[i]
-        k = i
-        if ext[i] != dsize or ext[i] != ssize:
-            break
-    count = 1
-    for n in ext[:k]:
-        count *= n
-    if count > MAX_RUNS_PER_BOX:
-        raise IncompatibleGeometry(f"copy would need {count} runs per page (> {MAX_RUNS_PER_BOX})")
-    if count <= SMALL_BOX:  # a head slice is a few runs: plain Python beats numpy's per-call cost
-        # the merged inner axes (from k) only move the start; each outer axis repeats the runs
-        ds = [dst.offset + sum(d0 * axis[2] for d0, axis in zip(d0s[k:], dst.axes[k:]))]
-        ss = [src.offset + sum(s0 * axis[2] for s0, axis in zip(s0s[k:], src.axes[k:]))]
-        for i in range(k):
-            d0, s0, dstep, sstep = d0s[i], s0s[i], dst.axes[i][2], src.axes[i][2]
-            ds = [d + (d0 + j) * dstep for d in ds for j in range(ext[i])]
-            ss = [x + (s0 + j) * sstep for x in ss for j in range(ext[i])]
-        return [(d, x, run) for d, x in zip(ds, ss)]
-    d = np.full(count, dst.offset, dtype=np.int64)
-    s = np.full(count, src.offset, dtype=np.int64)
-    for i in range(len(ext)):
-        d0, s0 = d0s[i], s0s[i]
-        if i < k:
-            inner = 1
-            for n in ext[i + 1 : k]:
-                inner *= n
-            j = (np.arange(count, dtype=np.int64) // inner) % ext[i]
-        else:
-            j = 0
-        d += (d0 + j) * dst.axes[i][2]
-        s += (s0 + j) * src.axes[i][2]
-    return np.stack([d, s, np.full(count, run, dtype=np.int64)], axis=1)
-
-
-def _coalesce_small(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """:func:`_coalesce` for a few runs, in Python."""
-    runs = sorted(runs, key=lambda r: r[0])
-    out: list[tuple[int, int, int]] = []
-    for d, s, n in runs:
-        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
-            pd, ps, pn = out[-1]
-            out[-1] = (pd, ps, pn + n)
-        else:
-            out.append((d, s, n))
-    return out
-
-
-def _coalesce(runs: np.ndarray) -> list[tuple[int, int, int]]:
-    """Sort runs by destination and merge those that continue each other on both sides."""
-    runs = runs[np.argsort(runs[:, 0], kind="stable")]
-    if len(runs) > 1:
-        follows = (runs[:-1, 0] + runs[:-1, 2] == runs[1:, 0]) & (runs[:-1, 1] + runs[:-1, 2] == runs[1:, 1])
-        starts = np.flatnonzero(np.concatenate([[True], ~follows]))
-        ends = np.concatenate([starts[1:], [len(runs)]])
-        runs = np.stack([runs[starts, 0], runs[starts, 1], runs[ends - 1, 0] + runs[ends - 1, 2] - runs[starts, 0]], axis=1)
-    return [(int(d), int(s), int(n)) for d, s, n in runs]
 
 
 @dataclass(frozen=True)
@@ -423,6 +221,26 @@ class Region:
                 f"region {self.name!r}: page of {self.page.nbytes} B exceeds the block stride "
                 f"{self.block_stride} B, so blocks would overlap"
             )
+
+    @classmethod
+    def of_layer(
+        cls, layer: LayerCache, strategy: str, facts: Mapping[str, Any], *, page: PageLayout | None = None,
+        part: str | None = None, offset: int = 0,
+    ) -> Region:
+        """The region a strategy describes for ``layer``: the layer's group, block count and block
+        stride, ``page`` (the layer's own where not given) starting ``offset`` bytes into each of its
+        blocks, and the strategy's ``facts``. ``part`` names one of several regions a layer's blocks
+        hold (``<layer>:<part>``: a Mamba layer's conv and SSM states)."""
+        return cls(
+            name=layer.name if part is None else f"{layer.name}:{part}",
+            group=layer.group,
+            strategy=strategy,
+            base=layer.base + offset,
+            num_blocks=layer.num_blocks,
+            block_stride=layer.block_stride,
+            page=layer.page if page is None else page,
+            facts=facts,
+        )
 
     @property
     def end(self) -> int:
@@ -546,9 +364,8 @@ class ColumnRegions(Sequence[Region]):
         return self._bases
 
     def _make(self, i: int) -> Region:
-        region = _new(Region)  # a copy of its class's validated region: name, base and group its own
-        region.__dict__.update(self._protos[self._classes[i]], name=self._names[i], base=self._bases[i], group=self._groups[i])
-        return region
+        """Region ``i``: its class's validated description with its own name, base and group."""
+        return Region(**{**self._protos[self._classes[i]], "name": self._names[i], "base": self._bases[i], "group": self._groups[i]})
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
@@ -592,10 +409,8 @@ class RankGeometry:
     mem_type: str = "DRAM"
 
     def __post_init__(self) -> None:
-        regions = self.regions
-        columnar = isinstance(regions, ColumnRegions)  # whose names were checked unique when parsed
-        names = regions.names if columnar else [r.name for r in regions]
-        self.__dict__["names"] = names  # the cached property's slot
+        columnar = isinstance(self.regions, ColumnRegions)  # whose names were checked unique when parsed
+        names = self.names
         if not columnar and len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise IncompatibleGeometry(f"engine {self.engine_id!r}: duplicate region names {dup}")
@@ -612,11 +427,12 @@ class RankGeometry:
         """Region name -> position in :attr:`regions` (for columnar planning)."""
         return dict(zip(self.names, range(len(self.regions))))
 
-    @property
+    @cached_property
     def names(self) -> list[str]:
         """The regions' names in order (a decode rank's are compared at every handshake), listed
         once at construction. Read-only."""
-        return self.__dict__["names"]
+        regions = self.regions
+        return regions.names if isinstance(regions, ColumnRegions) else [r.name for r in regions]
 
     @cached_property
     def class_firsts(self) -> dict[int, int]:
@@ -760,6 +576,39 @@ class RankGeometry:
         self.__dict__["_layout_tail"] = layout.tail
         if layout.shape is not None:
             self.__dict__["_shape_tail"] = layout.shape
+
+    @cached_property
+    def _registered_ok(self) -> bool:
+        """True where every region lies inside one registered memory range; raises
+        :class:`_OutsideMemory` otherwise, which is not remembered (:func:`first_outside_memory`)."""
+        outside = _first_outside(self)
+        if outside is not None:
+            raise _OutsideMemory(outside)
+        return True
+
+    @property
+    def regions_overlap(self) -> bool:
+        """Whether any two regions share bytes (a hybrid's groups alias one tensor); computed once."""
+        return self._overlap
+
+    @property
+    def groups_disjoint(self) -> bool:
+        """True: no two regions of one KV group share a byte of their pages; PlanValidationError
+        naming two that do otherwise (:func:`check_groups_disjoint`). A pass is remembered, a
+        failure is checked again by every plan that asks."""
+        return self._disjoint_ok
+
+    @cached_property
+    def _disjoint_ok(self) -> bool:
+        check_groups_disjoint(self, None)
+        return True
+
+    @cached_property
+    def _overlap(self) -> bool:
+        col = self.columns
+        order = np.argsort(col[:, COL_BASE], kind="stable")
+        base, end = col[order, COL_BASE], col[order, COL_END]
+        return bool(base.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any())
 
     def iter_regions(self) -> Iterator[Region]:
         return iter(self.regions)
@@ -985,10 +834,8 @@ class _ColumnLayout:
             protos.append({**proto, "num_blocks": count})
             keys.append(counted_in(key, count))
             spans.append(span)
-        layout = _new(_ColumnLayout)  # by hand: copy.copy costs ~2 us here, ten times this
-        layout.names, layout.groups, layout.classes, layout.class_ids = self.names, self.groups, self.classes, self.class_ids
-        layout.protos, layout.keys, layout.firsts, layout.tail, layout.shape = protos, keys, self.firsts, None, None
-        layout.template = None
+        layout = copy.copy(self)  # the same names, groups, classes and first regions per class
+        layout.protos, layout.keys, layout.tail, layout.shape, layout.template = protos, keys, None, None, None
         if self.tail is not None:  # the tail with the new counts in its class keys; the shape is the same
             names, groups, class_ids, old = self.tail
             if self.shape is None:
@@ -1119,14 +966,9 @@ def _parse_shared(items: list[Any]) -> tuple[tuple[Region, ...], tuple[int, ...]
         todo = [i for i, hit in zip(todo, same) if not hit]
     if not _copies_exact(items, classes):
         raise _NotPlain
-    regions = []
-    for (name, base, group), cid in zip(own, classes):
-        region = object.__new__(Region)  # a copy of a validated region: name, base and group are its own
-        fields = region.__dict__
-        fields.update(protos[cid].__dict__)
-        fields["name"], fields["base"], fields["group"] = name, base, group
-        regions.append(region)
-    return tuple(regions), tuple(classes)
+    # each region a copy of its class's validated region: name, base and group its own
+    regions = tuple(replace(protos[cid], name=name, base=base, group=group) for (name, base, group), cid in zip(own, classes))
+    return regions, tuple(classes)
 
 
 def _copies_exact(items: list[Mapping[str, Any]], classes: list[int]) -> bool:
@@ -1181,13 +1023,23 @@ SMALL_REDUCE = 256  # regions up to which a min or max over a column is cheaper 
 
 def first_outside_memory(geometry: RankGeometry) -> int | None:
     """The index of the first region of ``geometry`` that lies inside none of its registered
-    memory ranges, or None (remembered: a geometry is immutable). One range (the usual) is one
-    min and max; many are O((regions + ranges) log ranges) over the columns, so that a peer with
-    many of both cannot stall a handshake: a range holding ``[base, end)`` exists iff, among the
-    ranges starting at or before ``base``, the furthest end reaches ``end``. (Region ends lie
-    below 2**63, the geometry's own checks; range bounds are clipped there, which keeps every
-    comparison.)"""
-    if geometry.__dict__.get("_registered_ok") or not len(geometry.regions):
+    memory ranges, or None; a RankGeometry remembers a pass (it is immutable)."""
+    if not isinstance(geometry, RankGeometry):  # anything with memory, columns and regions
+        return _first_outside(geometry)
+    try:
+        geometry._registered_ok
+    except _OutsideMemory as outside:
+        return outside.index
+    return None
+
+
+def _first_outside(geometry: RankGeometry) -> int | None:
+    """:func:`first_outside_memory`, computed. One range (the usual) is one min and max; many are
+    O((regions + ranges) log ranges) over the columns, so that a peer with many of both cannot
+    stall a handshake: a range holding ``[base, end)`` exists iff, among the ranges starting at or
+    before ``base``, the furthest end reaches ``end``. (Region ends lie below 2**63, the
+    geometry's own checks; range bounds are clipped there, which keeps every comparison.)"""
+    if not len(geometry.regions):
         return None
     cap = (1 << 63) - 1
     col = geometry.columns
@@ -1197,7 +1049,6 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
         small = base.size <= SMALL_REDUCE
         lo, hi = (min(base.tolist()), max(end.tolist())) if small else (int(base.min()), int(end.max()))
         if lo >= min(addr, cap) and hi <= min(addr + nbytes, cap):
-            geometry.__dict__["_registered_ok"] = True
             return None
     ranges = sorted(geometry.memory)
     starts = np.array([min(a, cap) for a, _ in ranges], dtype=np.int64)
@@ -1206,8 +1057,48 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
     bad = (i < 0) | (reach[np.maximum(i, 0)] < end) if reach.size else np.ones(base.size, dtype=bool)
     if bad.any():
         return int(np.argmax(bad))
-    geometry.__dict__["_registered_ok"] = True
     return None
+
+
+class _OutsideMemory(Exception):
+    """Region ``index`` lies outside every registered range (a failed check, never remembered)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+def check_groups_disjoint(geometry: RankGeometry, written: np.ndarray | None) -> None:
+    """Pages of two regions of one KV group (among ``written``, or all) never share a byte
+    (block IDs are shared): PlanValidationError naming two that do. For all regions, read
+    :attr:`RankGeometry.groups_disjoint`, which remembers a pass."""
+    col = geometry.columns if written is None else geometry.columns[written]
+    idx = np.arange(len(geometry.regions)) if written is None else written
+    order = np.lexsort((col[:, COL_BASE], col[:, COL_GROUP]))
+    group, base, end, idx = col[order, COL_GROUP], col[order, COL_BASE], col[order, COL_END], idx[order]
+    if idx.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any():  # some overlap: look per group
+        for g in np.unique(group).tolist():
+            m = group == g
+            b, e = base[m], end[m]
+            if b.size > 1 and (b[1:] < np.maximum.accumulate(e)[:-1]).any():
+                regions = [geometry.regions[int(i)] for i in idx[m]]
+                for i, a in enumerate(regions):
+                    for other in regions[i + 1 :]:
+                        if other.base >= a.end:
+                            break
+                        _check_disjoint(a, other)
+
+
+def _check_disjoint(a: Region, b: Region) -> None:
+    """Pages of two regions of one KV group must never share a byte (block IDs are shared)."""
+    if a.block_stride == b.block_stride and a.num_blocks > 1 and b.num_blocks > 1:
+        d = (b.base - a.base) % a.block_stride
+        if d >= a.page.nbytes and d + b.page.nbytes <= a.block_stride:
+            return
+    raise PlanValidationError(
+        f"regions {a.name!r} and {b.name!r} of KV group {a.group} overlap in memory: one block's "
+        "write would clobber the other layer"
+    )
 
 
 def geometry_key(region: Region) -> tuple[Any, ...]:

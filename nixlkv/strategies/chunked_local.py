@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
 from ..core import Region, RequestError, Strategy, hookimpl
 from ..core.token_blocks import pair_by_tokens
+from ..scenario_kinds import KindDef
 from .full_attention import MATCHING_FACTS, FullAttentionStrategy, tokens_per_block
 
 CHUNK_FACT = {"attention_chunk_size": "attention chunk size (tokens)"}
@@ -108,17 +109,15 @@ def nixlkv_strategies() -> list[Strategy]:
 
 
 @hookimpl
-def nixlkv_scenario_kinds() -> Mapping[str, Any]:
+def nixlkv_scenario_kinds() -> Mapping[str, KindDef]:
     """The scenario layer kind ``chunked_local`` (for ``nixlkv rehearse`` and the contract kit)."""
     return {"chunked_local": scenario_kind()}
 
 
 @functools.cache
-def scenario_kind() -> Any:
+def scenario_kind() -> KindDef:
     """``chunked_local``: ``num_kv_heads``, ``head_size``, ``chunk`` (tokens), optional ``dtype`` and
     ``head_size_v``. One definition per process, so registering it again is a no-op."""
-    from ..testing.kinds import KindDef
-
     return KindDef(
         required=("num_kv_heads", "head_size", "chunk"),
         optional={"dtype": "bfloat16", "head_size_v": None},

@@ -48,6 +48,7 @@ from ..core import (
     covered_remote_ranks,
     hookimpl,
 )
+from ..scenario_kinds import KindDef
 from .full_attention import check_matching_facts
 
 # Facts both sides must agree on, with what a mismatch means for the operator.
@@ -85,15 +86,10 @@ class CircularBufferStrategy(Strategy):
                 f"layer {layer.name!r}: ring page {layer.page.describe()} declares a kernel interior; a ring "
                 "is the model's own rows, moved as one whole page, and has none"
             )
-        return Region(
-            name=layer.name,
-            group=layer.group,
-            strategy=self.name,
-            base=layer.base,
-            num_blocks=layer.num_blocks,
-            block_stride=layer.block_stride,
-            page=layer.page,
-            facts={
+        return Region.of_layer(
+            layer,
+            self.name,
+            {
                 "dtype": str(spec.dtype).removeprefix("torch."),
                 "num_kv_heads": int(spec.num_kv_heads),
                 "head_size": int(spec.head_size),
@@ -158,18 +154,16 @@ def nixlkv_strategies() -> list[Strategy]:
 
 
 @hookimpl
-def nixlkv_scenario_kinds() -> Mapping[str, Any]:
+def nixlkv_scenario_kinds() -> Mapping[str, KindDef]:
     """The scenario layer kind ``circular_buffer`` (for ``nixlkv rehearse`` and the contract kit)."""
     return {"circular_buffer": scenario_kind()}
 
 
 @functools.cache
-def scenario_kind() -> Any:
+def scenario_kind() -> KindDef:
     """``circular_buffer``: ``capacity`` (rows, the spec's block_size), ``head_size``, optional
     ``num_kv_heads`` (head slots, each rank holds all) and ``dtype``. Defaults are DeepSeek-V4.1's
     compressor ring without speculative tokens: 8 rows of 1024 fp32 ([kv | score])."""
-    from ..testing.kinds import KindDef
-
     return KindDef(
         required=(),
         optional={"capacity": 8, "head_size": 1024, "num_kv_heads": 1, "dtype": "float32"},

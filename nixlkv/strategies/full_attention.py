@@ -89,15 +89,10 @@ class FullAttentionStrategy(Strategy):
         ):
             if size != want:
                 raise IncompatibleGeometry(f"layer {layer.name!r}: page holds {size} along {axis!r}, spec says {want}")
-        return Region(
-            name=layer.name,
-            group=layer.group,
-            strategy=self.name,
-            base=layer.base,
-            num_blocks=layer.num_blocks,
-            block_stride=layer.block_stride,
-            page=page,
-            facts={
+        return Region.of_layer(
+            layer,
+            self.name,
+            {
                 # which heads a rank holds follows from its rank and TP size (heads_held), so
                 # every rank of an engine describes a layer alike: a peer parses it once
                 "total_kv_heads": total,

@@ -121,21 +121,18 @@ class MambaStrategy(Strategy):
                 f"layer {layer.name!r}: its view holds {layer.page.nbytes} B per block but the spec's states "
                 f"take {real} B ({spec.shapes})"
             )
-        common = dict(group=layer.group, strategy=self.name, num_blocks=layer.num_blocks, block_stride=layer.block_stride)
         if spec.tp_replicated:
             page = PageLayout((("byte", real),))
-            return (Region(name=f"{layer.name}:state", base=layer.base, page=page, facts={**facts, "part": "state"}, **common),)
+            return (Region.of_layer(layer, self.name, {**facts, "part": "state"}, page=page, part="state"),)
         conv_rows_bytes = facts["conv_rows"] * facts["conv_itemsize"]
         channels = sum(n * per for _, _, n, per, _ in rank_conv_layout(facts, topology.tp_size))
         unit_name, units, elems = ssm_unit(facts)
         ssm_units = units_per_rank(topology.tp_size, units, "num_heads" if unit_name == "head" else "intermediate_size")
         conv = PageLayout((("channel", channels), ("byte", conv_rows_bytes)))
         ssm = PageLayout(((unit_name, ssm_units), ("byte", elems * facts["ssm_itemsize"])))
-        return (
-            Region(name=f"{layer.name}:conv", base=layer.base, page=conv, facts={**facts, "part": "conv"}, **common),
-            Region(
-                name=f"{layer.name}:ssm", base=layer.base + conv.nbytes, page=ssm, facts={**facts, "part": "ssm"}, **common
-            ),
+        return (  # each block: the conv state, then the SSM state
+            Region.of_layer(layer, self.name, {**facts, "part": "conv"}, page=conv, part="conv"),
+            Region.of_layer(layer, self.name, {**facts, "part": "ssm"}, page=ssm, part="ssm", offset=conv.nbytes),
         )
 
     def local_region(self, layer: LayerCache, topology: Topology) -> Region:

@@ -71,15 +71,10 @@ class MLAStrategy(Strategy):
             )
         content = spec.state_content_size_bytes
         _check_token_major(layer.name, layer.page, content, spec.num_states)
-        return Region(
-            name=layer.name,
-            group=layer.group,
-            strategy=self.name,
-            base=layer.base,
-            num_blocks=layer.num_blocks,
-            block_stride=layer.block_stride,
-            page=layer.page,
-            facts={
+        return Region.of_layer(
+            layer,
+            self.name,
+            {
                 "cache_role": self.cache_role(spec),
                 "head_size": spec.head_size,
                 "dtype": str(spec.dtype).removeprefix("torch."),

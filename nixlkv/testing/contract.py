@@ -752,14 +752,14 @@ def check_deterministic(run: PointRun) -> None:
     # A pairing the strategy declared for the core to apply (Strategy.block_pairing) pairs as its
     # own pair_blocks does.
     for plan, a in zip(run.plans, first):
-        if all(g.owned is None for g in plan.pairings):
+        if all(g.declared is None for g in plan.pairings):
             continue
         b = plan.undeclared().resolve(id_lists(d_blocks), id_lists(p_blocks), run.scenario.request.num_tokens)
         if not _same_reads(a, b):
             raise ContractViolation(
                 DETERMINISTIC,
                 f"{run.point.id}: decode rank {plan.local.tp_rank}: the pairing block_pairing declares "
-                f"({[g.owned for g in plan.pairings]}) pairs otherwise than pair_blocks",
+                f"({[g.declared for g in plan.pairings]}) pairs otherwise than pair_blocks",
             )
 
 

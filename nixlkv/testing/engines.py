@@ -188,7 +188,7 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
 def _check_captured(scenario: Scenario, role: str, kcc: Any, kv: dict[str, torch.Tensor],
                     kinds: list[LayerKind], side: Side) -> None:
     """The groups and pages this rehearsal built must be the captured engine's (nixlkv capture)."""
-    from ..vllm_layers import page_of
+    from ..vllm.kv_views import page_of
     from .captured import check_built
 
     pages = {}

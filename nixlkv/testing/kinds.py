@@ -7,57 +7,14 @@ files can be parsed and validated without it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..core.topology import heads_per_rank
+from ..scenario_kinds import KindDef  # named here too: contract cases import it with the kinds
 
-
-@dataclass(frozen=True)
-class KindDef:
-    """A scenario layer kind: its parameters and the per-rank spec factory.
-
-    ``build(params, tp, block_size)`` returns the spec one rank of an engine with that TP size
-    and block size reports for a layer of this kind: the "sample spec factory" a strategy's
-    contract suite fabricates engines from. ``coordinates`` (optional) tells the byte oracle
-    which logical element each byte of a layer's ``[B, H, N, C]`` view holds; leave it out
-    when the layout is attention-like (``nixlkv.testing.oracle.attention_coordinates``).
-    """
-
-    required: tuple[str, ...]
-    optional: Mapping[str, Any] = field(default_factory=dict)
-    build: Callable[[Mapping[str, Any], int, int], Any] | None = None  # (params, tp, block_size) -> spec
-    # Errors in a kind's parameter values the field checks cannot see, as messages naming the field.
-    check: Callable[[Mapping[str, Any]], list[str]] | None = None
-    replicated: bool = False  # one cache on every rank (MLA): the oracle's "global head 0"
-    coordinates: Callable[..., Mapping[str, Any]] | None = None  # see oracle.Coordinates
-    # Model facts the engine hands the strategy per layer (what a per-rank spec cannot tell).
-    hints: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
-    # (params, num_tokens) -> leading tokens vLLM's block manager for this kind has freed once
-    # num_tokens are computed (its get_num_skipped_tokens). The rehearsal then nulls the prefill
-    # blocks wholly below them, and leaves them out of the decode engine's list (its own manager
-    # frees them too, and the connector sees only real blocks). None: every block is kept. A kind
-    # that frees blocks is planned under vLLM's hybrid KV-cache manager, as a deployment whose
-    # connector supports it runs (without it vLLM promotes such a layer to full attention).
-    skipped_tokens: Callable[[Mapping[str, Any], int], int] | None = None
-    # Blocks vLLM's block manager for this kind gives a request whatever its length (a ring, vLLM's
-    # CircularBufferManager: 1), each wholly the request's: the rehearsal lists that many, never
-    # trims them for a prefix hit, and every byte of them must arrive. None: one block per
-    # block_size tokens. Such a kind is planned under vLLM's hybrid KV-cache manager, as above.
-    blocks_per_request: int | None = None
-    # Attention pages a backend writes in its own order (K and V of one head size per head): a
-    # scenario side's ``interior`` (vLLM's CPU kernels: k_channel_major) applies to this kind.
-    interior: bool = False
-    # What ``nixlkv capture`` reports for this kind: the vLLM spec class name, and the kind's
-    # parameters from a captured layer, ``(spec facts, layer hints, model facts) -> params``.
-    captured_spec: str | None = None
-    from_capture: Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
-
-    def total_kv_heads(self, params: Mapping[str, Any]) -> int:
-        if self.replicated:
-            return 1
-        return int(params.get("num_kv_heads", 1))
 
 
 def _attention_fields(p: Mapping[str, Any], tp: int, block_size: int) -> dict[str, Any]:
@@ -231,7 +188,7 @@ def _mamba_shapes(p: Mapping[str, Any], tp: int) -> tuple[tuple[tuple[int, ...],
     kind = p["mamba_type"]
     conv_dtype, ssm_dtype = getattr(torch, p["dtype"]), getattr(torch, p["ssm_dtype"])
     calc = mamba_utils.MambaStateShapeCalculator
-    with _conv_layout(p["conv_layout"]):
+    with vllm_conv_state_layout(p["conv_layout"]):
         if p["tp_replicated"]:  # e.g. a PLE conv state: the whole state on every rank
             return (calc._orient_conv_shape(g["intermediate_size"], g["conv_kernel"] - 1),), (conv_dtype,)
         if kind == "mamba2":
@@ -249,30 +206,21 @@ def _mamba_shapes(p: Mapping[str, Any], tp: int) -> tuple[tuple[tuple[int, ...],
     return tuple(tuple(s) for s in shapes), (conv_dtype, ssm_dtype)
 
 
-class _conv_layout:
-    """Temporarily set vLLM's conv state layout (env var + its lru_cache)."""
+@contextlib.contextmanager
+def vllm_conv_state_layout(layout: str) -> Iterator[None]:
+    """Set vLLM's conv state layout (its env var and the lru_cache that reads it) for a block."""
+    from vllm.model_executor.layers.mamba import mamba_utils
 
-    def __init__(self, layout: str) -> None:
-        self.layout = layout
-
-    def __enter__(self) -> None:
-        import os
-
-        from vllm.model_executor.layers.mamba import mamba_utils
-
-        self.saved = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
-        os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = self.layout
-        mamba_utils.get_conv_state_layout.cache_clear()
-
-    def __exit__(self, *exc: object) -> None:
-        import os
-
-        from vllm.model_executor.layers.mamba import mamba_utils
-
-        if self.saved is None:
+    saved = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = layout
+    mamba_utils.get_conv_state_layout.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
             os.environ.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
         else:
-            os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = self.saved
+            os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = saved
         mamba_utils.get_conv_state_layout.cache_clear()
 
 
@@ -339,20 +287,20 @@ def takes_interior(name: str) -> bool:
 
 def load_plugin_kinds(plugins: tuple[Any, ...] = ()) -> None:
     """Register the layer kinds the installed nixlkv plugins declare (hook ``nixlkv_scenario_kinds``,
-    :mod:`nixlkv.testing.hookspecs`), and those of ``plugins`` (extra plugin objects or modules).
+    :mod:`nixlkv.scenario_kinds`), and those of ``plugins`` (extra plugin objects or modules).
 
     A plugin that serves a new spec type ships the kind its engines report with it, so scenario
     files (and ``nixlkv rehearse``) name it without any edit here. A kind already registered
     with another definition is an error (:func:`register_kind`).
     """
+    from .. import scenario_kinds
     from ..core.registry import plugin_manager
-    from . import hookspecs
 
     pm = plugin_manager()
     for plugin in plugins:
         if not pm.is_registered(plugin):
             pm.register(plugin, name=getattr(plugin, "__name__", None) or f"kinds-{type(plugin).__name__}-{id(plugin)}")
-    pm.add_hookspecs(hookspecs)
+    pm.add_hookspecs(scenario_kinds)
     for declared in pm.hook.nixlkv_scenario_kinds():
         for name, kind in (declared or {}).items():
             register_kind(name, kind)
@@ -372,7 +320,7 @@ def register_kind(name: str, kind: KindDef) -> None:
     from every test; a different definition under a taken name is an error, never a silent swap.
     """
     if not isinstance(kind, KindDef):
-        raise TypeError(f"layer kind {name!r} must be a nixlkv.testing.kinds.KindDef, got {type(kind).__name__}")
+        raise TypeError(f"layer kind {name!r} must be a nixlkv.scenario_kinds.KindDef, got {type(kind).__name__}")
     if kind.build is None:
         raise ValueError(f"layer kind {name!r} needs a build(params, tp, block_size) spec factory")
     taken = KINDS.get(name)

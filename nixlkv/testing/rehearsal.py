@@ -16,9 +16,9 @@ import numpy as np
 
 from ..core import Dispatcher, NixlkvError, ResolvedRequest, Topology, TransferPlan
 from ..core.staging import posted_direct
-from ..staged import Reader, memory_tensors
-from ..transfer import NixlRank, TransferError, parse_notification
-from ..vllm_layers import layer_caches, registered_memory
+from ..transport.reader import Reader, memory_tensors
+from ..transport.nixl_rank import NixlRank, TransferError, parse_notification
+from ..vllm.kv_views import layer_caches, registered_memory
 from . import oracle
 from .engines import FabricatedRank, build_rank
 from .scenario import Scenario
@@ -42,7 +42,7 @@ def rehearsal_staging_bytes(engines: Engines) -> int:
 
 
 # Every rank's NIXL agent lives in this one process on DRAM: NIXL's busy-polling progress threads
-# (one core each) would take the cores the copies need (see nixlkv.agent), so they pause 1 ms.
+# (one core each) would take the cores the copies need (see nixlkv.transport.agents), so they pause 1 ms.
 PROGRESS_DELAY_US = 1000
 REQUEST_ID = "rehearsal-req-0"  # the request's id on the prefill (remote) engine
 NOTIFICATION_TIMEOUT = 10.0  # seconds every prefill rank may take to hear from all its readers
@@ -182,7 +182,7 @@ def rehearse(
     staging_bytes: int | None = None,
 ) -> RehearsalResult:
     """Run one scenario end to end. ``fault`` (tests only) may corrupt each resolved request;
-    ``descriptor_mode`` is how the READs are posted (see :mod:`nixlkv.staged`)."""
+    ``descriptor_mode`` is how the READs are posted (see :mod:`nixlkv.transport.reader`)."""
     dispatcher = dispatcher or Dispatcher.from_plugins()
     result = RehearsalResult(scenario.name, "failed", descriptor_mode=descriptor_mode)
     t0 = time.perf_counter()

@@ -72,7 +72,7 @@ class ConnectorConfig:
     # pause of each NIXL agent's progress thread between polls; 0: NIXL's busy poll (a core per
     # agent). On CPU-only P/D with few cores a pause doubles transfer speed (docs/performance.md)
     nixl_progress_delay_us: int = 0
-    # descriptor mode of the decode side's READs (see nixlkv/staged.py and docs/performance.md)
+    # descriptor mode of the decode side's READs (see nixlkv/transport/reader.py and docs/performance.md)
     descriptor_mode: str = "direct"  # measured best here (docs/performance.md, "Descriptor modes")
     staging_bytes: int = DEFAULT_STAGING_BYTES
     # side channel

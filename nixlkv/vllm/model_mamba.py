@@ -36,7 +36,7 @@ def mamba_layer_types(kv_cache_config: Any) -> dict[str, str]:
 
 
 def mamba_hints_by_layer(vllm_config: Any, kv_cache_config: Any) -> Callable[[str], Mapping[str, Any]] | None:
-    """``model_hints`` for :func:`nixlkv.vllm_layers.layer_caches`, or None for a model without Mamba layers."""
+    """``model_hints`` for :func:`nixlkv.vllm.kv_views.layer_caches`, or None for a model without Mamba layers."""
     types = mamba_layer_types(kv_cache_config)
     if not types:
         return None

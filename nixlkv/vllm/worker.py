@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import Dispatcher, IdScratch, NixlkvError, Topology, TransferPlan
-from ..staged import Reader, ReaderPlan, StagedFlight, memory_tensors
-from ..transfer import InFlight, NixlRank, TransferError, parse_notification
-from ..vllm_layers import layer_caches, memory_device, registered_memory
+from ..transport.reader import Reader, ReaderPlan, StagedFlight, memory_tensors
+from ..transport.nixl_rank import InFlight, NixlRank, TransferError, parse_notification
+from .kv_views import layer_caches, memory_device, registered_memory
 from .capture import engine_capture, write_capture
 from . import damage
 from .kvdump import DumpOrder, dump_request, write_failure
@@ -356,11 +356,11 @@ class NixlkvWorker:
                 for rid in bound:
                     self._fail(rid, self._waiting.pop(rid), f"handshake failed: {exc}")
                 continue
-            self.stats.count(f"handshakes_{plan.made_as}")
+            self.stats.count(f"handshakes_{plan.origin}")
             logger.info(
                 "nixlkv handshake done engine=%s remote_tp=%d plan=%s covered=%s read_ranks=%s descriptors=%s "
                 "nixl_ms=%.1f (lists %.1f) local_lists=%d",
-                key[0], engine.tp_size, plan.made_as, list(plan.covered), list(plan.read_ranks),
+                key[0], engine.tp_size, plan.origin, list(plan.covered), list(plan.read_ranks),
                 plan.registered_descriptors(), 1e3 * remote.nixl_seconds, 1e3 * remote.prepare_seconds,
                 self.nixl.local_lists,
             )

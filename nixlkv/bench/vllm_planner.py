@@ -380,11 +380,11 @@ class HybridVllmPlanner(VllmPlanner):
     def _stand_in(self) -> types.SimpleNamespace:
         from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
 
-        from ..testing.kinds import _conv_layout
+        from ..testing.kinds import vllm_conv_state_layout
 
         regions = self.local_regions
         n = len(regions)
-        with _conv_layout("DS"):  # NIXL's Mamba transfer requires it (asserted by vLLM)
+        with vllm_conv_state_layout("DS"):  # NIXL's Mamba transfer requires it (asserted by vLLM)
             conv = derive_mamba_conv_split(self.local_layout.mamba_spec, self.d_tp)
             self.remote_ssm_sizes = derive_mamba_conv_split(self.remote_layout.mamba_spec, self.p_tp).ssm_sizes
         group_ids = [r.group for r in regions]

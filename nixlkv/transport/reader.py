@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .core.plan import ResolvedRequest, TransferPlan
-from .core.staging import (
+from ..core.plan import TransferPlan
+from ..core.request_ids import ResolvedRequest
+from ..core.staging import (
     DEFAULT_STAGING_BYTES,
     Choice,
     Scatter,
@@ -35,7 +36,7 @@ from .core.staging import (
     check_mode,
     choose,
 )
-from .transfer import InFlight, NixlRank, PreparedPlan, TransferError, notification
+from .nixl_rank import InFlight, NixlRank, PreparedPlan, TransferError, notification
 
 logger = logging.getLogger("nixlkv.connector")
 

@@ -1,6 +1,6 @@
 """Runs a TransferPlan with NIXL: one agent per rank, prepped descriptor lists, READs, notifications.
 
-Used by the rehearsal today and meant for the connector once it lands. The plan's descriptor rows are NIXL's strided
+Used by the connector's worker, the rehearsal and the bench. The plan's descriptor rows are NIXL's strided
 ``(address, nbytes, device, stride, count)`` form, so preparation is one call per side and a
 request is one ``make_prepped_xfer`` per remote rank with the IDs ``TransferPlan.resolve`` gave.
 """
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .agent import make_agent
-from .core.errors import NixlkvError
-from .core.plan import ResolvedRequest, TransferPlan
-from .core.topology import MAX_TP_SIZE
+from ..core.errors import NixlkvError
+from ..core.plan import TransferPlan
+from ..core.request_ids import ResolvedRequest
+from ..core.topology import MAX_TP_SIZE
+from .agents import make_agent
 
 NOTIF_PREFIX = "nixlkv"
 
@@ -83,7 +84,7 @@ class InFlight:
     nbytes: int = 0
     # Descriptors NIXL actually posted after merging adjacent ones (telemetry; None unless captured).
     posted_descriptors: int | None = None
-    mode: str = "direct"  # descriptor mode (see nixlkv.staged): this class is always direct
+    mode: str = "direct"  # descriptor mode (see nixlkv.transport.reader): this class is always direct
 
 
 class NixlRank:
