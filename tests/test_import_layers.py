@@ -33,8 +33,6 @@ ALLOWED: dict[str, set[str]] = {
 }
 PRODUCTION = ("core", "scenario_kinds", "strategies", "transport", "vllm", "connector")
 TOOLING = ("testing", "bench", "serving", "cli")
-# A private name the serving code still imports across modules; its owner renames it.
-PENDING_RENAMES = {("nixlkv.serving.drills", "nixlkv.serving.check", "_transfer_facts")}
 
 
 def _module_name(path: Path) -> str:
@@ -123,7 +121,6 @@ def test_no_private_name_is_imported_from_another_module() -> None:
         for module, target, names, line in _edges()
         for name in names
         if name.startswith("_") and not name.startswith("__") and target != module
-        and (module, target, name) not in PENDING_RENAMES
     ]
     assert offenders == []
 

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from nixlkv.serving import check, client, cpu_isa, models
-from nixlkv.serving.check import Case, _transfer_facts, make_prompts, prompt_lengths
+from nixlkv.serving.check import Case, transfer_facts, make_prompts, prompt_lengths
 from nixlkv.serving.client import Completion, CompletionError, parse_metrics, reset_prefix_cache
 from nixlkv.serving.compare import DRIFT_TOL, EXACT_TOL, FIRST_TIE, NATURAL_CAP, NEAR_TIE, allowance, judge
 from nixlkv.serving.launch import EngineSpec
@@ -204,13 +204,13 @@ def test_metrics_are_read_per_name_and_label_and_summed_over_engines() -> None:
     m = parse_metrics(METRICS + 'vllm:nixl_bytes_transferred_sum{engine="2",model_name="m"} 3.0\n')
     assert m["vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"] == 100.0
     assert m["vllm:nixl_bytes_transferred_sum"] == 10.0
-    facts = _transfer_facts(m)
+    facts = transfer_facts(m)
     assert facts["loaded_tokens"] == 100 and facts["computed_tokens"] == 3
     assert facts["transfers"] == 2 and facts["bytes"] == 4096 and facts["failed_transfers"] == 1
 
 
 def test_transfer_facts_read_vllms_connector_too() -> None:
-    facts = _transfer_facts(parse_metrics('vllm:nixl_xfer_time_seconds_count{engine="0"} 1.0\n'
+    facts = transfer_facts(parse_metrics('vllm:nixl_xfer_time_seconds_count{engine="0"} 1.0\n'
                                           'vllm:nixl_bytes_transferred_sum{engine="0"} 64.0\n'))
     assert facts["transfers"] == 1 and facts["bytes"] == 64
 
@@ -978,7 +978,7 @@ def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monke
         argv = spec.argv("python")
         extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
         assert extra["descriptor_mode"] == "staged"
-    facts = _transfer_facts(parse_metrics('vllm:nixlkv_xfer_time_seconds_count{engine="0"} 2.0\n'
+    facts = transfer_facts(parse_metrics('vllm:nixlkv_xfer_time_seconds_count{engine="0"} 2.0\n'
                                           'vllm:nixlkv_staged_loads_total{engine="0"} 2.0\n'))
     assert facts["staged_loads"] == 2
     def row(transfers: float, staged: float, nbytes: float = 4096.0) -> check.Row:

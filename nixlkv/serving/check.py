@@ -143,7 +143,7 @@ def make_prompts(case: Case, block: int, max_model_len: int, quick: bool) -> dic
     return out
 
 
-def _transfer_facts(d: dict[str, float]) -> dict[str, float]:
+def transfer_facts(d: dict[str, float]) -> dict[str, float]:
     """What D's metrics say one request (or a batch) did: tokens loaded vs computed, and the
     connector's own counters (vLLM's ``vllm:nixl_*`` and nixlkv's ``vllm:nixlkv_*`` alike)."""
     facts = {
@@ -455,7 +455,7 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
             srv.forget_on_decode()
             before, claimed = srv.decode_metrics(), srv.claimed_loads()
             got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
-            facts = _transfer_facts(delta(srv.decode_metrics(), before))
+            facts = transfer_facts(delta(srv.decode_metrics(), before))
             on_path = forced_reference(srv, rule, prompt, ref, got)
         except (CompletionError, OSError) as exc:
             rows.append(Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"))
@@ -482,7 +482,7 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         srv.forget_on_decode()
         before, claimed = srv.decode_metrics(), srv.claimed_loads()
         got = chat(srv.proxy_url, model, messages, case.max_tokens, stream=True)
-        facts = _transfer_facts(delta(srv.decode_metrics(), before))
+        facts = transfer_facts(delta(srv.decode_metrics(), before))
         n = ref.prompt_tokens or 0
         if not ref.token_ids or min(ref.token_ids + got.token_ids) < 0:  # judged on ids, never on text
             return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
@@ -522,7 +522,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
                 errors.append(f"{type(exc).__name__}: {exc}")
                 gots.append(None)
     wall = time.perf_counter() - t0
-    facts = _transfer_facts(delta(srv.decode_metrics(), before))
+    facts = transfer_facts(delta(srv.decode_metrics(), before))
     # Batched with each other, decodes run other GEMM shapes than D's one-at-a-time references: bf16
     # reduction order moves logprobs a little (measured 0.045, both connectors alike), as another TP
     # size does. The batch is judged by the drift rule whatever the case's rule.
@@ -591,7 +591,7 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     srv.forget_on_decode()
     before = srv.decode_metrics()
     got = sample_n(srv.proxy_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
-    facts = _transfer_facts(delta(srv.decode_metrics(), before))
+    facts = transfer_facts(delta(srv.decode_metrics(), before))
     held = max(settled_kv_usage(url, timeout_s=5.0, poll_s=0.1) for url in srv.p_urls)  # P frees on D's notification
     freed_by_lease_s = None
     if held > 0 and case.connector == "nixlkv":
@@ -630,7 +630,7 @@ def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dic
     before = scrape(srv.d_url)
     got_a = complete(srv.d_url, model, a, case.max_tokens, kv_transfer_params=params_b)
     got_b = complete(srv.d_url, model, b, case.max_tokens, kv_transfer_params=params_a)
-    facts = _transfer_facts(delta(scrape(srv.d_url), before))
+    facts = transfer_facts(delta(scrape(srv.d_url), before))
     va, vb = judge(ref_a, got_a, rule, nat_a), judge(ref_b, got_b, rule, nat_b)
     moved = facts.get("transfers", 0) >= 2
     return {"bites": moved and not va.ok and not vb.ok, "moved": moved, "prompt_len": n,
@@ -692,7 +692,7 @@ def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int
             prepare()
         before, claimed = scrape(srv.d_url), srv.claimed_loads()
         got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
-        facts = _transfer_facts(delta(scrape(srv.d_url), before))
+        facts = transfer_facts(delta(scrape(srv.d_url), before))
         on_path = forced_reference(srv, rule, prompt, refs[0], got)
     except (CompletionError, OSError) as exc:
         return Row(name, len(prompt), {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}"), None

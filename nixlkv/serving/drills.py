@@ -53,7 +53,7 @@ import numpy as np
 
 from . import models
 from .bytecheck import judge_dir
-from .check import FIRST_ID, Case, Options, Servers, _transfer_facts, default_rule, format_bytes, prefill_on
+from .check import FIRST_ID, Case, Options, Servers, transfer_facts, default_rule, format_bytes, prefill_on
 from .client import Completion, CompletionError, complete, delta, kv_usage, request_body, scrape, settled_kv_usage
 from .compare import judge
 from .launch import ServeError, host_port
@@ -166,7 +166,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
             settled_kv_usage(srv.p_url)  # P freed the blocks on the first read's notification
             before = scrape(srv.d_url)
             again = complete(srv.d_url, model, twice, case.max_tokens, kv_transfer_params=dict(params_twice))
-            reads = _transfer_facts(delta(scrape(srv.d_url), before)).get("transfers", 0.0)
+            reads = transfer_facts(delta(scrape(srv.d_url), before)).get("transfers", 0.0)
             v_first, v_again = judge(ref_twice, first, rule), judge(ref_twice, again, rule)
             facts.update({"first_verdict": v_first.to_dict(), "again_verdict": v_again.to_dict(), "again_reads": reads})
             faults = [f"first: {v_first.reason}"] if not v_first.ok else []
@@ -336,7 +336,7 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     watcher.join()
     facts["p_peak_kv_usage"] = round(peak[0], 3)
     moved = delta(scrape(srv.d_url), before)
-    facts["transfers"] = _transfer_facts(moved).get("transfers", 0.0)
+    facts["transfers"] = transfer_facts(moved).get("transfers", 0.0)
     if case.connector == "nixlkv":  # how D planned the restarted P: its layout's segments, its own block count
         plans = {kind: sum(v for k, v in moved.items() if k.startswith(f"vllm:nixlkv_handshakes_{kind}"))
                  for kind in ("planned", "rebased", "recounted")}
@@ -371,7 +371,7 @@ def _short_decode(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     faults = _judged_at_once(prompts, refs, _through_proxy(srv, answer))
     moved = delta(scrape(srv.d_url), before)
     facts["preemptions"] = moved.get("vllm:num_preemptions_total", 0.0)
-    facts["transfers"] = _transfer_facts(moved).get("transfers", 0.0)
+    facts["transfers"] = transfer_facts(moved).get("transfers", 0.0)
     if not facts["preemptions"]:
         faults.append("D preempted nothing: the drill tested nothing")
     if case.connector == "nixlkv" and facts["transfers"] != len(prompts):
