@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..vllm.kvdump import EXPECT_PREFIX, FAILED_SUFFIX, K_CHANNEL_MAJOR, as_pages, load_dump, needed_from, token_rows
+from ..vllm.kvdump import (EXPECT_PREFIX, FAILED_SUFFIX, K_CHANNEL_MAJOR, as_pages, element_size, is_state, load_dump,
+                           needed_from, running_row, token_rows)
 
-__all__ = ["ByteVerdict", "Dump", "K_CHANNEL_MAJOR", "LoadVerdict", "judge_dir", "judge_load", "needed_from",
-           "read_dir", "run_control", "token_rows"]
+__all__ = ["ByteVerdict", "Dump", "K_CHANNEL_MAJOR", "LoadVerdict", "element_size", "judge_dir", "judge_load",
+           "needed_from", "read_dir", "run_control", "token_rows"]
 
 NULL_BLOCK = 0  # vLLM's block pool hands block 0 out as the null block (out of a window, skipped)
 SHOWN = 5  # mismatches named per load
@@ -195,7 +195,7 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
             verdict.control = d.meta["damage"]
         for name in d.layers:
             record = d.record["layers"][name]
-            if _is_state(record):
+            if is_state(record):
                 _judge_state(verdict, name, d, p_states(name), q, p_tokens)
                 continue
             dside = _side(d, name, q)
@@ -239,11 +239,6 @@ def judge_load(request: str, prefill: list[Dump], decode: list[Dump]) -> LoadVer
 MAMBA_KINDS = {"MAMBA2": "mamba2", "MAMBA1": "mamba1", "GDN_ATTN": "gdn"}
 
 
-def element_size(dtype: str) -> int:
-    """Bytes per element of a dtype as a capture record names it (``bfloat16``, ``float32``, ...)."""
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-
-
 @dataclass
 class _State:
     """One rank's running state of one Mamba layer, by global coordinate."""
@@ -253,17 +248,9 @@ class _State:
     whole: bytes | None  # a tp_replicated state: the conv and SSM bytes as one
 
 
-def _is_state(record: Mapping[str, Any]) -> bool:
-    """A Mamba-style state layer (judged per channel and unit, not per token)."""
-    return "Mamba" in record.get("spec", "")
-
-
 def _running_row(dump: Dump, name: str) -> int:
-    """Where in a state layer's list the running state is: vLLM appends the speculative scratch
-    blocks after it."""
     ids = dump.meta["groups"][dump.meta["layers"][name]["group"]]["block_ids"]
-    spec = int(dump.record["layers"][name].get("facts", {}).get("num_speculative_blocks") or 0)
-    return len(ids) - 1 - min(spec, len(ids) - 1)
+    return running_row(dump.record["layers"][name], len(ids))
 
 
 def _state(dump: Dump, name: str) -> _State | str:
@@ -402,7 +389,7 @@ def _corrupted(decode: list[Dump], how: str) -> list[Dump] | None:
         for k, d in enumerate(decode):
             for name, raw in d.layers.items():
                 record = d.record["layers"][name]
-                if _is_state(record) != state:
+                if is_state(record) != state:
                     continue
                 ids = d.meta["groups"][d.meta["layers"][name]["group"]]["block_ids"]
                 per = raw.shape[0] // len(ids)

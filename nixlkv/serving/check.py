@@ -43,7 +43,7 @@ from .launch import (LOOPBACK, EngineSpec, Process, ServeError, custom_proxy_pro
 from .proxy import PREFILL_PARAMS
 from ..vllm import damage
 from ..vllm.config import ConnectorConfig
-from ..vllm.kvdump import EXPECT_PREFIX
+from ..vllm.kvdump import EXPECT_PREFIX, is_state
 
 FIRST_ID = len(models.SPECIAL_TOKENS)  # prompts avoid the special tokens
 
@@ -754,7 +754,7 @@ def control_kinds(dump_dir: Path) -> tuple[list[str], dict[str, str]]:
     """The graded controls a model's layers admit, from the capture records its engines wrote:
     (kinds to run, kinds left out with the reason)."""
     layers = [rec for path in dump_dir.glob("*.json") for rec in json.loads(path.read_text())["layers"].values()]
-    attention = [r for r in layers if not damage.is_state(r)]
+    attention = [r for r in layers if not is_state(r)]
     kinds: list[str] = []
     left: dict[str, str] = {}
     if attention:
@@ -764,7 +764,7 @@ def control_kinds(dump_dir: Path) -> tuple[list[str], dict[str, str]]:
             left["head"] = damage.NO_HEADS
     else:
         left.update(dict.fromkeys(damage.ATTENTION_KINDS, "no attention layers"))
-    if any(damage.is_state(r) for r in layers):
+    if any(is_state(r) for r in layers):
         kinds += list(damage.STATE_KINDS)
     else:
         left.update(dict.fromkeys(damage.STATE_KINDS, "no Mamba state layers"))

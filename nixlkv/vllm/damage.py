@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .kvdump import as_pages, needed_from, token_rows
+from .kvdump import as_pages, element_size, is_state, needed_from, running_row, token_rows
 
 ENV = "NIXLKV_TEST_DAMAGE"
 PARAMS_KEY = "nixlkv_test_damage"
@@ -49,14 +49,6 @@ def requested(params: Mapping[str, Any] | None) -> str | None:
     if kind not in KINDS:
         raise ValueError(f"kv_transfer_params {PARAMS_KEY}={kind!r}: expected one of {', '.join(KINDS)}")
     return str(kind)
-
-
-def is_state(record: Mapping[str, Any]) -> bool:
-    return "Mamba" in record.get("spec", "")
-
-
-def _element_size(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def _spoil(flat: np.ndarray, where: np.ndarray) -> int:
@@ -129,17 +121,15 @@ def _state(kind: str, layer: Mapping[str, Any], pages: np.ndarray, ratio: int) -
     facts = layer.get("facts", {})
     if len(facts.get("shapes") or ()) != 2:
         return None
-    ids_rows = pages.shape[0] // ratio
-    spec = int(facts.get("num_speculative_blocks") or 0)
-    row = ids_rows - 1 - min(spec, ids_rows - 1)  # the running state: vLLM appends speculative scratch after it
+    row = running_row(layer, pages.shape[0] // ratio)
     page = pages[row * ratio: (row + 1) * ratio].reshape(-1)
     (conv_shape, ssm_shape), (conv_dt, ssm_dt) = facts["shapes"], facts["dtypes"]
-    conv_n = int(np.prod(conv_shape)) * _element_size(conv_dt)
-    ssm_n = int(np.prod(ssm_shape)) * _element_size(ssm_dt)
+    conv_n = int(np.prod(conv_shape)) * element_size(conv_dt)
+    ssm_n = int(np.prod(ssm_shape)) * element_size(ssm_dt)
     places = np.arange(page.size) + row * page.size  # the running state's bytes' places in pages.reshape(-1)
     if kind == "conv_channel":
         model = (layer.get("hints") or {}).get("mamba") or {}
-        conv = places[:conv_n].reshape(list(conv_shape) + [_element_size(conv_dt)])
+        conv = places[:conv_n].reshape(list(conv_shape) + [element_size(conv_dt)])
         keep = int(model.get("conv_kernel", conv_shape[-1] + 1)) - 1
         sd = model.get("conv_state_layout", "DS") == "SD"  # [columns, channels]
         where = (conv[:keep, 0] if sd else conv[0, :keep]).reshape(-1)

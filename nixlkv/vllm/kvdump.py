@@ -171,3 +171,20 @@ def needed_from(record: Mapping[str, Any], q: int) -> int:
     if chunk:
         return q // int(chunk) * int(chunk)
     return 0
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of a dtype as a capture record names it (``bfloat16``, ``float32``, ...)."""
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def is_state(record: Mapping[str, Any]) -> bool:
+    """A Mamba-style state layer (read per channel and unit, not per token)."""
+    return "Mamba" in record.get("spec", "")
+
+
+def running_row(record: Mapping[str, Any], num_ids: int) -> int:
+    """Where in a state layer's block list of ``num_ids`` the running state is: vLLM appends the
+    speculative scratch blocks after it."""
+    spec = int(record.get("facts", {}).get("num_speculative_blocks") or 0)
+    return num_ids - 1 - min(spec, num_ids - 1)
