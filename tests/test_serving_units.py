@@ -397,7 +397,8 @@ def _hit_metrics(hit: float, loaded: float, computed: float) -> dict[str, float]
 ])
 def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit, loaded, computed, ok) -> None:
     srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "answers_decide": True,
-                         "recipe": models.recipe("tiny-llama"), "claimed_loads": lambda self: set(), "loads_since": lambda self, claimed: None})()
+                         "recipe": models.recipe("tiny-llama"), "claimed_loads": lambda self: set(), "loads_since": lambda self, claimed: None,
+                         "reference": lambda self, p, n: check.complete(self.d_url, self.model_dir, p, n)})()
     calls = _fake_engine(monkeypatch, _hit_metrics(hit, loaded, computed))
     prepared = []
     row, refs = check._prefix_row(srv, Case(), "exact", "hit 96+67", list(range(163)), 96, lambda: prepared.append(1))
@@ -417,7 +418,8 @@ def test_a_prefix_row_needs_exactly_ds_hit_and_the_rest_from_p(monkeypatch, hit,
 def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkeypatch, connector, transfers, held,
                                                                           other_differs, ok) -> None:
     srv = type("S", (), {"model_dir": "m", "d_url": "D", "proxy_url": "X", "p_url": "P", "p_urls": ["P"],
-                         "forget_on_decode": lambda self: None, "decode_metrics": lambda self: check.scrape("D")})()
+                         "forget_on_decode": lambda self: None, "decode_metrics": lambda self: check.scrape("D"),
+                         "replay_split": lambda self, p: None})()
     mine, others = [[1, 2], [3, 4], [5, 6]], [[7, 8], [9, 9], [1, 1]]
     first: list[int] = []
 
@@ -447,7 +449,7 @@ def test_parallel_samples_must_be_ds_own_read_once_and_leave_nothing_held(monkey
 ])
 def test_with_a_prefix_cache_the_other_samples_take_the_loaded_blocks_from_it(monkeypatch, connector, hit, ok) -> None:
     srv = SimpleNamespace(model_dir="m", d_url="D", proxy_url="X", p_urls=["P"], forget_on_decode=lambda: None,
-                          decode_metrics=lambda: check.scrape("D"))
+                          decode_metrics=lambda: check.scrape("D"), replay_split=lambda p: None)
     calls = iter([[[1, 2]] * 3, [[1, 2]] * 3, [[7, 7]] * 3])  # D alone, through the proxy, the control
     monkeypatch.setattr(check, "sample_n", lambda *a, **k: next(calls))
     d_metrics = iter([{}, {"vllm:nixlkv_xfer_time_seconds_count": 1.0,
@@ -1008,3 +1010,69 @@ def test_engines_run_without_amx_tiles_unless_the_operator_says_otherwise(tmp_pa
             env[cpu_isa.ENV] = value
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == hidden, (value, out.stderr[-500:])
+
+
+def test_where_p_stops_short_d_alone_replays_the_split_for_its_references(tmp_path, monkeypatch) -> None:
+    # P/D's D decodes from KV of an N - 1-token prefill wherever nixlkv's P stops short: D alone's
+    # reference is then asked the N - 1 tokens first (its prefix cache keeps them), then the prompt
+    assert check.same_split(Case(model="tiny-llama4")) == 1
+    assert check.same_split(Case(model="tiny-gemma3")) == 1
+    assert check.same_split(Case(model="tiny-llama")) == 0  # attention only: P computes the whole prompt
+    assert check.same_split(Case(model="tiny-llama4", connector="vllm")) == 0  # vLLM's P never stops short
+    assert check.same_split(Case(model="tiny-mamba2")) == 0  # D cannot prefix-cache here: no replay
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    srv = check.Servers(Case(model="tiny-llama4"), check.Options(python="python"))
+    assert srv.d_spec.prefix_caching and not srv.p_spec.prefix_caching
+    assert srv.d_spec.environ()["VLLM_SERVER_DEV_MODE"] == "1"
+    timing = check.Servers(Case(model="tiny-llama4"), check.Options(python="python"), references=False)
+    assert not timing.d_spec.prefix_caching and timing.split == 0
+    calls = []
+    monkeypatch.setattr(check, "complete", lambda url, model, prompt, n, **k: calls.append((url, len(prompt), n)) or REF)
+    assert srv.reference(list(range(4, 69)), 12) is REF
+    assert calls == [(srv.d_url, 64, 1), (srv.d_url, 65, 12)]
+    calls.clear()
+    srv.reference([7], 12)  # one token: P leaves it whole to D, which computes it
+    assert calls == [(srv.d_url, 1, 12)]
+    calls.clear()
+    check.Servers(Case(), check.Options(python="python")).reference(list(range(4, 69)), 12)
+    assert [c[1:] for c in calls] == [(65, 12)]
+
+
+def test_a_recipe_that_says_another_split_than_d_computes_stops_the_case(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    srv = check.Servers(Case(model="tiny-llama4"), check.Options(python="python"))
+    asked = []
+    monkeypatch.setattr(check, "complete", lambda url, model, prompt, n, **k: asked.append((url, len(prompt))) or REF)
+    for loaded, ok in ((1, True), (2, False), (0, False)):  # D loads 1 of 2: it computes 1 itself, as the recipe says
+        metrics = iter([{}, {"vllm:nixlkv_loaded_tokens_total": float(loaded)}])
+        monkeypatch.setattr(srv, "decode_metrics", lambda: next(metrics))
+        monkeypatch.setattr(check, "transfer_facts", lambda d: {"loaded_tokens": d.get("vllm:nixlkv_loaded_tokens_total", 0.0)})
+        if ok:
+            srv.check_split()
+        else:
+            with pytest.raises(check.ServeError, match=f"decode_computes is 1, but of a prompt of 2 tokens D loaded "
+                                                       f"{loaded} and computed {2 - loaded} itself"):
+                srv.check_split()
+    assert asked == [(srv.proxy_url, 2)] * 3  # through the proxy, as every P/D request
+
+
+def test_the_swapped_kv_control_is_judged_as_every_row_is(monkeypatch) -> None:
+    # Under the drift rule a row's answer may part from D alone's on the reference's own near-tie and is
+    # then judged against D alone teacher-forced on it: the control must face that same judge, or a
+    # rejection would prove a stricter judge than the one that passes rows.
+    parted = answer([5, 3, 7, 8], [-0.5, -1.1, -0.7, -0.2])  # token 1: D alone's near-tie (3 at -1.1)
+    on_path = answer([5, 3, 7, 8], [-0.5, -1.1, -0.7, -0.2],
+                     [{5: -0.5}, {3: -1.1, 6: -1.0}, {7: -0.7}, {8: -0.2}])
+    asked = []
+    srv = SimpleNamespace(model_dir="m", d_url="D", p_url="P", forget_on_decode=lambda: None,
+                          reference=lambda p, n: REF)
+    monkeypatch.setattr(check, "prefill_on", lambda url, model, prompt: {"remote_request_id": "r"})
+    monkeypatch.setattr(check, "complete", lambda *a, **k: parted)
+    monkeypatch.setattr(check, "scrape", lambda url: {"vllm:nixlkv_xfer_time_seconds_count": 0.0})
+    monkeypatch.setattr(check, "forced", lambda url, model, prompt, ids: asked.append(len(prompt)) or on_path)
+    out = check.run_negative_control(srv, Case(model="tiny-mamba2"), "drift", 32)
+    assert asked == [103, 103]  # both answers, each on its own path
+    assert all(v["ok"] for v in out["verdicts"]) and not out["bites"]  # on that path nothing is wrong
+    monkeypatch.setattr(check, "forced", lambda *a: answer([5, 3, 7, 8], [-0.5, -1.1, -2.7, -0.2]))
+    out = check.run_negative_control(srv, Case(model="tiny-mamba2"), "drift", 32)
+    assert not any(v["ok"] for v in out["verdicts"])  # token 2 is 2.0 off D alone on the answer's path

