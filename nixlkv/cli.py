@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,7 @@ def cmd_serve_check(args: argparse.Namespace) -> int:
                     prefix_caching=args.prefix_caching, prefills=args.prefills, decodes=args.decodes,
                     kv_cache_dtype=args.kv_cache_dtype, p_args=tuple(args.prefill_arg or ()),
                     d_args=tuple(args.decode_arg or ()), kv_both=args.kv_both,
-                    connector_config=tuple(_connector_config(args.connector_config or ())))
+                    connector_config=tuple(_connector_config(args.connector_config or ())), hosts=args.hosts)
         print(f"[serve-check] {case.label}: starting P and D (logs under {opts.work_dir})", file=sys.stderr, flush=True)
         results.append(run_case(case, opts))
     print(to_json(results) if args.json else format_table(results))
@@ -336,7 +337,7 @@ def cmd_serve_matrix(args: argparse.Namespace) -> int:
         opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                        proxy_cmd=args.proxy_cmd, port=args.port, start_timeout_s=args.start_timeout,
                        quick=args.quick)
-        cases = select(default_cases(), args.model, args.shape)
+        cases = [replace(c, hosts=args.hosts) for c in select(default_cases(), args.model, args.shape)]
         connectors = tuple(args.connector or ("nixlkv", "vllm"))
         rows = run_matrix(cases, opts, connectors, after_row=save,
                           progress=lambda m: print(f"[serve-matrix] {m}", file=sys.stderr, flush=True))
@@ -480,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--connector-config", action="append", metavar="KEY=VALUE",
                    help="a kv_connector_extra_config entry for every engine, repeatable (e.g. "
                    "--connector-config descriptor_mode=staged; VALUE is read as JSON where it is JSON)")
+    p.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                   help="netns: P, D and the proxy each on a host of its own (a network namespace the check makes "
+                   "and removes; root), NIXL over TCP between them (docs/serving.md, separate hosts)")
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)
@@ -521,6 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="no run: merge earlier --json-out files into one table")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: both")
     p.add_argument("--quick", action="store_true", help="each case's quick prompt set (as serve-check --quick)")
+    p.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                   help="netns: every cell with P, D and the proxy each on a host of its own (as serve-check --hosts)")
     _serving_args(p)
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json-out", metavar="PATH")

@@ -2,7 +2,9 @@
 client; D's answers from P's KV must equal D's own, token ids and logprobs, and the negative
 control (KV swapped between two prompts) must be rejected. Both engines cache prefixes (vLLM's
 default), so prompts whose prefix D already holds are served too. Both dump every request's blocks
-(``--verify-bytes``): every loaded byte D needs must equal P's. ~1-2 minutes on 2 cores.
+(``--verify-bytes``): every loaded byte D needs must equal P's. P, D and the proxy run on separate
+hosts (``--hosts netns``: network namespaces the check makes, NIXL over TCP between them), and D's
+interface must have received every KV byte it loaded. ~2-4 minutes on 2 cores.
 
 The servers run in the serving environment (``make serve-venv``), named by NIXLKV_SERVE_PYTHON
 (``make test`` sets it) or found at .serve-venv/bin/python. Without it this test fails and says
@@ -35,7 +37,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     py = serve_python()
     work = tmp_path_factory.mktemp("serve")
     cmd = [py, "-m", "nixlkv.cli", "serve-check", "--model", "tiny-llama", "--connector", "nixlkv", "--quick",
-           "--prefix-caching", "--verify-bytes", "--json", "--python", py, "--models-dir", str(work / "models"),
+           "--prefix-caching", "--verify-bytes", "--hosts", "netns", "--json", "--python", py, "--models-dir", str(work / "models"),
            "--work-dir", str(work / "runs"), "--port", "18100", "--start-timeout", "900"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     try:
@@ -106,3 +108,11 @@ def test_negative_control_is_rejected(smoke: dict) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_kv_crossed_the_network_between_hosts(smoke: dict) -> None:
+    """P and D on hosts of their own: every KV byte D loaded arrived through D's interface."""
+    nw = smoke["result"]["network"]
+    assert nw is not None and nw["ok"], nw
+    assert len(set(nw["hosts"].values())) == 3 and "127.0.0.1" not in nw["hosts"].values(), nw
+    assert nw["decode_received_bytes"] >= nw["kv_bytes_loaded"] > 0, nw

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import models
+from . import models, netns
 from .client import (
     Completion, CompletionError, chat, complete, delta, forced, reset_prefix_cache, sample_n, scrape,
     settled_kv_usage,
@@ -46,6 +46,7 @@ from ..vllm.config import ConnectorConfig
 from ..vllm.kvdump import EXPECT_PREFIX, is_state
 
 FIRST_ID = len(models.SPECIAL_TOKENS)  # prompts avoid the special tokens
+HOSTS = ("loopback", "netns")
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,13 @@ class Case:
     kv_both: bool = False  # every engine started with kv_role kv_both (vLLM's own P/D test does): params decide
     # kv_connector_extra_config entries for every engine (e.g. ("descriptor_mode", "staged"))
     connector_config: tuple[tuple[str, Any], ...] = ()
+    # "loopback": every engine and the proxy on this host's 127.0.0.1; "netns": each on a host of its
+    # own (a network namespace the check makes, nixlkv.serving.netns), NIXL's bytes over TCP
+    hosts: str = "loopback"
 
     def __post_init__(self) -> None:
+        if self.hosts not in HOSTS:
+            raise ValueError(f"hosts must be one of {HOSTS}, got {self.hosts!r}")
         for name in ("prefills", "decodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (engines behind the proxy), got {getattr(self, name)}")
@@ -93,7 +99,9 @@ class Case:
         more = "".join(f" {side}[{' '.join(a)}]" for side, a in (("P", self.p_args), ("D", self.d_args)) if a)
         both = " kv_both" if self.kv_both else ""
         cfg = "".join(f" {k}={v}" for k, v in self.connector_config)
-        return f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype}{both}{more}{cfg} {self.connector}"
+        hosts = " netns" if self.hosts == "netns" else ""
+        return (f"{self.model} {ps}P{self.p_tp}->{ds}D{self.d_tp}{blocks}{cached}{dtype}{both}{more}{cfg}{hosts} "
+                f"{self.connector}")
 
 
 @dataclass
@@ -202,6 +210,8 @@ class Result:
     # graded negative controls: one small thing of a load damaged on D, each rejected by the bytes
     controls: list[dict[str, Any]] | None = None
     notes: list[str] = field(default_factory=list)  # what the case did not run, and why
+    # hosts netns: where each engine ran, and D's interface counter against the KV bytes D loaded
+    network: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -213,8 +223,9 @@ class Result:
         bytes_ok = self.bytes is None or self.bytes.get("ok", False)
         staged_ok = self.staged is None or self.staged.get("ok", False)
         controls_ok = self.controls is None or (bool(self.controls) and all(c["bytes_rejected"] for c in self.controls))
+        network_ok = self.network is None or self.network.get("ok", False)
         return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
-            and engines_ok and bytes_ok and staged_ok and controls_ok
+            and engines_ok and bytes_ok and staged_ok and controls_ok and network_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -245,6 +256,11 @@ class Servers:
         dumps = {"dump_kv_dir": str(self.dump_dir), **dict(case.connector_config)} if self.dump_dir else dict(case.connector_config)
         engine_args = ("--kv-cache-dtype", case.kv_cache_dtype) if case.kv_cache_dtype != "auto" else ()
         p_role, d_role = ("kv_both", "kv_both") if case.kv_both else ("kv_producer", "kv_consumer")
+        if case.hosts == "netns" and opts.proxy_cmd:
+            raise ValueError("a proxy of your own (--proxy-cmd) with hosts netns is not supported: the check cannot "
+                             "tell it which address of its host to serve on; run it on loopback")
+        names = ["proxy", *(f"prefill{i}" for i in range(case.prefills)), *(f"decode{i}" for i in range(case.decodes))]
+        self.network = netns.Network(names) if case.hosts == "netns" else None
         self.p_spec = EngineSpec(self.model_dir, p_role, base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  extra_config={**dumps, **(p_extra or {})}, env={**env, **(p_env or {})},
@@ -268,9 +284,20 @@ class Servers:
         extra = [self.p_spec] * (case.prefills - 1) + [self.d_spec] * (case.decodes - 1)
         specs = [replace(spec, port=base + 2 + e, side_channel_port=base + 20 + 10 * e) for e, spec in enumerate(extra, 1)]
         self.more_p_specs, self.more_d_specs = specs[:case.prefills - 1], specs[case.prefills - 1:]
+        if self.network is not None:  # each engine on its own host
+            hosts = self.network.hosts
+            self.p_spec, *self.more_p_specs = [self._placed(spec, hosts[f"prefill{i}"])
+                                               for i, spec in enumerate([self.p_spec, *self.more_p_specs])]
+            self.d_spec, *self.more_d_specs = [self._placed(spec, hosts[f"decode{i}"])
+                                               for i, spec in enumerate([self.d_spec, *self.more_d_specs])]
         self.p: Process | None = None
         self.d: Process | None = None
         self.proxy: Process | None = None
+
+    @staticmethod
+    def _placed(spec: EngineSpec, host: netns.Host) -> EngineSpec:
+        """``spec`` on ``host``: served on its address, started inside it, NIXL held to TCP there."""
+        return replace(spec, host=host.address, enter=tuple(host.wrap([])), env={**spec.env, **netns.UCX_ENV})
 
     @property
     def p_url(self) -> str:
@@ -299,11 +326,17 @@ class Servers:
         return _url(self.d_spec)
 
     @property
+    def proxy_host(self) -> str:
+        return self.network.hosts["proxy"].address if self.network is not None else LOOPBACK
+
+    @property
     def proxy_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.opts.port + 2}"
+        return f"http://{self.proxy_host}:{self.opts.port + 2}"
 
     def start(self) -> dict[str, float]:
         py = self.opts.python
+        if self.network is not None:
+            self.network.make()
         self.p = engine_process("prefill", self.p_spec, py, self.log_dir).start()
         self.more_p = [engine_process(f"prefill{i}", spec, py, self.log_dir).start()
                        for i, spec in enumerate(self.more_p_specs, 1)]
@@ -318,7 +351,9 @@ class Servers:
             self.proxy = custom_proxy_process(self.opts.proxy_cmd, self.p_urls, self.d_urls, self.opts.port + 2, py,
                                               self.log_dir).start()
         else:
-            self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir).start()
+            enter = tuple(self.network.hosts["proxy"].wrap([])) if self.network is not None else ()
+            self.proxy = proxy_process(self.p_urls, self.d_urls, self.opts.port + 2, py, self.log_dir,
+                                       host=self.proxy_host, enter=enter).start()
         ready["proxy"] = self.proxy.wait_ready(60)
         if self.split:
             self.check_split()
@@ -402,9 +437,13 @@ class Servers:
         return proc, proc.wait_ready(self.opts.start_timeout_s)
 
     def stop(self) -> None:
-        for proc in (self.proxy, self.d, *self.more_d, self.p, *self.more_p):
-            if proc is not None:
-                proc.stop()
+        try:
+            for proc in (self.proxy, self.d, *self.more_d, self.p, *self.more_p):
+                if proc is not None:
+                    proc.stop()
+        finally:
+            if self.network is not None:  # the hosts go too, whatever stopped the case
+                self.network.close()
 
     def __enter__(self) -> Servers:
         return self
@@ -439,7 +478,7 @@ def answers_decide(case: Case) -> bool:
 
 
 def _url(spec: EngineSpec) -> str:
-    return f"http://{LOOPBACK}:{spec.port}"
+    return f"http://{spec.host}:{spec.port}"
 
 
 def build_model(name: str, root: Path, python: str) -> Path:
@@ -800,6 +839,8 @@ def run_case(case: Case, opts: Options) -> Result:
                 result.notes.append("the swapped-KV control is not run: its verdict is the answer judge's")
             if srv.dump_dir is not None:
                 result.controls = run_graded_controls(srv, case, rule, block, rec.max_model_len)
+            if srv.network is not None:
+                result.network = crossed_the_network(srv, srv.network)
         if srv.dump_dir is not None:  # every engine stopped: every dump written
             verdict = judge_dir(srv.dump_dir)
             result.bytes = verdict.summary()
@@ -809,6 +850,16 @@ def run_case(case: Case, opts: Options) -> Result:
     result.case["log_dir"] = str(srv.log_dir)
     result.refusal = refusal_in(srv.log_dir / "decode.log")
     return result
+
+
+def crossed_the_network(srv: Servers, network: netns.Network) -> dict[str, Any]:
+    """Separate hosts: every KV byte D loaded reached it through its network interface. Whatever
+    else arrives there too (HTTP, the side channel), D's interface must have received at least the
+    bytes its connector says it read, or they came some other way than across the network."""
+    loaded = int(transfer_facts(srv.decode_metrics()).get("bytes", 0.0))
+    received = sum(network.received_bytes(f"decode{i}") for i in range(srv.case.decodes))
+    return {"hosts": {name: host.address for name, host in network.hosts.items()},
+            "kv_bytes_loaded": loaded, "decode_received_bytes": received, "ok": 0 < loaded <= received}
 
 
 def control_kinds(dump_dir: Path) -> tuple[list[str], dict[str, str]]:
@@ -1002,6 +1053,10 @@ def format_table(results: list[Result]) -> str:
             st = res.staged
             lines.append(f"   staged: {'ok' if st.get('ok') else 'FAIL'} ({st.get('staged_loads', 0):.0f} of "
                          f"{st.get('transfers', 0):.0f} loads of the rows through the staging buffer)")
+        if res.network is not None:
+            nw = res.network
+            lines.append(f"   separate hosts {nw.get('hosts')}: {'ok' if nw.get('ok') else 'FAIL'} (D's interface received "
+                         f"{nw.get('decode_received_bytes', 0):,} bytes, the KV it loaded {nw.get('kv_bytes_loaded', 0):,})")
         lines.append(f"   logs: {res.case.get('log_dir')}")
     return "\n".join(lines)
 

@@ -49,10 +49,12 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     load_failure_policy: str | None = None  # vLLM's kv_load_failure_policy (fail | recompute)
     extra_args: tuple[str, ...] = ()  # further `vllm serve` arguments (a drill's other --kv-cache-dtype)
+    host: str = LOOPBACK  # the address it serves on and advertises to its peers (side channel, NIXL)
+    enter: tuple[str, ...] = ()  # a command prefix that puts it on its host (e.g. ``ip netns exec NS``)
 
     def kv_transfer_config(self) -> dict[str, Any]:
         if self.connector == "nixlkv":
-            extra = {"side_channel_host": LOOPBACK, "side_channel_port": self.side_channel_port,
+            extra = {"side_channel_host": self.host, "side_channel_port": self.side_channel_port,
                      "nixl_progress_delay_us": 1000, **self.extra_config}
             cfg: dict[str, Any] = {"kv_connector": "NixlkvConnector", "kv_connector_module_path": "nixlkv.connector",
                                    "kv_role": self.role, "kv_connector_extra_config": extra}
@@ -67,8 +69,8 @@ class EngineSpec:
 
     def argv(self, python: str) -> list[str]:
         args = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--host", LOOPBACK, "--port", str(self.port), "--block-size", str(self.block_size),
+            *self.enter, python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", self.host, "--port", str(self.port), "--block-size", str(self.block_size),
             "--max-model-len", str(self.max_model_len), "--enforce-eager", "-O0",
             "--tensor-parallel-size", str(self.tp), "--seed", "0",
             "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
@@ -81,11 +83,13 @@ class EngineSpec:
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
             "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         })
         env.setdefault(cpu_isa.ENV, "0")  # vllm-cpu's AMX attention dies on short first batches (cpu_isa)
+        if self.host != LOOPBACK:  # the address vLLM's own processes and its connector advertise
+            env["VLLM_HOST_IP"] = self.host
         if self.tp > 1:  # ranks outnumber this machine's cores: let the OS place them
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.update(self.env)
@@ -177,17 +181,18 @@ class Process:
 
 
 def engine_process(name: str, spec: EngineSpec, python: str, log_dir: Path) -> Process:
-    return Process(name, spec.argv(python), spec.environ(), log_dir / f"{name}.log", f"http://{LOOPBACK}:{spec.port}")
+    return Process(name, spec.argv(python), spec.environ(), log_dir / f"{name}.log", f"http://{spec.host}:{spec.port}")
 
 
-def proxy_process(prefill: list[str], decode: list[str], port: int, python: str, log_dir: Path) -> Process:
-    argv = [python, "-m", "nixlkv.serving.proxy", "--host", LOOPBACK, "--port", str(port)]
+def proxy_process(prefill: list[str], decode: list[str], port: int, python: str, log_dir: Path,
+                  host: str = LOOPBACK, enter: tuple[str, ...] = ()) -> Process:
+    argv = [*enter, python, "-m", "nixlkv.serving.proxy", "--host", host, "--port", str(port)]
     for url in prefill:
         argv += ["--prefill", url]
     for url in decode:
         argv += ["--decode", url]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return Process("proxy", argv, env, log_dir / "proxy.log", f"http://{LOOPBACK}:{port}")
+    return Process("proxy", argv, env, log_dir / "proxy.log", f"http://{host}:{port}")
 
 
 def host_port(url: str) -> tuple[str, int]:

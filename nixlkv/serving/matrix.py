@@ -46,7 +46,8 @@ def select(cases: Iterable[Case], models_: list[str] | None, shapes: list[str] |
 def _shape(case: Case) -> str:
     rec = models.recipe(case.model)
     pb, db = case.p_block or rec.block_size, case.d_block or rec.block_size
-    return f"P{case.p_tp}->D{case.d_tp}" + (f" b{pb}/b{db}" if pb != db else "")
+    hosts = " netns" if case.hosts == "netns" else ""
+    return f"P{case.p_tp}->D{case.d_tp}" + (f" b{pb}/b{db}" if pb != db else "") + hosts
 
 
 def _answers(result: Result) -> dict[str, list[int]]:
