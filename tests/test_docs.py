@@ -1,9 +1,12 @@
 """The docs a user reads: no dead link or anchor, no command that would not parse, no word about how
 the project was made.
 
-Links and anchors are read with markdown-it-py (the CommonMark parser, so links inside code are not
-links) and anchors follow GitHub's heading slugs, the way the pages are read on GitHub. A negative
-control plants a dead link and a dead anchor and requires both to be reported.
+Two checks of links and anchors. `mkdocs build --strict` (mkdocs.yml) builds docs/ as a site and fails
+on a link to a missing page or a missing #anchor between pages. The pages are also read on GitHub,
+whose heading anchors differ from mkdocs' in places, and README.md lies outside docs/: this file's
+own pass reads every link of README.md, CHANGELOG.md and docs/ with markdown-it-py (the CommonMark
+parser, so links inside code are not links) and resolves anchors by GitHub's slug rules. Each check
+has a negative control that plants a dead link and a dead anchor and requires both to be reported.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import unicodedata
 from functools import cache
 from pathlib import Path
@@ -101,6 +107,29 @@ def test_the_check_reports_a_dead_link_and_a_dead_anchor(tmp_path: Path) -> None
     dead = dead_links(page)
     assert len(dead) == 3, dead
     assert dead[0].startswith("missing.md") and "#settings" in dead[1] and "#nowhere" in dead[2]
+
+
+def _mkdocs_strict(root: Path, site: Path) -> subprocess.CompletedProcess:
+    # never --quiet: it hides the warnings that --strict counts, and a dead link would pass
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    out = _mkdocs_strict(ROOT, tmp_path / "site")
+    assert "No module named mkdocs" not in out.stderr, "mkdocs is pinned in requirements/cpu-lock.txt: run `make venv`"
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mkdocs_strict_fails_on_a_dead_link_and_anchor(tmp_path: Path) -> None:
+    """Negative control: the same build over a copy of docs/ with a dead link and a dead anchor."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    with open(tmp_path / "docs" / "deploying.md", "a") as f:
+        f.write("\n[gone](missing-page.md) [renamed](serving.md#no-such-section)\n")
+    out = _mkdocs_strict(tmp_path, tmp_path / "site")
+    assert out.returncode != 0
+    assert "missing-page.md" in out.stderr and "no-such-section" in out.stderr, out.stderr
 
 
 def test_slug_follows_github() -> None:
