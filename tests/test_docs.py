@@ -207,6 +207,28 @@ def test_every_command_shown_parses(page: Path) -> None:
     assert {"nixlkv", "vllm", "proxy"} <= seen
 
 
+def test_every_nixlkv_command_in_the_docs_parses() -> None:
+    """Every `nixlkv ...` line of any page's code blocks (also `.venv/bin/nixlkv`, `$ nixlkv`) is
+    accepted by the CLI: a renamed flag cannot stay in a page."""
+    from nixlkv.cli import build_parser
+
+    bad, count = [], 0
+    for page in PAGES:
+        for tok in _MD.parse(page.read_text(encoding="utf-8")):
+            if tok.type != "fence":
+                continue
+            for line in re.sub(r"\\\n\s*", " ", tok.content).splitlines():
+                line = line.strip().removeprefix("$ ")
+                if not re.match(r"^(\S*/)?nixlkv\s", line):
+                    continue
+                count += 1
+                try:
+                    build_parser().parse_args(shlex.split(line, comments=True)[1:])
+                except SystemExit:
+                    bad.append(f"{page.relative_to(ROOT)}: {line}")
+    assert count > 20 and bad == []
+
+
 def test_readme_keeps_the_two_commands_ci_runs() -> None:
     """.ci/run runs `make test`, the README's test command; `make rehearse` is the main job."""
     text = (ROOT / "README.md").read_text()
