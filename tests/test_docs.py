@@ -229,6 +229,27 @@ def test_every_nixlkv_command_in_the_docs_parses() -> None:
     assert count > 20 and bad == []
 
 
+def test_readme_figures_are_those_of_the_committed_json() -> None:
+    """The README's measured table quotes docs/comparison.json (`make compare`) and
+    docs/performance-quick.json (`nixlkv bench --quick --json`): regenerating either without the
+    README fails here, so no figure of the front door is typed by hand and left behind."""
+    text = (ROOT / "README.md").read_text()
+    rows = json.loads((ROOT / "docs" / "comparison.json").read_text())["rows"]
+    moved = [r for r in rows if r["expect"] == "ok"]
+    refused = [r for r in rows if r["expect"] != "ok"]
+    assert all(r["nixlkv"]["outcome"] == "byte-exact" for r in moved)
+    assert all(r["nixlkv"]["outcome"] == "rejected" for r in refused)
+    vllm = {k: sum(r["vllm"]["outcome"] == k for r in moved) for k in ("byte-exact", "wrong-bytes", "rejected", "not-run")}
+    assert f"| {len(rows)} scenarios (" in text
+    assert f"byte-exact on all {len(moved)} it should move; the {len(refused)} it must refuse, refused" in text
+    assert (f"of those {len(moved)}: {vllm['byte-exact']} byte-exact, {vllm['wrong-bytes']} wrong bytes, "
+            f"{vllm['rejected']} refused, {vllm['not-run']} not run") in text
+    quick = json.loads((ROOT / "docs" / "performance-quick.json").read_text())
+    assert f"{quick['plan_us_ours_p50']:.1f} µs p50 (**{quick['plan_time_ratio_vs_vllm']:.2f}×**)" in text
+    assert f"{quick['plan_us_vllm_p50']:.1f} µs p50" in text
+    assert f"**{quick['nixl_vs_ceiling_hetero']:.2f}** of the ceiling" in text
+
+
 def test_readme_keeps_the_two_commands_ci_runs() -> None:
     """.ci/run runs `make test`, the README's test command; `make rehearse` is the main job."""
     text = (ROOT / "README.md").read_text()
