@@ -250,6 +250,28 @@ def test_readme_figures_are_those_of_the_committed_json() -> None:
     assert f"**{quick['nixl_vs_ceiling_hetero']:.2f}** of the ceiling" in text
 
 
+def test_performance_headline_is_the_committed_quick_run() -> None:
+    """docs/performance.md's headline table states what docs/performance-quick.json holds (the saved
+    `nixlkv bench --quick --json`): a new quick run without the table, or the reverse, fails here."""
+    quick = json.loads((ROOT / "docs" / "performance-quick.json").read_text())
+    rows = {m.group(1): line for line in (ROOT / "docs" / "performance.md").read_text().splitlines()
+            if (m := re.match(r"^\| `([a-z0-9_]+)`", line))}
+    shown = {
+        "plan_time_ratio_vs_vllm": "{:.2f}", "plan_time_ratio_vs_vllm_fragmented": "{:.2f}",
+        "plan_time_ratio_vs_vllm_equal_tp": "{:.2f}", "descs_ratio_vs_vllm_hetero": "{:.2f}",
+        "descs_ratio_vs_vllm_hetero_staged": "{:.4f}", "registered_ratio_vs_vllm_4_engines_hetero": "{:.2f}",
+        "handshake_ratio_vs_vllm_hetero": "{:.2f}", "handshake_other_blocks_ratio_vs_vllm_hetero": "{:.2f}",
+        "handshake_first_ratio_vs_vllm_hetero": "{:.2f}", "handshake_ratio_vs_vllm_equal_tp": "{:.2f}",
+        "nixl_vs_memcpy": "{:.2f}", "nixl_vs_memcpy_hetero": "{:.2f}", "nixl_vs_ceiling_hetero": "{:.2f}",
+        "choose_us_hetero_p50": "{:.1f} µs",
+    }
+    wrong = {key: (fmt.format(quick[key]), rows.get(key)) for key, fmt in shown.items()
+             if key not in rows or fmt.format(quick[key]) not in rows[key]}
+    assert wrong == {}
+    plan = rows["plan_time_ratio_vs_vllm"]
+    assert f"{quick['plan_us_ours_p50']:.1f} µs / {quick['plan_us_vllm_p50']:.1f} µs p50" in plan
+
+
 def test_readme_keeps_the_two_commands_ci_runs() -> None:
     """.ci/run runs `make test`, the README's test command; `make rehearse` is the main job."""
     text = (ROOT / "README.md").read_text()
