@@ -1,4 +1,4 @@
-"""``nixlkv strategies | explain | rehearse | compare | bench``."""
+"""The ``nixlkv`` command: plan, prove, serve and measure (``nixlkv --help``; commands grouped in COMMANDS)."""
 
 from __future__ import annotations
 
@@ -153,12 +153,19 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         print(f"  decode rank {d['local_rank']}: reads prefill ranks {d['read_ranks']}, "
               f"{len(d['segments'])} segments, strategies {sorted({g['strategy'] for g in d['groups']})}")
     if result.outcome == "byte-exact":
-        gbps = result.bytes_moved / result.transfer_seconds / 1e9 if result.transfer_seconds else 0.0
-        print(f"moved {result.bytes_moved} bytes in {result.descriptors} descriptors / {result.reads} READs "
-              f"in {result.transfer_seconds * 1e3:.1f} ms ({gbps:.2f} GB/s); notifications {result.notifications}")
+        # What was proven, not a speed: this one request's READs include NIXL's set-up, so a GB/s from them
+        # would say nothing about the transport (nixlkv bench measures a warm one beside a memcpy).
+        where = "; ".join(f"D{d['local_rank']} <- {', '.join(f'P{r}' for r in d['read_ranks'])}"
+                          for d in result.plans)
+        print(f"moved {result.bytes_moved} bytes of the request's KV over real NIXL ({where}) in "
+              f"{result.descriptors} descriptors / {result.reads} READs; prefill ranks notified "
+              f"{result.notifications}")
         print(f"descriptor mode {result.descriptor_mode}: ran as {result.modes} per decode rank; "
               f"NIXL posted {result.posted_descriptors} descriptors after its merge")
-        print(f"byte-exact: {result.message}")
+        print(f"byte-exact: {result.message}: every byte of every decode rank's cache equals what P's pattern "
+              f"puts there (the request's blocks) or was left untouched (everything else)")
+        print("no speed shown: one request's first READs time NIXL's set-up, not the transport; "
+              "warm GB/s beside a same-run memcpy: nixlkv bench --quick (docs/performance.md)")
     else:
         print(f"{result.outcome}: {result.message}")
     return 0 if result.ok else 1
@@ -382,17 +389,81 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
                    "--prefiller-ports {prefill_ports} --decoder-hosts {decode_hosts} --decoder-ports {decode_ports}\"")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nixlkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("strategies", help="installed strategies, the spec types each serves, where it comes from")
+# What a user wants -> the commands that do it, each with its one-line summary and the page that explains
+# it (`nixlkv --help` prints this table; each command's --help names its page; tests/test_cli_help.py
+# checks every page exists).
+COMMANDS: dict[str, list[tuple[str, str, str]]] = {
+    "plan (offline, no engines)": [
+        ("strategies", "installed strategies, the spec types each serves, where it comes from", "docs/spec-types.md"),
+        ("explain", "the transfer plan of a scenario, per decode rank: what moves where", "docs/architecture.md"),
+    ],
+    "prove (real NIXL, fabricated engines, every byte checked)": [
+        ("rehearse", "run a scenario through real NIXL and check every byte of D against P",
+         "docs/scenarios.md"),
+        ("compare", "nixlkv and vLLM 0.33's NixlConnector over a directory of scenarios: one table",
+         "docs/comparison.md"),
+    ],
+    "serve (real vLLM servers, proxy and client)": [
+        ("serve-check", "real P and D vLLM servers, proxy and client: D's KV checked byte for byte against P's, "
+         "D's answers judged against D computing the prompts itself", "docs/serving.md"),
+        ("serve-drill", "failures in real serving: P killed while D waits, P restarted on the same port, a decode "
+         "that never came, the same params twice, clients that hang up, D short of KV blocks, P with another "
+         "--kv-cache-dtype", "docs/serving.md"),
+        ("serve-matrix", "serve-check over every tiny model, TP pair and block-size pair, both connectors side by "
+         "side", "docs/serving.md"),
+        ("capture", "start real vLLM engines (one per TP size) that write the KV cache geometry they built; write a "
+         "scenario per P/D pair of them that the rehearsal replays and checks", "docs/scenarios.md"),
+    ],
+    "measure (timings: ratios within one run)": [
+        ("bench", "nixlkv against vLLM 0.33's own planner: planning time, descriptors, NIXL GB/s beside a memcpy",
+         "docs/performance.md"),
+        ("bench-handshake", "the longest decode-engine step while it handshakes a new prefill engine, against the "
+         "NIXL work the handshake does (fabricated engines, real NIXL)", "docs/performance.md"),
+        ("bench-settings", "NIXL progress threads and telemetry (nixlkv's defaults vs vLLM's) measured on the "
+         "connector's READ path (fabricated engines, real NIXL)", "docs/configuration.md"),
+        ("serve-bench", "serving performance, nixlkv vs vLLM's NixlConnector in one run: TTFT through the proxy, "
+         "D's transfer time, throughput under a concurrent load (ratios)", "docs/serving.md"),
+    ],
+}
+COMMAND_DOCS = {name: (summary, page) for group in COMMANDS.values() for name, summary, page in group}
+
+
+def _short(summary: str) -> str:
+    for stop in (":", ";", ", against", " ("):
+        summary = summary.split(stop)[0]
+    return summary
+
+
+def _overview() -> str:
+    lines = ["KV-cache transfer plans for vLLM prefill/decode serving over NIXL. Start at README.md; "
+             "deploying with vLLM: docs/deploying.md.", ""]
+    for group, cmds in COMMANDS.items():
+        lines.append(f"{group}:")
+        for name, summary, page in cmds:
+            lines.append(f"  {name:<16} {_short(summary)} ({page})")
+        lines.append("")
+    lines.append("`nixlkv COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def _command(sub: Any, name: str) -> argparse.ArgumentParser:
+    summary, page = COMMAND_DOCS[name]
+    # no help= on purpose: the overview above lists the commands grouped, argparse's own list would not
+    return sub.add_parser(name, description=f"{summary}. Explained in {page}.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nixlkv", description=_overview(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _command(sub, "strategies")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_strategies)
-    p = sub.add_parser("explain", help="the transfer plan of a scenario, per decode rank")
+    p = _command(sub, "explain")
     p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
-    p = sub.add_parser("rehearse", help="run a scenario through real NIXL and check every byte")
+    p = _command(sub, "rehearse")
     p.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("--plans", action="store_true", help="include the full plans in the --json output (needs --json)")
@@ -402,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="how READs are posted: the plan's descriptors, whole pages through a staging buffer, "
                         "or chosen per request (default)")
     p.set_defaults(func=cmd_rehearse)
-    p = sub.add_parser("compare", help="nixlkv and vLLM 0.33's NixlConnector over a directory of scenarios: one table")
+    p = _command(sub, "compare")
     p.add_argument("--scenarios", required=True, help="directory of scenario files (YAML or JSON)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the Markdown table")
     p.add_argument("--markdown", metavar="PATH", help="also write the Markdown table to PATH")
@@ -410,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "writes there, unlike stdout")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per vLLM scenario before it counts as a hang")
     p.set_defaults(func=cmd_compare)
-    p = sub.add_parser("bench", help="nixlkv against vLLM 0.33's own planner: planning time, descriptors, NIXL GB/s")
+    p = _command(sub, "bench")
     p.add_argument("--quick", action="store_true", help="Llama-8B-like subset (under ~3 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (headline keys first)")
     p.add_argument("--no-transfer", action="store_true", help="planning only: no NIXL transfers, no memcpy")
@@ -425,16 +496,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the result tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="also write a PNG of planning time and descriptors vs prompt length")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("bench-handshake", help="the longest decode-engine step while it handshakes a new prefill "
-                       "engine, against the NIXL work the handshake does (fabricated engines, real NIXL)")
+    p = _command(sub, "bench-handshake")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--p-tp", type=int, default=2)
     p.add_argument("--d-tp", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="handshakes measured (a fresh decode engine each)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_handshake)
-    p = sub.add_parser("bench-settings", help="NIXL progress threads and telemetry (nixlkv's defaults vs vLLM's) "
-                       "measured on the connector's READ path (fabricated engines, real NIXL)")
+    p = _command(sub, "bench-settings")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--p-tp", type=int, default=1)
     p.add_argument("--d-tp", type=int, default=1)
@@ -443,8 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--progress-delay-us", type=int, default=1000)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_settings)
-    p = sub.add_parser("serve-check", help="real P and D vLLM servers, proxy and client: D's answers from P's KV "
-                       "judged against D computing the prompts itself (docs/serving.md)")
+    p = _command(sub, "serve-check")
     p.add_argument("--model", default="tiny-llama", help="a tiny model recipe (nixlkv.serving.models.RECIPES)")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"),
                    help="nixlkv's NixlkvConnector or vLLM's NixlConnector (repeatable; default nixlkv)")
@@ -487,9 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_check)
-    p = sub.add_parser("serve-drill", help="failures in real serving: P killed while D waits, P restarted on the "
-                       "same port, a decode that never came, the same params twice, clients that hang up, D short of KV "
-                       "blocks, P with another --kv-cache-dtype (docs/serving.md)")
+    p = _command(sub, "serve-drill")
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
     p.add_argument("--policy", action="append", choices=("recompute", "fail"),
@@ -504,8 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_drill)
-    p = sub.add_parser("serve-bench", help="serving performance, nixlkv vs vLLM's NixlConnector in one run: TTFT "
-                       "through the proxy, D's transfer time, throughput under a concurrent load (ratios)")
+    p = _command(sub, "serve-bench")
     p.add_argument("--model", action="append", help="tiny model(s) (default tiny-llama)")
     p.add_argument("--p-tp", type=int, default=1)
     p.add_argument("--d-tp", type=int, default=1)
@@ -517,8 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_bench)
-    p = sub.add_parser("serve-matrix", help="serve-check over every tiny model, TP pair and block-size pair, both "
-                       "connectors side by side (docs/serving.md)")
+    p = _command(sub, "serve-matrix")
     p.add_argument("--model", action="append", help="only these models (repeatable)")
     p.add_argument("--shape", action="append", help="only this shape, exactly, e.g. 'P1->D1', 'P2->D1', "
                    "'P1->D1 b32/b64' (repeatable)")
@@ -532,14 +596,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json-out", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_matrix)
-    p = sub.add_parser("capture", help="start real vLLM engines (one per TP size) that write the KV cache geometry "
-                       "they built; write a scenario per P/D pair of them that the rehearsal replays and checks")
+    p = _command(sub, "capture")
     p.add_argument("--model", action="append", help="tiny model(s) (default: every model of the serving matrix)")
     p.add_argument("--tp", type=int, action="append", help="TP sizes to capture (repeatable; default 1 and 2)")
     p.add_argument("--block-size", type=int, help="--block-size of the engines (default: the model's)")
     p.add_argument("--out", default="tests/scenarios", help="where the scenarios are written")
     _serving_args(p)
     p.set_defaults(func=cmd_capture)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "plans", False) and not args.json:
         parser.error("--plans needs --json")

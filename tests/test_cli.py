@@ -47,6 +47,10 @@ def test_rehearse_default_scenario_is_byte_exact() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "byte-exact" in out.stdout
     assert "decode rank 1: reads prefill ranks [2, 3]" in out.stdout
+    # it says what was proven and where the bytes went, never a speed timed with NIXL's set-up
+    assert "(D0 <- P0, P1; D1 <- P2, P3)" in out.stdout
+    assert "every byte of every decode rank's cache" in out.stdout
+    assert "GB/s (" not in out.stdout and "nixlkv bench" in out.stdout
 
 
 @pytest.mark.nixl

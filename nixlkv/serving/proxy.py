@@ -143,13 +143,17 @@ class Proxy:
         return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nixlkv-proxy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", action="append", required=True, help="prefill engine URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="decode engine URL (repeatable)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, default=8000)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # a client that hangs up cancels its handler, which closes the upstream request: the engine then
     # aborts it (P prefilling, D loading or decoding) instead of computing for nobody
