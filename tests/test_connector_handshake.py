@@ -317,6 +317,18 @@ def test_side_channel_round_trip_and_timeout() -> None:
     assert time.monotonic() - t0 < 2
 
 
+def test_an_unanswered_handshake_names_the_prefill_engines_settings() -> None:
+    # A wrong side_channel_host or a closed port reaches D only as silence: the error must say which
+    # of P's settings to fix, and single out a loopback address (P reachable from its own host only)
+    from nixlkv.vllm import handshake as hs
+
+    loop = hs.unanswered("127.0.0.1", 5600, 2.0)
+    assert "127.0.0.1:5600 within 2.0 s" in loop and "loopback" in loop and "side_channel_host" in loop
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in loop and "localhost" in hs.unanswered("localhost", 1, 1.0).split(":", 1)[1]
+    far = hs.unanswered("10.0.0.7", 5600, 2.0)
+    assert "loopback" not in far and "side_channel_host (10.0.0.7)" in far and "side_channel_port (5600) is open" in far
+
+
 def test_invalid_utf8_in_any_string_is_a_handshake_error() -> None:
     """A msgpack str holding invalid UTF-8 (was UnicodeDecodeError out of decode_reply)."""
     from nixlkv.core.errors import HandshakeError

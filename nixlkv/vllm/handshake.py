@@ -373,6 +373,25 @@ class SideChannelServer:
         self._ctx.term()
 
 
+LOOPBACK_NAMES = ("localhost", "::1", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in LOOPBACK_NAMES
+
+
+def unanswered(host: str, port: int, timeout_s: float) -> str:
+    """Why a handshake went unanswered, in the settings a deployer fixes: the prefill engine's
+    ``side_channel_host`` and ``side_channel_port`` are what it publishes to D (``remote_host``,
+    ``remote_port``), so a wrong one reaches D only as silence."""
+    where = (f"{host} is a loopback address: the prefill engine advertised its side channel on its own "
+             f"host only; set its side_channel_host (or VLLM_NIXL_SIDE_CHANNEL_HOST) to an address this "
+             f"decode engine reaches") if is_loopback(host) else (
+             f"check that the prefill engine's side_channel_host ({host}) is an address this decode engine "
+             f"reaches, that its side_channel_port ({port}) is open between them, and that the prefill engine runs")
+    return f"no handshake answer from the prefill engine's side channel {host}:{port} within {timeout_s} s: {where}"
+
+
 def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
     """One handshake request; HandshakeError when nobody answers in ``timeout_s``."""
     import zmq
@@ -390,7 +409,7 @@ def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
             sock.send(msgspec.msgpack.encode(Request(SCHEMA_VERSION)))
             raw = sock.recv()
         except zmq.Again:
-            raise HandshakeError(f"no handshake answer from {host}:{port} within {timeout_s} s") from None
+            raise HandshakeError(unanswered(host, port, timeout_s)) from None
         if not raw:
             raise HandshakeError(f"{host}:{port} refused the handshake request")
         return raw
