@@ -240,6 +240,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_handshake(args: argparse.Namespace) -> int:
+    if args.whole:
+        from .bench import first_handshake
+
+        out = first_handshake.run(layers=args.layers, p_tp=args.p_tp, d_tp=args.d_tp, reps=args.reps)
+        print(json.dumps(out, indent=1) if args.json else first_handshake.markdown(out))
+        return 0
     from .bench.stall import markdown, run
 
     out = run(layers=args.layers, p_tp=args.p_tp, d_tp=args.d_tp, reps=args.reps)
@@ -501,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p-tp", type=int, default=2)
     p.add_argument("--d-tp", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="handshakes measured (a fresh decode engine each)")
+    p.add_argument("--whole", action="store_true",
+                   help="the whole first handshake as D feels it (first request to loaded, less a later "
+                   "request), nixlkv against vLLM's NixlConnector in one run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_handshake)
     p = _command(sub, "bench-settings")
