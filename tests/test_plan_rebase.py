@@ -342,7 +342,7 @@ def test_what_a_decode_rank_covers_and_reads_is_remembered_per_geometry_and_tp_s
 
 
 def test_same_partition_means_equal_bases_in_the_same_places() -> None:
-    from nixlkv.core.plan import _same_partition
+    from nixlkv.core.plan_reuse import _same_partition
 
     class Cols:
         def __init__(self, bases):

@@ -30,7 +30,7 @@ from .wire import ColumnLayout, ColumnRegions, ParsedRegions, parse_columnar, pa
 __all__ = [  # the regions' names too: where a geometry's parts were always imported from
     "ADDRESS_LIMIT", "COL_BASE", "COL_BLOCKS", "COL_DEVICE", "COL_END", "COL_GROUP", "COL_PAGE", "COL_STRIDE",
     "LayerCache", "PageLayout", "PagePart", "RankGeometry", "Region", "Segment", "check_groups_disjoint",
-    "counted_in", "counted_out", "first_outside_memory", "geometry_key",
+    "check_registered", "counted_in", "counted_out", "first_outside_memory", "geometry_key",
 ]
 
 
@@ -349,6 +349,19 @@ def first_outside_memory(geometry: RankGeometry) -> int | None:
     except _OutsideMemory as outside:
         return outside.index
     return None
+
+
+def check_registered(geometry: RankGeometry) -> None:
+    """Every region of ``geometry`` lies inside one of its registered memory ranges (checked once
+    per geometry: a geometry is immutable; a handshake's check counts); PlanValidationError naming
+    the first that does not."""
+    i = first_outside_memory(geometry)
+    if i is not None:
+        region = geometry.regions[i]
+        raise PlanValidationError(
+            f"region {region.name!r} of engine {geometry.engine_id!r} rank {geometry.tp_rank} spans "
+            f"[{region.base:#x}, {region.end:#x}), outside every registered memory range"
+        )
 
 
 def _first_outside(geometry: RankGeometry) -> int | None:
