@@ -21,7 +21,7 @@ from nixlkv.bench.run import fewer_blocks as rank_with_fewer_blocks, other_engin
 from nixlkv.bench.shapes import DEEPSEEK_MLA, LLAMA_8B, Case, block_ids, fabricate_rank
 from nixlkv.core import Dispatcher, IncompatibleGeometry, PlanError, PlanValidationError, RankGeometry
 from nixlkv.core import dispatcher as dispatcher_module
-from nixlkv.core.geometry import ColumnRegions
+from nixlkv.core.wire import ColumnRegions
 from test_faults import dispatcher_with
 from test_plan_by_geometry import SMALL, Counting, CountingPerLayer, parsed, ranks
 from test_plan_memo import columnar, same_plan
@@ -342,7 +342,7 @@ def test_what_a_decode_rank_covers_and_reads_is_remembered_per_geometry_and_tp_s
 
 
 def test_same_partition_means_equal_bases_in_the_same_places() -> None:
-    from nixlkv.core.plan import _same_partition
+    from nixlkv.core.plan_reuse import _same_partition
 
     class Cols:
         def __init__(self, bases):
@@ -406,7 +406,7 @@ class LyingInt(int):
 
 def test_a_remembered_class_description_is_matched_with_its_types() -> None:
     from nixlkv.core import HandshakeError
-    from nixlkv.core import geometry as geometry_module
+    from nixlkv.core import wire as geometry_module  # the parse memos, in the wire codec's module
 
     d = Dispatcher.from_plugins()
     _, remote = ranks(d, SMALL, 1, 1)
@@ -448,7 +448,7 @@ def test_class_firsts_name_each_class_first_region(num_classes: int) -> None:
 
 def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs() -> None:
     from nixlkv.core import HandshakeError
-    from nixlkv.core import geometry as geometry_module
+    from nixlkv.core import wire as geometry_module  # the parse memos, in the wire codec's module
 
     d = Dispatcher.from_plugins()
     _, remote = ranks(d, SMALL, 2, 1)
@@ -494,7 +494,7 @@ def test_a_remembered_layout_parses_as_a_first_one_and_still_checks_what_differs
 def test_an_engine_with_other_block_counts_parses_from_the_remembered_shape_as_a_first_one() -> None:
     """An engine of a layout met before whose memory holds other block counts sends the same
     shape: its layout is the remembered one recounted, and parses exactly as a cold parse would."""
-    from nixlkv.core import geometry as geometry_module
+    from nixlkv.core import wire as geometry_module  # the parse memos, in the wire codec's module
 
     d = Dispatcher.from_plugins()
     _, remote = ranks(d, SMALL, 2, 1)
@@ -519,7 +519,7 @@ def test_an_engine_with_other_block_counts_parses_from_the_remembered_shape_as_a
 def test_a_recounted_layout_keys_every_class_with_its_new_count_as_a_cold_parse_does() -> None:
     """The hybrid's three classes (two Mamba, one attention): a recounted layout's layout key
     (each class's key with its own new count) and shape key equal a cold parse's."""
-    from nixlkv.core import geometry as geometry_module
+    from nixlkv.core import wire as geometry_module  # the parse memos, in the wire codec's module
 
     d = Dispatcher.from_plugins()
     _, remote, _ = hybrid_setup(Case(NEMOTRON_H_8B, 4, 2, 8192, "contiguous"), d)
@@ -544,7 +544,7 @@ def test_a_remembered_shape_refuses_the_block_counts_a_first_parse_refuses() -> 
     """A count the remembered shape cannot take is parsed as a first, and refused naming it:
     none, a bool or a float, a span past any address, pages wider than the stride they step by."""
     from nixlkv.core import HandshakeError
-    from nixlkv.core import geometry as geometry_module
+    from nixlkv.core import wire as geometry_module  # the parse memos, in the wire codec's module
 
     d = Dispatcher.from_plugins()
     _, remote = ranks(d, SMALL, 1, 1)
@@ -576,7 +576,8 @@ def test_forget_handshakes_empties_every_process_wide_memo_a_handshake_fills() -
     """The bench times a layout's first handshake after forget_handshakes(): every memo a parse
     or a plan fills in the process (not only the dispatcher's) must be empty then, or the
     first handshake it reports would be a warm one."""
-    from nixlkv.core import byte_runs, geometry, topology
+    from nixlkv.core import byte_runs, topology
+    from nixlkv.core import wire as geometry  # the parse memos, in the wire codec's module
     from nixlkv.core.dispatcher import forget_handshakes
 
     memos = lambda: (len(geometry._DESCRIBED), len(geometry._LAYOUTS), len(geometry._SHAPED),  # noqa: E731

@@ -15,9 +15,10 @@ from .errors import (
     RequestError,
     StrategyConflict,
 )
-from .geometry import LayerCache, PageLayout, PagePart, RankGeometry, Region, Segment
+from .geometry import RankGeometry
 from .hookspecs import hookimpl, hookspec
 from .plan import TransferPlan
+from .regions import LayerCache, PageLayout, PagePart, Region, Segment
 from .registry import StrategyRegistry, plugin_manager
 from .request_ids import IdScratch, ReadOp, ResolvedRequest
 from .strategy import OwnedTail, RunningState, Strategy, check_owned, tail_aligned

@@ -5,8 +5,8 @@ tokens); :func:`box_copy_runs` turns that box into the contiguous byte runs
 ``(local offset, remote offset, nbytes)`` a copy moves, offsets within one block's page. The plan
 adds the block (``region.base + block * block_stride + offset``, :mod:`nixlkv.core.plan`).
 
-Pages are row-major named axes (:class:`~nixlkv.core.geometry.PageLayout`), or declared parts of
-them where a kernel writes bytes in its own order (:class:`~nixlkv.core.geometry.PagePart`).
+Pages are row-major named axes (:class:`~nixlkv.core.regions.PageLayout`), or declared parts of
+them where a kernel writes bytes in its own order (:class:`~nixlkv.core.regions.PagePart`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .errors import IncompatibleGeometry
-from .geometry import PageLayout, PagePart
+from .regions import PageLayout, PagePart
 
 MAX_RUNS_PER_BOX = 1 << 16
 SMALL_BOX = 256  # runs per part below which a box is computed without numpy

@@ -12,13 +12,16 @@ import pluggy
 
 from .byte_runs import forget_copy_runs
 from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
-from .geometry import (COL_BLOCKS, COL_GROUP, LayerCache, RankGeometry, Region, Segment, counted_out,
-                       forget_parsed)
+from .geometry import RankGeometry
 from .memo import remember
-from .plan import GroupPairing, PairingLayers, SegmentTable, TransferPlan, prepare_local
+from .plan import GroupPairing, TransferPlan, prepare_local
+from .plan_reuse import PairingLayers
+from .regions import COL_BLOCKS, COL_GROUP, LayerCache, Region, Segment, counted_out
 from .registry import StrategyRegistry, plugin_manager
+from .segment_table import SegmentTable
 from .strategy import Strategy, declared_pairing
 from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks, head_sources
+from .wire import forget_parsed
 
 Unwrap = Callable[[Any, str], Any]
 MAX_UNWRAP_DEPTH = 8

@@ -45,6 +45,9 @@ class TailFacts(NamedTuple):
 # Measured with `nixlkv bench --quick --no-transfer`, before and after, alternated in one run:
 # with the constructors, per-request planning at P4->D2 8k went from 0.317-0.324 to 0.336-0.359
 # of vLLM's (about 3 us of 60), beyond the run's spread; with these, 0.302-0.326 (docs/performance.md).
+# Measured again (2026-11-27, six alternated runs each, 2-core VM loaded by a serving job): main
+# 0.308-0.327 (median 0.320), slot setters 0.317-0.323 (0.318), constructors 0.322-0.334 (0.327);
+# fragmented ids 0.307-0.321, 0.296-0.327 and 0.324-0.347: the constructors stay out.
 _READ_OP_FIELDS = tuple(getattr(ReadOp, name).__set__ for name in ReadOp.__slots__)
 _RESOLVED_FIELDS = tuple(getattr(ResolvedRequest, name).__set__ for name in ResolvedRequest.__slots__)
 

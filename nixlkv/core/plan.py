@@ -9,8 +9,6 @@ blocks of a whole-page segment are adjacent on both sides and NIXL merges them.
 
 from __future__ import annotations
 
-import copy
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -19,13 +17,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import fast_path
-from .errors import PlanError, PlanValidationError, RequestError
+from .errors import PlanValidationError, RequestError
 from .fast_path import TailFacts
-from .geometry import (COL_BASE, COL_BLOCKS, COL_PAGE, RankGeometry, Region, Segment, check_groups_disjoint,
-                       first_outside_memory)
+from .geometry import RankGeometry, check_groups_disjoint, check_registered, first_outside_memory
+from .plan_reuse import PairingLayers, ReusablePlan
+from .regions import COL_BASE, COL_PAGE, Region, Segment
 from .request_ids import (IdScratch, ReadOp, ResolvedRequest, as_ids, check_bounds, expand_ids, group_ids, largest,
                           row_index)
-from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy, declared_pairing
+from .segment_table import SegmentTable
+from .strategy import DeclaredPairing, OwnedTail, RunningState, Strategy
 from .token_blocks import PHASE_ZERO
 
 
@@ -41,26 +41,6 @@ class GroupPairing:
     local_region: Region  # a representative region of the group on each side, for pair_blocks
     remote_region: Region
     declared: DeclaredPairing | None = None  # the strategy's declared pairing, applied by the core (Strategy.block_pairing)
-
-
-@dataclass(frozen=True)
-class PairingLayers:
-    """Where the regions of each pairing's layers sit on each source rank, pairing by pairing:
-    what a pairing's remote bound (the least block count over them) is read from, for the
-    engine planned with or for another of its shape (:meth:`TransferPlan.recounted`)."""
-
-    peers: tuple[np.ndarray | slice, ...]  # per source rank position: its region indices, grouped by pairing
-    starts: np.ndarray  # where each pairing's indices start
-
-    def remote_bounds(self, ranks: Sequence[RankGeometry]) -> list[int]:
-        """Per pairing, the least block count over its regions on every one of ``ranks``."""
-        least = None
-        for g, idx in zip(ranks, self.peers):
-            blocks = g.columns[idx, COL_BLOCKS]
-            least = blocks if least is None else np.minimum(least, blocks)
-        if least is None:
-            return []
-        return np.minimum.reduceat(least, self.starts).tolist()
 
 
 class ReadEntry(NamedTuple):
@@ -94,116 +74,7 @@ SMALL_CHECK = 64  # segments to check below which a loop beats numpy's per-call 
 SMALL_IDS = 8  # paired ids per group below which bounds are checked in Python
 
 
-@dataclass(frozen=True)
-class SegmentTable:
-    """Every layer's segments as int64 columns (one entry per segment, in layer order): built by
-    the dispatcher from one template per distinct layer geometry, so a plan never loops over
-    layers in Python to check or lay out its descriptors."""
-
-    local_idx: np.ndarray  # index into the local geometry's regions
-    rank_pos: np.ndarray  # index into the plan's source ranks (TransferPlan.sources)
-    remote_idx: np.ndarray  # index into that remote rank's regions
-    local_offset: np.ndarray
-    remote_offset: np.ndarray
-    nbytes: np.ndarray
-    phase: np.ndarray
-    key: np.ndarray  # the pairing (local group, remote group, strategy) the segment belongs to
-    # Segments whose checks stand for all: each class's first layer where a class's segments name
-    # only its own layer's regions (every layer of it then has the same offsets and sizes over
-    # pages of the same sizes), every segment of any other class.
-    check_idx: np.ndarray
-    # Where every class's segments name only its own layer's regions: per layer, its class and
-    # first segment, and per remote rank each layer's peer index (None: the layer's own index).
-    layer_class: np.ndarray | None = None
-    layer_start: np.ndarray | None = None
-    peer_idx: tuple[np.ndarray, ...] | None = None
-    every_layer: bool = False  # every layer has segments, naming its own region: all local regions are written
-
-    @classmethod
-    def assemble(
-        cls, layer_class: Sequence[int], templates: Sequence[np.ndarray], layer_key: Sequence[int],
-        peer_idx: Sequence[Sequence[int]] | None, covered: Sequence[int], own: Sequence[bool] | None = None,
-    ) -> SegmentTable:
-        """Layer ``i`` gets template ``layer_class[i]``, its own region where the template says -1
-        (local) and its peer on each rank (``peer_idx[rank position][i]``, or ``i`` itself where
-        ``peer_idx`` is None) likewise; its segments belong to pairing ``layer_key[i]``. ``own``
-        (per template: every row names only its layer's regions) is derived where not given."""
-        if own is None:
-            own = [bool(t.size == 0 or ((t[:, 0] < 0) & (t[:, 2] < 0)).all()) for t in templates]
-        tlens = [len(t) for t in templates]
-        n = len(layer_class)
-        if n and all(own) and min(tlens) == max(tlens) > 0:
-            return cls._assemble_own(layer_class, templates, layer_key, peer_idx, covered, tlens[0])
-        tlen = np.array(tlens, dtype=np.int64)
-        tstart = np.cumsum(tlen) - tlen
-        table = np.concatenate(templates) if templates else np.zeros((0, 7), dtype=np.int64)
-        lc = np.asarray(layer_class, dtype=np.int64)
-        if n and (tlen == tlen[0]).all():  # every class has k segments (one geometry, or alike)
-            k = int(tlen[0])
-            layer = np.repeat(np.arange(n, dtype=np.int64), k)
-            row = (tstart[lc][:, None] + np.arange(k, dtype=np.int64)).ravel()
-            key = np.repeat(np.asarray(layer_key, dtype=np.int64), k)
-        else:
-            counts = tlen[lc] if n else np.zeros(0, dtype=np.int64)
-            layer = np.repeat(np.arange(n, dtype=np.int64), counts)
-            row = np.repeat(tstart[lc] - (np.cumsum(counts) - counts), counts) + np.arange(layer.size, dtype=np.int64)
-            key = np.repeat(np.asarray(layer_key, dtype=np.int64), counts) if n else layer
-        rows = table[row]
-        rank_pos = rows[:, 1]
-        extra: dict[str, Any] = {}
-        if n and all(own):
-            first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> first layer
-            seg_start = np.cumsum(tlen[lc]) - tlen[lc]
-            check_idx = np.concatenate([np.arange(k, dtype=np.int64) + seg_start[i]
-                                        for c, i in first.items() for k in [int(tlen[c])]])
-            pidx = None if peer_idx is None else tuple(np.asarray(x, dtype=np.int64) for x in peer_idx)
-            extra = dict(layer_class=lc, layer_start=seg_start, peer_idx=pidx)
-        else:
-            check_idx = np.arange(layer.size, dtype=np.int64)
-        local_idx = np.where(rows[:, 0] < 0, layer, rows[:, 0]) if (table[:, 0] >= 0).any() else layer
-        if peer_idx is None:
-            peers = layer
-        else:
-            peers = np.asarray(peer_idx, dtype=np.int64).reshape(len(covered), -1)[rank_pos, layer]
-        remote_idx = np.where(rows[:, 2] < 0, peers, rows[:, 2]) if (table[:, 2] >= 0).any() else peers
-        return cls(local_idx, rank_pos, remote_idx, rows[:, 3], rows[:, 4], rows[:, 5], rows[:, 6], key, check_idx, **extra)
-
-    @classmethod
-    def _assemble_own(
-        cls, layer_class: Sequence[int], templates: Sequence[np.ndarray], layer_key: Sequence[int],
-        peer_idx: Sequence[Sequence[int]] | None, covered: Sequence[int], k: int,
-    ) -> SegmentTable:
-        """:meth:`assemble` where every template has ``k`` rows naming only its layer's regions
-        (every built-in strategy): the same table with a few whole-array operations."""
-        n = len(layer_class)
-        lc = np.fromiter(layer_class, dtype=np.int64, count=n)
-        rows = np.empty((n, k, 7), dtype=np.int64)
-        if len(templates) == 1:  # one geometry: the template repeated per layer
-            rows[:] = templates[0]
-            check_idx = np.arange(k, dtype=np.int64)
-        else:
-            rows[:] = np.stack(templates)[lc]
-            first = {c: i for i, c in reversed(list(enumerate(layer_class)))}  # class -> first layer
-            check_idx = (np.fromiter(first.values(), dtype=np.int64)[:, None] * k + np.arange(k, dtype=np.int64)).ravel()
-        rows = rows.reshape(n * k, 7)
-        ar = np.arange(n, dtype=np.int64)
-        layer = ar.repeat(k)  # the method: np.repeat's wrapper costs more than the copy
-        seg_start = ar * k
-        rank_pos = rows[:, 1]
-        if peer_idx is None:
-            pidx, remote_idx = None, layer  # own rows: every index is the layer's own (-1)
-        else:
-            pidx = tuple(np.asarray(x, dtype=np.int64) for x in peer_idx)
-            remote_idx = np.asarray(peer_idx, dtype=np.int64).reshape(len(covered), -1)[rank_pos, layer]
-        return cls(layer, rank_pos, remote_idx, rows[:, 3], rows[:, 4], rows[:, 5], rows[:, 6],
-                   np.fromiter(layer_key, dtype=np.int64, count=n).repeat(k), check_idx,
-                   layer_class=lc, layer_start=seg_start, peer_idx=pidx, every_layer=True)
-
-    def __len__(self) -> int:
-        return int(self.local_idx.size)
-
-
-class TransferPlan:
+class TransferPlan(ReusablePlan):
     """Immutable plan for one local rank reading from one remote engine."""
 
     def __init__(
@@ -264,7 +135,7 @@ class TransferPlan:
         else:
             self._validate_many(idx)
         for geometry in (self.local, *(self.remote[p] for p in self.sources)):
-            _check_registered_all(geometry)
+            check_registered(geometry)
         # Pages of two written regions of one KV group must never share a byte (block IDs are shared).
         if t.every_layer:  # local_idx is every layer's own index, each at least once
             written = None
@@ -505,83 +376,6 @@ class TransferPlan:
         plan._bind_request_paths()
         return plan
 
-    def _with(self, **fields: Any) -> TransferPlan:
-        """A copy of this plan with ``fields`` replaced (arrays shared: a plan never writes them)."""
-        plan = copy.copy(self)
-        for view in ("segments", "layer_segments"):  # cached views of the geometry and pairings they were made from
-            if view in vars(plan):
-                delattr(plan, view)
-        for name, value in fields.items():
-            setattr(plan, name, value)
-        return plan
-
-    def rebased(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
-        """This plan, for another remote engine whose source ranks have the same layout
-        (:attr:`RankGeometry.layout_key`) as this plan's: the same segments, checks and
-        descriptor IDs; the remote rows moved to the new ranks' addresses, whose regions are
-        checked against their registered memory. Only for a :attr:`rebasable` plan, and where
-        local layers alias, only for an engine that shares rows between the same layers
-        (PlanError otherwise: plan anew)."""
-        self._require_rebasable()
-        covered = self.sources
-        for p in covered:
-            if remote[p].layout_key != self.remote[p].layout_key:
-                raise PlanError(f"remote rank {p} is laid out unlike the rank this plan was made for")
-        if self._aliased and not all(_same_partition(self.remote[p], remote[p]) for p in covered):
-            # which layers share rows depends on the remote bases too
-            shared = self._shared_rows(remote)
-            if (shared is None) != (self._shared is None) or (shared is not None and not np.array_equal(shared, self._shared)):
-                raise PlanError("the new engine's layers share memory unlike the engine this plan was made for")
-        for p in covered:
-            _check_registered_all(remote[p])
-        peer = remote[covered[0]].regions  # each pairing's representative: the region at the same place
-        return self._with(
-            origin="rebased",
-            remote={p: remote[p] for p in covered},
-            remote_descs={p: found.rows(remote[p]).astype(np.uint64) for p, found in self._rank_rows.items()},
-            pairings=tuple(replace(g, remote_region=peer[i]) for g, i in zip(self.pairings, self._pairing_peers)),
-        )
-
-    def _require_rebasable(self) -> None:
-        """PlanError unless this plan's segments are the same for another engine (every strategy
-        segments_by_geometry): what :meth:`rebased` and :meth:`recounted` reuse."""
-        if not self.rebasable:
-            raise PlanError("this plan's segments may depend on addresses (a strategy not segments_by_geometry): "
-                            "plan anew for every remote engine")
-
-    def recounted(self, remote: Mapping[int, RankGeometry]) -> TransferPlan:
-        """This plan for another remote engine whose source ranks have the same shape
-        (:attr:`RankGeometry.shape_key`: the layout, whatever the block counts) as this plan's:
-        the same segments and pairings, already checked against the same pages and groups; the
-        pairings' remote bounds, every descriptor row and ID start made from the new ranks'
-        block counts; their regions checked against their registered memory. Only for a
-        :attr:`rebasable` plan the dispatcher made (PlanError otherwise: plan anew)."""
-        self._require_rebasable()
-        if self._pairing_layers is None:
-            raise PlanError("this plan does not know where its pairings' regions lie: plan anew")
-        for p in self.sources:
-            if remote[p].shape_key != self.remote[p].shape_key:
-                raise PlanError(f"remote rank {p} is shaped unlike the rank this plan was made for")
-            _check_registered_all(remote[p])
-        ranks = [remote[p] for p in self.sources]
-        peer = ranks[0].regions  # each pairing's representative: the region at the same place
-        pairings = tuple(  # a strategy's declared pairing is asked again: it may read the counts
-            replace(g, remote_num_blocks=bound, remote_region=peer[i], declared=declared_pairing(g.strategy, g.local_region, peer[i]))
-            for g, bound, i in zip(self.pairings, self._pairing_layers.remote_bounds(ranks), self._pairing_peers)
-        )
-        plan = self._with(origin="recounted", remote=dict(zip(self.sources, ranks)), pairings=pairings)
-        if not self._aliased or all(_same_partition(self.remote[p], remote[p]) for p in self.sources):
-            plan._build_remote_rows()  # the local rows and which layers share them stand
-        else:
-            plan._build_rows()
-        return plan
-
-    @cached_property
-    def _pairing_peers(self) -> list[int]:
-        """Where each pairing's representative remote region sits on the first source rank."""
-        index = self.remote[self.sources[0]].index
-        return [index[g.remote_region.name] for g in self.pairings]
-
     # ---------------------------------------------------------------- per request
     def resolve(
         self,
@@ -753,20 +547,6 @@ class TransferPlan:
         }
 
 
-def _same_partition(a: RankGeometry, b: RankGeometry) -> bool:
-    """Whether two ranks' regions share bases between the same regions (equal bases in one
-    exactly where equal in the other): then any plan shares rows between the same layers for both.
-    The partitions are equal iff each has as many parts as their meet (the distinct base pairs)."""
-    bases_a = a.base_list
-    parts_a = len(set(bases_a))
-    bases_b = b.base_list
-    if len(bases_a) != len(bases_b):
-        return False
-    if len(set(map(operator.sub, bases_b, bases_a))) == 1:  # every base moved by one shift (one allocation)
-        return True
-    return len(set(bases_b)) == parts_a == len(set(zip(bases_a, bases_b)))
-
-
 def _same_remote_rows(a: list[ReadEntry], b: list[ReadEntry]) -> bool:
     """Two ranks' resolve entries name the same (pairing, phase, remote row starts) in order."""
     return len(a) == len(b) and all(  # integer arrays of one dtype and shape: equal bytes are equal values
@@ -799,18 +579,6 @@ def prepare_local(geometry: RankGeometry) -> RankGeometry:
     except PlanValidationError:
         pass  # a plan writes only some regions: it checks those, and refuses an overlap among them
     return geometry
-
-
-def _check_registered_all(geometry: RankGeometry) -> None:
-    """Every region of ``geometry`` lies inside one of its registered memory ranges (checked once
-    per geometry: a geometry is immutable; a handshake's check counts)."""
-    i = first_outside_memory(geometry)
-    if i is not None:
-        region = geometry.regions[i]
-        raise PlanValidationError(
-            f"region {region.name!r} of engine {geometry.engine_id!r} rank {geometry.tp_rank} spans "
-            f"[{region.base:#x}, {region.end:#x}), outside every registered memory range"
-        )
 
 
 def _regions_overlap(geometry: RankGeometry) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .errors import PlanError, RequestError
-from .geometry import LayerCache, Region, Segment
+from .regions import LayerCache, Region, Segment
 from .topology import Topology
 
 

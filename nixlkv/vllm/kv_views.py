@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..core.errors import IncompatibleGeometry
-from ..core.geometry import LayerCache, PageLayout, PagePart
+from ..core.regions import LayerCache, PageLayout, PagePart
 from .model_backend import K_CHANNEL_MAJOR
 
 # Logical axes of a vLLM per-layer view [B, H, N, C]; C is counted in bytes after a uint8 view.
