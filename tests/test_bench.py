@@ -21,7 +21,7 @@ from nixlkv.bench.measure import Untimed, interleaved, posted_after_merge
 from nixlkv.bench.shapes import PATTERNS, Case, Shape, block_ids, fabricate_rank
 from nixlkv.bench.vllm_planner import VllmPlanner
 from nixlkv.core import Dispatcher
-from nixlkv.core.staging import TransferCosts
+from nixlkv.core.descriptor_mode import TransferCosts
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 

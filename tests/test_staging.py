@@ -14,7 +14,8 @@ import torch
 from nixlkv.bench.shapes import LLAMA_8B, Case, block_ids, fabricate_rank
 from nixlkv.core import Dispatcher, covered_remote_ranks
 from nixlkv.core.request_ids import expand_ids
-from nixlkv.core.staging import Choice, StagedPlan, StagingError, TransferCosts, choose, posted_direct
+from nixlkv.core.descriptor_mode import Choice, TransferCosts, choose, posted_direct
+from nixlkv.core.staging import StagedPlan, StagingError
 from nixlkv.transport.reader import PROBE_EVERY, PROBE_REACH, Reader, ReaderPlan, memory_tensors
 from nixlkv.testing import oracle
 from nixlkv.testing.rehearsal import build, rehearse, request_blocks

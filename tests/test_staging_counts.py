@@ -15,7 +15,8 @@ import pytest
 from nixlkv.bench.shapes import LLAMA_8B, LLAMA_70B, Case, fabricate_rank
 from nixlkv.core import Dispatcher, covered_remote_ranks
 from nixlkv.core.request_ids import ResolvedRequest
-from nixlkv.core.staging import StagedPlan, StagingError, TransferCosts, choose, decide, posted_direct
+from nixlkv.core.descriptor_mode import TransferCosts, choose, decide, posted_direct
+from nixlkv.core.staging import StagedPlan, StagingError
 from nixlkv.testing import oracle
 from nixlkv.testing.rehearsal import build, request_blocks
 from nixlkv.testing.scenario import load

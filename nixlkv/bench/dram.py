@@ -21,7 +21,7 @@ import torch
 
 from ..core import Dispatcher, covered_remote_ranks
 from ..core.request_ids import expand_ids
-from ..core.staging import TransferCosts, posted_direct
+from ..core.descriptor_mode import TransferCosts, posted_direct
 from ..transport.reader import DEFAULT_STAGING_BYTES, Reader
 from ..transport.nixl_rank import NixlRank, TransferError
 from .measure import Timing, memcpy_seconds, posted_after_merge

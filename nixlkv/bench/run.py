@@ -19,7 +19,8 @@ from ..core.errors import NixlkvError
 from ..core.dispatcher import forget_handshakes
 from ..core.plan import prepare_local
 from ..core.request_ids import expand_ids, largest
-from ..core.staging import StagedPlan, StagingError, TransferCosts, choose, decide, posted_direct
+from ..core.descriptor_mode import TransferCosts, choose, decide, posted_direct
+from ..core.staging import StagedPlan, StagingError
 from ..transport.reader import DEFAULT_STAGING_BYTES, measured_costs
 from .dram import BENCH_NIXL_THREADS, run_transfer
 from .hybrid import NEMOTRON_H_8B, HybridShape, hybrid_request_ids, hybrid_setup

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..core import Dispatcher, NixlkvError, ResolvedRequest, Topology, TransferPlan
-from ..core.staging import posted_direct
+from ..core.descriptor_mode import posted_direct
 from ..transport.reader import Reader, memory_tensors
 from ..transport.nixl_rank import NixlRank, TransferError, parse_notification
 from ..vllm.kv_views import layer_caches, registered_memory

@@ -25,17 +25,8 @@ import torch
 
 from ..core.plan import TransferPlan
 from ..core.request_ids import ResolvedRequest
-from ..core.staging import (
-    DEFAULT_STAGING_BYTES,
-    Choice,
-    Scatter,
-    StagedPlan,
-    StagedRequest,
-    StagingError,
-    TransferCosts,
-    check_mode,
-    choose,
-)
+from ..core.descriptor_mode import Choice, TransferCosts, choose
+from ..core.staging import DEFAULT_STAGING_BYTES, Scatter, StagedPlan, StagedRequest, StagingError, check_mode
 from .nixl_rank import InFlight, NixlRank, PreparedPlan, TransferError, notification
 
 logger = logging.getLogger("nixlkv.connector")
