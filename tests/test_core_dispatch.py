@@ -1072,3 +1072,33 @@ def test_a_local_geometry_is_checked_when_registered_and_a_failed_check_is_left_
     assert "_registered_ok" not in short.__dict__
     with pytest.raises(PlanValidationError, match="outside every registered memory range"):
         disp.plan(short, {0: disp.local_geometry("p", Topology(1, 0), good, [(0x1000, 8 * 256)])})
+
+
+def test_core_finds_the_builtin_strategies_where_the_distribution_declares_them(monkeypatch) -> None:
+    # core names no strategy module: nixlkv's own strategies are an entry point like a third party's
+    import importlib.metadata
+    import pathlib
+
+    import nixlkv.strategies
+    from nixlkv.core import registry
+    from nixlkv.core.errors import RegistryError
+
+    assert registry.builtin_plugin() is nixlkv.strategies
+    core = pathlib.Path(registry.__file__).parent
+    code = [line for f in core.glob("*.py") for line in f.read_text().splitlines()
+            if "nixlkv.strategies" in line and not line.lstrip().startswith(("#", "The ", "``"))]
+    assert code == [], code
+
+    class Dist:
+        entry_points = [importlib.metadata.EntryPoint("other", "x.y", "nixlkv")]
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist())
+    with pytest.raises(RegistryError, match="declares no 'nixlkv' entry point 'builtin'.*reinstall"):
+        registry.builtin_plugin()
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(RegistryError, match="not installed in this environment: install it"):
+        registry.plugin_manager(load_entry_points=False)

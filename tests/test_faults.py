@@ -9,7 +9,7 @@ import pluggy
 import pytest
 
 from nixlkv.core import Dispatcher, ReadOp, ResolvedRequest, StrategyRegistry, hookimpl, hookspecs
-from nixlkv.core.registry import BUILTIN_MODULE
+from nixlkv.core.registry import builtin_plugin
 from nixlkv.strategies.full_attention import FullAttentionStrategy
 from nixlkv.testing.rehearsal import rehearse
 from nixlkv.testing.scenario import parse
@@ -75,8 +75,6 @@ class SwappedSources(FullAttentionStrategy):
 
 
 def dispatcher_with(strategy) -> Dispatcher:
-    import importlib
-
     class Plugin:
         @hookimpl
         def nixlkv_strategies(self):
@@ -84,7 +82,7 @@ def dispatcher_with(strategy) -> Dispatcher:
 
     pm = pluggy.PluginManager("nixlkv")
     pm.add_hookspecs(hookspecs)
-    pm.register(importlib.import_module(BUILTIN_MODULE), name="builtin")
+    pm.register(builtin_plugin(), name="builtin")
     pm.register(Plugin(), name="faulty")
     return Dispatcher(StrategyRegistry.from_plugins(pm), unwrap=lambda s, n: pm.hook.nixlkv_unwrap_spec(spec=s, layer_name=n))
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
@@ -12,7 +14,7 @@ from .errors import NoStrategyError, RegistryError, StrategyConflict
 from .strategy import Strategy
 
 ENTRY_POINT_GROUP = "nixlkv"
-BUILTIN_MODULE = "nixlkv.strategies"
+BUILTIN_ENTRY_POINT = "builtin"  # nixlkv's own strategies, an entry point of its distribution like any plugin
 
 
 @dataclass(frozen=True)
@@ -24,20 +26,30 @@ class Registered:
 
 
 def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A plugin manager with nixlkv's hooks and every installed ``nixlkv`` entry point.
-
-    The built-in strategies are an entry point of nixlkv itself; when nixlkv runs from a source
-    tree without installed metadata they are registered directly, so they are always there.
-    """
+    """A plugin manager with nixlkv's hooks and every installed ``nixlkv`` entry point; without
+    them (``load_entry_points`` False), nixlkv's own built-in strategies only."""
     pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
     pm.add_hookspecs(hookspecs)
     if load_entry_points:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    if not any(getattr(p, "__name__", None) == BUILTIN_MODULE for p in pm.get_plugins()):
-        import importlib
-
-        pm.register(importlib.import_module(BUILTIN_MODULE), name="builtin")
+    if pm.get_plugin(BUILTIN_ENTRY_POINT) is None:
+        pm.register(builtin_plugin(), name=BUILTIN_ENTRY_POINT)
     return pm
+
+
+def builtin_plugin() -> Any:
+    """nixlkv's built-in strategies, found where its distribution declares them: core names no
+    strategy module, so the strategies stand above it like any third party's."""
+    try:
+        points = importlib.metadata.distribution("nixlkv").entry_points
+    except importlib.metadata.PackageNotFoundError:
+        raise RegistryError("nixlkv's built-in strategies are an entry point of the nixlkv distribution, which "
+                            "is not installed in this environment: install it (pip install -e .)") from None
+    for point in points:
+        if point.group == ENTRY_POINT_GROUP and point.name == BUILTIN_ENTRY_POINT:
+            return point.load()
+    raise RegistryError(f"the installed nixlkv declares no {ENTRY_POINT_GROUP!r} entry point "
+                        f"{BUILTIN_ENTRY_POINT!r} (its built-in strategies): reinstall it (pip install -e .)")
 
 
 def _origins(pm: pluggy.PluginManager) -> dict[int, str]:
