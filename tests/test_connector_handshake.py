@@ -468,7 +468,7 @@ def test_hostile_remote_facts_are_malformed_replies_naming_the_fact(fact: str, v
 
 
 def test_a_reader_parses_only_the_ranks_it_plans_with() -> None:
-    """A decode rank reads some of the prefill ranks (Dispatcher.needed_ranks): only their geometry
+    """A decode rank reads some of the prefill ranks (Dispatcher.read_ranks): only their geometry
     is parsed and checked; every rank's envelope and agent metadata is, for the ranks only told."""
     asked = []
 

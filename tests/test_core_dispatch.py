@@ -527,7 +527,7 @@ def test_a_remote_tp_size_beyond_any_engine_is_refused_before_anything_is_sized_
     with pytest.raises(IncompatibleTopology, match="remote tp=1099511627776"):
         disp.plan(local, {0: huge})
     with pytest.raises(IncompatibleTopology, match="remote tp="):
-        disp.needed_ranks(local, 2**40)
+        disp.read_ranks(local, 2**40)
     # control: the same peer at TP 1 plans
     assert disp.plan(local, {0: disp.local_geometry("prefill", Topology(1, 0), rem, _memory(rem), device_id=5)}).segments
 
@@ -826,11 +826,11 @@ def test_source_ranks_of_other_kinds_are_refused_naming_the_strategy(answer: Any
     loc = [_layer("L0", 0, 0x1000)]
     local = disp.local_geometry("d", Topology(1, 0), loc, _memory(loc))
     with pytest.raises(PlanError, match="toy_picky.*source_ranks must return remote rank numbers"):
-        disp.needed_ranks(local, 1)
+        disp.read_ranks(local, 1)
     Picky.source_ranks = lambda self, region, topology, remote_tp: [0]  # controls: a list of ints, numpy's too
-    assert disp.needed_ranks(local, 2) == (0,)
+    assert disp.read_ranks(local, 2) == (0,)
     Picky.source_ranks = lambda self, region, topology, remote_tp: np.array([1])
-    assert disp.needed_ranks(local, 4) == (1,)
+    assert disp.read_ranks(local, 4) == (1,)
 
 
 def test_overlapping_segments_in_one_region_are_rejected() -> None:

@@ -332,7 +332,7 @@ def test_what_a_decode_rank_covers_and_reads_is_remembered_per_geometry_and_tp_s
     d = Dispatcher.from_plugins()
     local, _ = ranks(d, SMALL, 4, 2)
     topology, covered, sources = d._reading(local, 4)
-    assert (tuple(covered), sources) == ((0, 1), (0, 1)) and d.needed_ranks(local, 4) == (0, 1)
+    assert (tuple(covered), sources) == ((0, 1), (0, 1)) and d.read_ranks(local, 4) == (0, 1)
     again = d._reading(local, 4)
     assert again[0] is topology and again[1] is covered  # remembered
     assert tuple(d._reading(local, 8)[1]) == (0, 1, 2, 3)  # another TP size: its own answer

@@ -165,7 +165,7 @@ def plan_case(
         vllm = VllmPlanner(case.shape, case.p_tp, case.d_tp, case.d_rank, nb,
                            [r.base for r in local.regions], {r: [x.base for x in g.regions] for r, g in remote.items()})
     # What a decode rank parses of a handshake: the geometry of each remote rank it plans with
-    # (Dispatcher.needed_ranks: the covered ranks its strategies read; one of the four at MLA
+    # (Dispatcher.read_ranks: the covered ranks its strategies read; one of the four at MLA
     # P8->D2, as the connector parses) as plain data, in the columnar form nixlkv sends (one
     # description per distinct region geometry, the regions as columns). Every
     # timed handshake is with another prefill engine (its own id and addresses), as a decode rank
@@ -175,7 +175,7 @@ def plan_case(
     # as registering its caches prepared it, and a new one each time: nothing a plan left on it).
     # Each side's timing starts from what the transport decoded, made in the timed call (as
     # decoding leaves it, in cache): nixlkv's wire dicts, vLLM's NixlAgentMetadata.
-    wire = {r: remote[r].to_wire() for r in dispatcher.needed_ranks(local, case.p_tp)}
+    wire = {r: remote[r].to_wire() for r in dispatcher.read_ranks(local, case.p_tp)}
     hs_reps = 5 if case.shape.num_layers * nb > 200_000 else 15
     engine_ids = iter(range(1, 3 * (hs_reps + 1) + 1))
     # the decode geometry as each first handshake meets it: as registering the caches made it

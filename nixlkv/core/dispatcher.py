@@ -205,7 +205,7 @@ class Dispatcher:
             self._shapes.setdefault(shape, plan)
         return plan
 
-    def needed_ranks(self, local: RankGeometry, remote_tp: int) -> tuple[int, ...]:
+    def read_ranks(self, local: RankGeometry, remote_tp: int) -> tuple[int, ...]:
         """The remote ranks whose geometry a plan for ``local`` needs, reading an engine of
         ``remote_tp`` ranks (:meth:`source_ranks` among the ranks it covers): a handshake parses
         only theirs."""

@@ -18,7 +18,7 @@ The reader decodes ``[schema_version, compat_hash]`` first and refuses a differe
 compatibility hash before it looks at the payload; ``compat_inputs`` (what the hash is made of,
 optional: older peers do not send it) lets that refusal name the setting the engines differ in.
 Then every field is checked: types (msgspec), then each rank's geometry the reader plans with
-(``RankGeometry.from_dict``; a decode rank reads only some ranks, ``Dispatcher.needed_ranks``, and
+(``RankGeometry.from_dict``; a decode rank reads only some ranks, ``Dispatcher.read_ranks``, and
 the others' geometry is never parsed: their agent metadata is all it uses, to tell them a request
 is done), then the cross-field facts (engine id and TP size agree on every rank, every rank
 present once, regions inside registered memory, counts and sizes bounded). Anything wrong raises :class:`HandshakeError` naming the field; nothing is
@@ -160,7 +160,7 @@ def decode_reply(
     the engines differ in, where the remote sent its own.
 
     ``ranks``: given the remote TP size, the ranks whose geometry the reader plans with
-    (``Dispatcher.needed_ranks``); only theirs is parsed and checked, and only theirs is in
+    (``Dispatcher.read_ranks``); only theirs is parsed and checked, and only theirs is in
     :attr:`RemoteEngine.geometry`. Every rank's envelope and agent metadata is checked. Default:
     every rank's geometry."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):

@@ -310,7 +310,7 @@ class NixlkvWorker:
         raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
         engine = handshake.decode_reply(
             raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id,
-            ranks=lambda remote_tp: self.dispatcher.needed_ranks(self.geometry, remote_tp),  # the others are only told
+            ranks=lambda remote_tp: self.dispatcher.read_ranks(self.geometry, remote_tp),  # the others are only told
             expected_inputs=self.compat_inputs,
         )
         plan = self.dispatcher.plan(self.geometry, engine.geometry)
