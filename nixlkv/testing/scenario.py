@@ -11,11 +11,12 @@ from typing import Any
 import yaml
 
 from ..core.errors import NixlkvError
+from ..scenario_kinds import DTYPES as DTYPES  # named here too (the dtypes a scenario's caches may hold)
+from ..scenario_kinds import MAX_INT, check_params, show
 from .kinds import KINDS, UNIFORM, known_kind, takes_interior
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 INTERIORS = ("k_channel_major",)  # see nixlkv.vllm.model_backend
-DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
 
 
 class ScenarioError(NixlkvError):
@@ -103,7 +104,6 @@ class Scenario:
 
 
 MAX_FILE_BYTES = 1 << 20  # a scenario is a page of YAML: anything larger is refused unread
-MAX_INT = 1 << 40  # counts and sizes beyond this are typos or attacks, never a cache to build
 MAX_LAYERS = 4096  # no model has more; the rehearsal builds each layer's spec and tensors in Python
 
 
@@ -254,22 +254,11 @@ def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     if kind == UNIFORM:
         return _uniform(d, where, in_uniform)
     count = _pos(d.pop("count", 1), f"{where}.count")
-    required, optional = KINDS[kind].required, KINDS[kind].optional
-    _only(d, set(required) | set(optional), where)
-    params = {**optional, **d}
-    for key in required:
-        _req(params, key, where)
-    for key, value in params.items():
-        if key == "dtype":
-            if value not in DTYPES:
-                raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {_show(value)}")
-        elif isinstance(optional.get(key), bool):
-            if not isinstance(value, bool):
-                raise ScenarioError(f"{where}.{key}: must be true or false, got {_show(value)}")
-        elif isinstance(optional.get(key), str):
-            continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
-        elif value is not None:
-            _pos(value, f"{where}.{key}")
+    # One checker for every kind's own fields, built in or a plugin's (its declared schema):
+    # type, range and allowed names, before the kind's own check or build reads a value.
+    params, problems = check_params(KINDS[kind].fields, d)
+    if problems:
+        raise ScenarioError("; ".join(f"{where}.{name}: {problem} ({kind} layer)" for name, problem in problems))
     check = KINDS[kind].check
     errors = check(params) if check is not None else []
     if errors:
@@ -341,9 +330,4 @@ def _nonneg(x: Any, where: str) -> int:
     return x
 
 
-def _show(x: Any) -> str:
-    """A value for a message, bounded (a huge integer is not even converted to text)."""
-    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_INT:
-        return f"an integer of {x.bit_length()} bits"
-    text = repr(x)
-    return text if len(text) <= 80 else text[:77] + "..."
+_show = show  # a value for a message, bounded (nixlkv.scenario_kinds.show)
