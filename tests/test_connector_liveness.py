@@ -206,6 +206,9 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog)
             assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
             assert sum(s.reduce()["expired_leases"] for s in p.stats) == 1
             assert any("after the end of the hold the remote published" in r.getMessage() for r in caplog.records)
+            # D's log names P's lease and the fix (the client only sees vLLM's "internal error")
+            assert any("lease_s=1 s" in r.getMessage() and "raise lease_s in the prefill engine's "
+                       "kv_connector_extra_config" in r.getMessage() for r in caplog.records)
             assert sum(s.reduce()["lapsed_holds"] for s in d.stats) == 1
         clean(p)
         clean(d)
