@@ -121,6 +121,19 @@ def test_the_mamba_type_as_a_list_is_a_named_error_in_a_file(tmp_path: Path) -> 
     )
 
 
+def test_nixlkv_explain_says_so_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """What the new user of #48 ran: ``nixlkv explain`` on that file (a traceback before)."""
+    from nixlkv.cli import main
+
+    path = tmp_path / "mamba-list.yaml"
+    path.write_text("model: {layers: [{kind: mamba, mamba_type: [mamba2], d_state: 16, num_heads: 8, head_dim: 16, "
+                    "n_groups: 2}]}\nprefill: {tp: 1}\ndecode: {tp: 1}\nrequest: {num_tokens: 10}\n")
+    assert main(["explain", "--scenario", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: model.layers[0].mamba_type: must be one of 'mamba2', 'gdn', 'mamba1'"), err
+    assert "Traceback" not in err
+
+
 def test_every_problem_of_a_layer_is_named_at_once() -> None:
     with pytest.raises(ScenarioError) as info:
         parse({**BASE, "model": {"layers": [{"kind": "mamba", "d_state": True, "ssm_dtype": {"a": 1}, "conv_layout": None}]}})

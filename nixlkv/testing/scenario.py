@@ -197,35 +197,49 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
 
 
 def _captured(x: Any, where: str) -> dict[str, Any]:
-    """What real engines built (nixlkv capture): checked by the rehearsal, so checked for shape here."""
+    """What real engines built (nixlkv capture): checked by the rehearsal, so checked for type here
+    (every field: a wrong type is a ScenarioError naming it, never a value converted to fit)."""
     d = _mapping(x, where)
     _only(d, {"source", "prefill", "decode"}, where)
-    out: dict[str, Any] = {"source": str(d.get("source", ""))}
+    out: dict[str, Any] = {"source": _str(d.get("source", ""), f"{where}.source")}
     for role in ("prefill", "decode"):
         w = f"{where}.{role}"
         side = _mapping(_req(d, role, where), w)
         _only(side, {"vllm", "groups", "pages"}, w)
         groups = _req(side, "groups", w)
         if not isinstance(groups, list) or not groups:
-            raise ScenarioError(f"{w}.groups must be a non-empty list")
+            raise ScenarioError(f"{w}.groups must be a non-empty list, got {_show(groups)}")
         parsed = []
         for i, g in enumerate(groups):
-            gm = _mapping(g, f"{w}.groups[{i}]")
-            _only(gm, {"spec", "block_size", "layers"}, f"{w}.groups[{i}]")
-            spec = _req(gm, "spec", f"{w}.groups[{i}]")
-            layers = _req(gm, "layers", f"{w}.groups[{i}]")
-            if not isinstance(spec, str) or not isinstance(layers, list):
-                raise ScenarioError(f"{w}.groups[{i}]: spec must be a string and layers a list of layer positions")
-            parsed.append({"spec": spec, "block_size": _pos(_req(gm, "block_size", f"{w}.groups[{i}]"), f"{w}.groups[{i}].block_size"),
-                           "layers": [_nonneg(n, f"{w}.groups[{i}].layers") for n in layers]})
+            wg = f"{w}.groups[{i}]"
+            gm = _mapping(g, wg)
+            _only(gm, {"spec", "block_size", "layers"}, wg)
+            layers = _req(gm, "layers", wg)
+            if not isinstance(layers, list):
+                raise ScenarioError(f"{wg}.layers: must be a list of layer positions, got {_show(layers)}")
+            parsed.append({"spec": _str(_req(gm, "spec", wg), f"{wg}.spec"),
+                           "block_size": _pos(_req(gm, "block_size", wg), f"{wg}.block_size"),
+                           "layers": [_nonneg(n, f"{wg}.layers[{j}]") for j, n in enumerate(layers)]})
         pages = _mapping(side.get("pages", {}), f"{w}.pages")
         out[role] = {
-            "vllm": str(side.get("vllm", "")),
+            "vllm": _str(side.get("vllm", ""), f"{w}.vllm"),
             "groups": parsed,
-            "pages": {_nonneg(int(k) if isinstance(k, str) and k.isdigit() else k, f"{w}.pages key"): str(v)
-                      for k, v in pages.items()},
+            "pages": {_layer_position(k, f"{w}.pages"): _str(v, f"{w}.pages[{_show(k)}]") for k, v in pages.items()},
         }
     return out
+
+
+def _layer_position(k: Any, where: str) -> int:
+    """A page's key: a layer position, as YAML writes it (an integer) or JSON (a string of digits)."""
+    if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 13:
+        k = int(k)
+    return _nonneg(k, f"{where} key")
+
+
+def _str(x: Any, where: str) -> str:
+    if not isinstance(x, str):
+        raise ScenarioError(f"{where}: must be a string, got {_show(x)}")
+    return x
 
 
 def _model(x: Any, where: str) -> tuple[LayerKind, ...]:
