@@ -328,10 +328,12 @@ def prompt(i: int, n: int) -> list[int]:
 
 
 def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30.0, port: int = 0,
-                first_prompt: int = 0, extra: dict[str, Any] | None = None) -> None:
+                first_prompt: int = 0, extra: dict[str, Any] | None = None, wait_for_go: bool = False) -> None:
     """The prefill engine process: prefill every prompt (``prompt(first_prompt + i, n)``), publish
     kv_transfer_params to the parent, then keep stepping until every consumer notified (or
-    ``stop``); report the leak check. ``port``: the side channel's (0: any free one)."""
+    ``stop``); report the leak check. ``port``: the side channel's (0: any free one).
+    ``wait_for_go``: build the engine, then prefill only when the parent says ``go`` (its decode
+    engine is built and waiting), so P's hold starts when a router would forward the decode leg."""
     try:
         engine = PDEngine(case, "prefill", "P",
                           {"side_channel_host": "127.0.0.1", "side_channel_port": port, "lease_s": lease_s, **(extra or {})})
@@ -339,6 +341,8 @@ def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
         raise
     try:
+        if wait_for_go and conn.recv() != "go":
+            return
         for i, (rid, n) in enumerate(prompts.items()):
             engine.add(rid, prompt(first_prompt + i, n), 1, {"do_remote_decode": True, "do_remote_prefill": False})
         deadline = time.monotonic() + 60
@@ -359,18 +363,35 @@ def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30
         engine.close()
 
 
-def start_prefill(case: PDCase, prompts: dict[str, int], **kw):
-    """The prefill engine in a separate process (spawned); returns it, its pipe and what it published."""
+def spawn_prefill(case: PDCase, prompts: dict[str, int], **kw):
+    """The prefill engine in a separate process (spawned), building itself; it prefills when
+    :func:`publish` says go. Returns the process and its pipe."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_prefill, args=(child, case, prompts), kwargs=kw, daemon=True)
+    proc = ctx.Process(target=run_prefill, args=(child, case, prompts), kwargs={**kw, "wait_for_go": True}, daemon=True)
     proc.start()
+    return proc, parent
+
+
+def publish(proc, parent) -> dict[str, dict]:
+    """Let a spawned prefill engine prefill; returns the kv_transfer_params it published."""
+    if not parent.poll(0):  # an engine that failed to build has said so already
+        try:
+            parent.send("go")
+        except (BrokenPipeError, OSError):
+            pass  # it failed meanwhile: its message is in the pipe
     deadline = time.monotonic() + 180
     while not parent.poll(0.2):
         assert proc.is_alive() and time.monotonic() < deadline, "the prefill process published nothing"
     params = parent.recv()
     assert "error" not in params, params
-    return proc, parent, params
+    return params
+
+
+def start_prefill(case: PDCase, prompts: dict[str, int], **kw):
+    """The prefill engine in a separate process (spawned); returns it, its pipe and what it published."""
+    proc, parent = spawn_prefill(case, prompts, **kw)
+    return proc, parent, publish(proc, parent)
 
 
 def stop(proc, parent) -> None:
@@ -423,10 +444,12 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
     of the P/D prompt of that index), so that vLLM's prefix cache on D holds their whole blocks; the
     model is played on P only, so the oracle expects those blocks untouched. ``extra``: further
     ``kv_connector_extra_config`` keys for both engines."""
-    proc, parent, params = start_prefill(case, prompts, lease_s=lease_s, extra=extra)
+    # P builds itself while D does, and prefills only once D is built and warm: P's hold (lease_s)
+    # then covers what it covers in serving (the decode leg on its way, D queueing and reading it),
+    # not the seconds a loaded machine takes to build a decode engine.
+    proc, parent = spawn_prefill(case, prompts, lease_s=lease_s, extra=extra)
     d = None
     try:
-        assert set(params) == set(prompts), params
         d = PDEngine(case, "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0, **(extra or {})})
         for r in d.ranks:
             oracle.fill_decode(r)
@@ -437,6 +460,8 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         while not set(warm) <= set(d.outputs) and time.monotonic() < deadline:
             d.step()
         assert set(warm) <= set(d.outputs), sorted(d.outputs)
+        params = publish(proc, parent)
+        assert set(params) == set(prompts), params
         run_decode(d, params, prompts)
         assert set(d.outputs) - set(warm) == set(prompts), sorted(d.outputs)
         assert d.finished_recving == set(prompts) - set(local) and d.failed_recving == set(fail), \

@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 from nixlkv.core import Dispatcher
 from nixlkv.core.errors import HandshakeError, NixlkvError
 from nixlkv.core.geometry import RankGeometry, Region
+from nixlkv.scenario_kinds import REQUIRED
 from nixlkv.testing.kinds import KINDS
 from nixlkv.testing.scenario import ScenarioError, parse
 from nixlkv.vllm import handshake as hs
@@ -68,8 +69,10 @@ CAMPAIGN = settings.get_profile(f"nixlkv-campaign-{PROFILE}")
 # Examples per test and profile (scenarios: per model family, five families);
 # NIXLKV_CAMPAIGN_SCENARIOS overrides the scenario count per family.
 EXAMPLES = {
-    "ci": {"scenarios": 20, "geometry": 300, "wire": 300, "params": 400, "scheduler": 200},
-    "long": {"scenarios": 200, "geometry": 5000, "wire": 5000, "params": 10000, "scheduler": 3000},
+    "ci": {"scenarios": 20, "geometry": 300, "wire": 300, "params": 400, "scheduler": 200, "kind_fields": 400,
+           "captured": 200},
+    "long": {"scenarios": 200, "geometry": 5000, "wire": 5000, "params": 10000, "scheduler": 3000, "kind_fields": 5000,
+             "captured": 3000},
 }[PROFILE]
 if os.environ.get("NIXLKV_CAMPAIGN_SCENARIOS"):
     EXAMPLES["scenarios"] = int(os.environ["NIXLKV_CAMPAIGN_SCENARIOS"])
@@ -90,6 +93,8 @@ COUNTS: dict[str, Counter] = {
     "hostile_facts": Counter(),
     "params": Counter(),
     "scheduler": Counter(),
+    "kind_fields": Counter(),  # kind.field -> wrong-typed values refused with a ScenarioError naming the field
+    "captured": Counter(),
 }
 # Scenario YAML for the report: where the docs' prediction was too strict, and one per refusal class.
 SAMPLES: dict[str, Any] = {"documented refusal ran byte-exact": [], "first of each refusal class": {}}
@@ -135,7 +140,8 @@ def write_report(path: str) -> None:
             "features_byte_exact": dict(sorted(COUNTS["features_exact"].items())),
             "docs_prediction_vs_outcome": dict(sorted(COUNTS["documented"].items())),
         },
-        **{name: dict(COUNTS[name]) for name in ("geometry", "wire", "hostile_facts", "params", "scheduler")},
+        **{name: dict(COUNTS[name]) for name in ("geometry", "wire", "hostile_facts", "params", "scheduler",
+                                                 "kind_fields", "captured")},
         "samples": SAMPLES,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -572,6 +578,151 @@ def test_campaign_scenarios_reached_every_kind() -> None:
     assert scen["byte-exact"] >= run // 2, dict(scen)
     missing = sorted(GENERATED_KINDS - set(COUNTS["kinds_exact"]))
     assert not missing, f"no byte-exact scenario with {missing}: {dict(COUNTS['kinds_exact'])}"
+
+
+# ============================================================================= kinds' own fields
+
+# A valid layer of each kind the generator knows (what a kind requires, and the values its
+# relations between fields need). A kind an installed plugin declares that is not listed here is
+# given its defaults and, for each required field, the smallest value the field accepts.
+KIND_BASES: dict[str, dict[str, Any]] = {
+    "full_attention": {"num_kv_heads": 2, "head_size": 64},
+    "sliding_window": {"num_kv_heads": 2, "head_size": 64, "window": 32},
+    "chunked_local": {"num_kv_heads": 2, "head_size": 64, "chunk": 32},
+    "mla": {"kv_lora_rank": 32, "qk_rope_head_dim": 16},
+    "sliding_window_mla": {"window": 32},
+    "mla_indexer": {},
+    "mamba": {"d_state": 16, "num_heads": 8, "head_dim": 16, "n_groups": 2},
+    "circular_buffer": {},
+}
+
+
+def _field_kinds() -> list[str]:
+    try:
+        from nixlkv.testing.kinds import load_plugin_kinds
+
+        load_plugin_kinds()
+    except Exception:
+        pass
+    return sorted(k for k, kd in KINDS.items() if k != "uniform" and getattr(kd, "fields", None))
+
+
+def _kind_fields() -> list[tuple[str, str]]:
+    """Every (kind, field) pair, drawn alike: a kind of many fields gets no fewer examples per field."""
+    return [(kind, name) for kind in _field_kinds() for name in sorted(KINDS[kind].fields)]
+
+
+def kind_base(kind: str) -> dict[str, Any]:
+    if kind in KIND_BASES:
+        return dict(KIND_BASES[kind])
+    fields = KINDS[kind].fields
+    return {name: (f.choices[0] if f.choices else f.low * f.multiple_of if f.type is int else False)
+            for name, f in fields.items() if f.required}
+
+
+@st.composite
+def wrong_value(draw, f: Any) -> Any:
+    """A value the declared field ``f`` never accepts: another type (a bool where a count belongs,
+    a float, a string of digits, a list or a mapping around a valid value, bytes), None where it
+    is not nullable, a count outside its range or off its multiple, a name not among the choices."""
+    good = f.default if f.default not in (None, REQUIRED) else (
+        f.choices[0] if f.choices else f.low * f.multiple_of if f.type is int else True)
+    wrapped = st.sampled_from([[good], [good, good], {"value": good}, {good: good} if isinstance(good, str) else {"": good},
+                               [[good]], []])
+    other = [wrapped, st.binary(max_size=3), st.floats(allow_nan=True, allow_infinity=True)]
+    if not f.nullable:
+        other.append(st.none())
+    if f.type is int:
+        other += [st.booleans(), st.just(float(good)), st.just(str(good)), st.text(max_size=4),
+                  st.integers(max_value=f.low - 1), st.integers(min_value=f.high + 1, max_value=10**40)]
+        if f.multiple_of > 1:
+            other.append(st.integers(0, 64).map(lambda n: n * f.multiple_of + 1))
+    elif f.type is bool:
+        other += [st.integers(-2, 2), st.sampled_from(["true", "false", "yes", ""]), st.just(1.0)]
+    else:
+        other += [st.integers(-2, 2), st.booleans()]
+        if f.choices:
+            other.append(st.text(max_size=8).filter(lambda t: t not in f.choices))
+            other.append(st.sampled_from([c.upper() for c in f.choices] + [c + " " for c in f.choices]).filter(
+                lambda t: t not in f.choices))
+    return draw(st.one_of(other))
+
+
+@settings(CAMPAIGN, max_examples=EXAMPLES["kind_fields"])
+@given(data=st.data())
+def test_wrong_typed_kind_fields_are_named_scenario_errors(data: st.DataObject) -> None:
+    """#48 point 2: each field of each kind (the plugins' kinds included) given a value of the
+    wrong type, out of range or not among the allowed names, in a plain layer or a uniform member,
+    must be a ScenarioError naming the layer and the field: never a traceback, never accepted."""
+    kind, name = data.draw(st.sampled_from(_kind_fields()), label="kind.field")
+    f = KINDS[kind].fields[name]
+    value = data.draw(wrong_value(f), label="value")
+    layer = {"kind": kind, **kind_base(kind), name: value}
+    in_uniform = data.draw(st.booleans(), label="in a uniform group")
+    where = "model.layers[1].members[0]" if in_uniform else "model.layers[1]"
+    layers = [{"kind": "full_attention", "num_kv_heads": 2, "head_size": 64},
+              {"kind": "uniform", "members": [layer]} if in_uniform else layer]
+    d = {"model": {"layers": layers}, "prefill": {"tp": 1}, "decode": {"tp": 1}, "request": {"num_tokens": 10}}
+    try:
+        parse(copy.deepcopy(d), source="campaign-kind-fields.yaml")
+    except ScenarioError as exc:
+        text = str(exc)
+        assert text.startswith(f"campaign-kind-fields.yaml: {where}.{name}: must be {f.allowed()}, got "), text
+        COUNTS["kind_fields"][f"{kind}.{name}"] += 1
+        event(f"refused: {kind}")
+        return
+    except Exception as exc:
+        COUNTS["kind_fields"]["crash"] += 1
+        raise AssertionError(f"traceback for {kind}.{name} = {value!r}: {type(exc).__name__}: {exc}") from exc
+    COUNTS["kind_fields"]["accepted"] += 1
+    raise AssertionError(f"{kind}.{name} accepted {value!r}, which is not {f.allowed()}")
+
+
+def test_campaign_reached_every_kind_field() -> None:
+    """Every field of every kind got wrong values, and each was refused naming it."""
+    counts = COUNTS["kind_fields"]
+    run = sum(counts.values())
+    if run < 200:
+        pytest.skip(f"only {run} kind-field examples ran in this session (the test was deselected?)")
+    missing = sorted(f"{k}.{f}" for k, f in _kind_fields() if not counts[f"{k}.{f}"])
+    assert not missing, f"no wrong value drawn for {missing}"
+
+
+CAPTURED_BASE = "captured-tiny-mamba2-hybrid-p1-d2.yaml"
+
+
+@settings(CAMPAIGN, max_examples=EXAMPLES["captured"])
+@given(data=st.data())
+def test_mutated_captured_sections_are_scenario_errors(data: st.DataObject) -> None:
+    """#48 point 2: a captured scenario's ``captured`` section (what real engines built) with 1 to 3
+    values replaced by garbage of any type, keys dropped, renamed or added, lists reordered:
+    parsed or a ScenarioError, never a traceback; a value of the wrong type is never accepted."""
+    base = yaml.safe_load((Path(__file__).parent / "scenarios" / CAPTURED_BASE).read_text())
+    captured, done = data.draw(mutated(base["captured"], DICT_GARBAGE | st.sampled_from(
+        ["²", "١", "9" * 5000, "-1", " 1", "1.0"]), max_mutations=3), label="captured")
+    note(f"mutations: {done}")
+    d = {**base, "captured": captured}
+    try:
+        scenario = parse(copy.deepcopy(d), source="campaign-captured.yaml")
+    except ScenarioError:
+        COUNTS["captured"]["ScenarioError"] += 1
+        return
+    except Exception as exc:
+        COUNTS["captured"]["crash"] += 1
+        raise AssertionError(f"traceback for {done}: {type(exc).__name__}: {exc}") from exc
+    got = scenario.captured
+    if got is None:  # the whole section replaced by null: a scenario without one
+        COUNTS["captured"]["no section"] += 1
+        return
+    COUNTS["captured"]["parsed"] += 1
+    assert isinstance(got["source"], str)
+    for role in ("prefill", "decode"):
+        side = got[role]
+        assert isinstance(side["vllm"], str)
+        for g in side["groups"]:
+            assert isinstance(g["spec"], str) and type(g["block_size"]) is int and g["block_size"] >= 1
+            assert all(type(n) is int and n >= 0 for n in g["layers"])
+        assert all(type(k) is int and k >= 0 and isinstance(v, str) for k, v in side["pages"].items())
 
 
 # ============================================================================= handshake

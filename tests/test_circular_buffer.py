@@ -82,7 +82,7 @@ def test_the_scenario_kind_comes_from_the_plugin() -> None:
     base = {"prefill": {"tp": 1}, "decode": {"tp": 1}, "request": {"num_tokens": 10}}
     with pytest.raises(ScenarioError, match=r"layers\[0\]\.capacity: must be a positive integer"):
         parse({**base, "model": {"layers": [{"kind": "circular_buffer", "capacity": 0}]}})
-    with pytest.raises(ScenarioError, match=r"dtype must be float32, bfloat16 or float16"):
+    with pytest.raises(ScenarioError, match=r"layers\[0\]\.dtype: must be one of 'float32', 'bfloat16', 'float16', got 'int8'"):
         parse({**base, "model": {"layers": [{"kind": "circular_buffer", "dtype": "int8"}]}})
     parse({**base, "model": {"layers": [{"kind": "circular_buffer"}]}})  # the control: defaults are valid
 

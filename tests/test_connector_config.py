@@ -11,6 +11,8 @@ def test_defaults_and_env_side_channel() -> None:
     c = ConnectorConfig.parse({}, env={})
     assert c.backends == ("UCX",) and c.side_channel_port == 5600 and c.side_channel_host == "localhost"
     assert c.descriptor_mode == "direct" and c.staging_bytes == 16 << 20
+    # P holds a decode leg's blocks as long as any vLLM connector waits for one (docs/configuration.md, "The lease")
+    assert c.lease_s == 480.0 and c.heartbeat_interval_s == 5.0
     c = ConnectorConfig.parse(None, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"})
     assert c.side_channel_port == 7000 and c.side_channel_host == "10.0.0.2"
 

@@ -98,40 +98,56 @@ def test_lease_is_judged_on_one_clock(monkeypatch, heartbeat_interval_s: float, 
     _queue_longer_than_the_lease(heartbeat_interval_s)
 
 
+def lease_from_steps(engine: PDEngine, steps: int = 5, factor: float = 6.0, floor_s: float = 1.0) -> float:
+    """A prefill lease for these engines on this machine now: ``factor`` times the slowest of
+    ``steps`` steps of ``engine`` (a decode loop steps D and P once per turn, and D names a request
+    in a heartbeat at most once per step), at least ``floor_s``. On a quiet machine a step takes
+    milliseconds and the lease is ``floor_s``; on a loaded one it grows with the steps, so what
+    the test proves (heartbeats keep a hold the queueing outlasts) does not hang on the load."""
+    slowest = 0.0
+    for _ in range(steps):
+        t0 = time.monotonic()
+        engine.step()
+        slowest = max(slowest, time.monotonic() - t0)
+    return max(floor_s, factor * 2 * slowest)  # one turn steps two engines
+
+
 def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
-    """vLLM's real Schedulers: P holds for lease_s=1 s; D has no free blocks for the request for
-    ~2.5 s (a local request occupies them). With heartbeats P keeps the blocks and D loads them
-    byte-exact, also when D's configured interval (5 s, the default) is longer than P's lease: D
-    then beats three times per the lease P published; without, P frees them at lease expiry and D
-    fails the request cleanly (invalid blocks, nothing written) instead of reading blocks P may
-    have reused."""
+    """vLLM's real Schedulers: P holds for lease_s (1 s, or more where this machine's steps are
+    slow: :func:`lease_from_steps`); D has no free blocks for the request for 2.5 leases (a local
+    request occupies them). With heartbeats P keeps the blocks and D loads them byte-exact, also
+    when D's configured interval (5 s, the default) is longer than P's lease: D then beats three
+    times per the lease P published; without, P frees them at lease expiry and D fails the
+    request cleanly (invalid blocks, nothing written) instead of reading blocks P may have reused."""
     from vllm.v1.request import RequestStatus
 
-    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
     d = PDEngine(PDCase(num_blocks=8), "decode", "D", {**SIDE, "heartbeat_interval_s": heartbeat_interval_s})
+    p = None
     try:
         oracle.fill_decode(d.ranks[0])
-        params = prefill(p, "r", 40)  # 3 blocks; D has 7 usable
         d.add("hog", prompt(9, 70), 200, None)  # local prefill: 5 blocks, growing
-        d.step()
+        lease_s = lease_from_steps(d)  # the hog's steps, on this machine now
+        p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": lease_s})
+        params = prefill(p, "r", 40)  # 3 blocks; D has 7 usable
         d.add("r", prompt(1, 40), 2, params)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 2.5:
+        # ~25 turns whatever the lease: the hog grows a token a turn and must not outgrow D's blocks
+        while time.monotonic() - t0 < 2.5 * lease_s:
             d.step()
             p.step()
-            time.sleep(0.1)
+            time.sleep(lease_s / 10)
         assert "r" not in d.recv_blocks, "the request was not queued behind the local one"
         d.scheduler.finish_requests("hog", RequestStatus.FINISHED_ABORTED)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30 * lease_s
         while ("r" not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
             d.step()
             p.step()
             time.sleep(0.005)
         p_stats = {k: sum(s.reduce()[k] for s in p.stats) for k in ("expired_leases", "lease_extensions")}
-        assert p.finished_sending == {"r"}
+        assert p.finished_sending == {"r"}, lease_s
         if heartbeat_interval_s:
-            assert d.finished_recving == {"r"} and not d.failed_recving and not d.invalid_blocks
-            assert p_stats["expired_leases"] == 0 and p_stats["lease_extensions"] > 0, p_stats
+            assert d.finished_recving == {"r"} and not d.failed_recving and not d.invalid_blocks, lease_s
+            assert p_stats["expired_leases"] == 0 and p_stats["lease_extensions"] > 0, (p_stats, lease_s)
             assert oracle.compare(d.ranks[0], d.expected(0, {"r": d.recv_blocks["r"]})) is None
         else:
             assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0])
@@ -142,7 +158,8 @@ def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
         clean(p)
         clean(d)
     finally:
-        p.close()
+        if p is not None:
+            p.close()
         d.close()
 
 
@@ -189,6 +206,9 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog)
             assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
             assert sum(s.reduce()["expired_leases"] for s in p.stats) == 1
             assert any("after the end of the hold the remote published" in r.getMessage() for r in caplog.records)
+            # D's log names P's lease and the fix (the client only sees vLLM's "internal error")
+            assert any("lease_s=1 s" in r.getMessage() and "raise lease_s in the prefill engine's "
+                       "kv_connector_extra_config" in r.getMessage() for r in caplog.records)
             assert sum(s.reduce()["lapsed_holds"] for s in d.stats) == 1
         clean(p)
         clean(d)

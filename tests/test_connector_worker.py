@@ -241,6 +241,8 @@ def test_lease_expiry_frees_blocks(caplog) -> None:
         with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
             assert pw.get_finished(set())[0] == {"r"}
         assert "lease expired req=r" in caplog.text
+        # the operator reads why, and what to change: the lease it held and the key to raise
+        assert "held lease_s=0.1 s" in caplog.text and "raise lease_s in this engine's kv_connector_extra_config" in caplog.text
     finally:
         p.close()
 

@@ -174,8 +174,8 @@ def test_a_head_sharded_page_is_not_mla() -> None:
     ("layers", "message"),
     [
         ([{"kind": "mla", "cache_dtype": "fp8_ds_mla", "kv_lora_rank": 256}], "set kv_lora_rank: 512"),
-        ([{"kind": "mla", "cache_dtype": "fp8"}], "cache_dtype must be one of"),
-        ([{"kind": "mla_indexer", "index_head_dim": 100}], "index_head_dim must be a positive multiple of 128"),
+        ([{"kind": "mla", "cache_dtype": "fp8"}], "cache_dtype: must be one of 'auto', 'fp8_ds_mla', 'nvfp4_ds_mla'"),
+        ([{"kind": "mla_indexer", "index_head_dim": 100}], "index_head_dim: must be a positive multiple of 128"),
         ([{"kind": "mla", "compress_ratio": 0}], "compress_ratio"),
         ([{"kind": "mla", "alignment": True}], "alignment"),
         ([{"kind": "uniform", "members": []}], "model.layers[0].members must be a non-empty list"),

@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
 from ..core import Region, RequestError, Strategy, hookimpl
 from ..core.token_blocks import pair_by_tokens
-from ..scenario_kinds import KindDef
+from ..scenario_kinds import DTYPES, KindDef, choice, count
 from .full_attention import MATCHING_FACTS, FullAttentionStrategy, tokens_per_block
 
 CHUNK_FACT = {"attention_chunk_size": "attention chunk size (tokens)"}
@@ -119,8 +119,8 @@ def scenario_kind() -> KindDef:
     """``chunked_local``: ``num_kv_heads``, ``head_size``, ``chunk`` (tokens), optional ``dtype`` and
     ``head_size_v``. One definition per process, so registering it again is a no-op."""
     return KindDef(
-        required=("num_kv_heads", "head_size", "chunk"),
-        optional={"dtype": "bfloat16", "head_size_v": None},
+        fields={"num_kv_heads": count(), "head_size": count(), "chunk": count(),
+                "dtype": choice(DTYPES, "bfloat16"), "head_size_v": count(None, nullable=True)},
         build=chunked_local_spec,
         skipped_tokens=chunk_start,
         interior=True,  # full attention's pages: vLLM's CPU kernels write them channel-major too

@@ -48,7 +48,7 @@ from ..core import (
     covered_remote_ranks,
     hookimpl,
 )
-from ..scenario_kinds import KindDef
+from ..scenario_kinds import KindDef, choice, count
 from .full_attention import check_matching_facts
 
 # Facts both sides must agree on, with what a mismatch means for the operator.
@@ -165,10 +165,9 @@ def scenario_kind() -> KindDef:
     ``num_kv_heads`` (head slots, each rank holds all) and ``dtype``. Defaults are DeepSeek-V4.1's
     compressor ring without speculative tokens: 8 rows of 1024 fp32 ([kv | score])."""
     return KindDef(
-        required=(),
-        optional={"capacity": 8, "head_size": 1024, "num_kv_heads": 1, "dtype": "float32"},
+        fields={"capacity": count(8), "head_size": count(1024), "num_kv_heads": count(1),
+                "dtype": choice(RING_DTYPES, "float32")},  # a ring holds float rows
         build=ring_spec,
-        check=check_ring,
         replicated=True,
         coordinates=ring_coordinates,
         blocks_per_request=1,
@@ -200,8 +199,4 @@ def ring_spec(params: Mapping[str, Any], tp: int, block_size: int) -> CircularBu
     )
 
 
-def check_ring(params: Mapping[str, Any]) -> list[str]:
-    """A ring holds float rows (the scenario parser has checked the integer fields already)."""
-    if params["dtype"] not in ("float32", "bfloat16", "float16"):
-        return [f"dtype must be float32, bfloat16 or float16, got {params['dtype']!r}"]
-    return []
+RING_DTYPES = ("float32", "bfloat16", "float16")

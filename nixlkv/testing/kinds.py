@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..core.topology import heads_per_rank
-from ..scenario_kinds import KindDef  # named here too: contract cases import it with the kinds
+from ..scenario_kinds import DTYPES, Field, KindDef, choice, count, flag  # KindDef named here too: contract cases import it with the kinds
 
 
 
@@ -41,7 +41,11 @@ def _sliding_window(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
     return SlidingWindowSpec(**_attention_fields(p, tp, block_size), sliding_window=p["window"])
 
 
-_ATTENTION_OPTIONAL = {"dtype": "bfloat16", "head_size_v": None}
+# Each kind's declared fields (nixlkv.scenario_kinds.check_params checks a scenario against them).
+ATTENTION_FIELDS: dict[str, Field] = {
+    "num_kv_heads": count(), "head_size": count(), "dtype": choice(DTYPES, "bfloat16"),
+    "head_size_v": count(None, nullable=True),  # None: head_size
+}
 
 # Bytes per token of vLLM's packed DeepSeek MLA cache formats (MLAAttention.get_kv_cache_spec:
 # fp8_ds_mla = 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE); "auto" is (rank + rope) x dtype size.
@@ -92,14 +96,16 @@ def _sliding_window_mla(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
     )
 
 
+MLA_FIELDS: dict[str, Field] = {
+    "kv_lora_rank": count(512), "qk_rope_head_dim": count(64), "dtype": choice(DTYPES, "bfloat16"),
+    "cache_dtype": choice(MLA_CACHE_DTYPES, "auto"),
+}
+
+
 def _check_mla(p: Mapping[str, Any]) -> list[str]:
+    """Relations between an MLA layer's fields (each field's type and range: MLA_FIELDS)."""
     errors = []
-    for key in ("kv_lora_rank", "qk_rope_head_dim"):
-        if not isinstance(p[key], int) or isinstance(p[key], bool) or p[key] < 1:
-            errors.append(f"{key} must be a positive integer, got {p[key]!r}")
-    if p["cache_dtype"] not in MLA_CACHE_DTYPES:
-        errors.append(f"cache_dtype must be one of {MLA_CACHE_DTYPES}, got {p['cache_dtype']!r}")
-    elif p["cache_dtype"] != "auto" and (p["kv_lora_rank"], p["qk_rope_head_dim"]) != (512, 64):
+    if p["cache_dtype"] != "auto" and (p["kv_lora_rank"], p["qk_rope_head_dim"]) != (512, 64):
         errors.append(
             f"cache_dtype {p['cache_dtype']} packs DeepSeek's 512 + 64 latent; set kv_lora_rank: 512 and "
             f"qk_rope_head_dim: 64 (got {p['kv_lora_rank']} + {p['qk_rope_head_dim']}) or use cache_dtype: auto"
@@ -121,13 +127,6 @@ def _mla_indexer(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
         dtype=torch.uint8,
         cache_role=SparseCacheRole.INDEXER,
     )
-
-
-def _check_indexer(p: Mapping[str, Any]) -> list[str]:
-    d = p["index_head_dim"]
-    if not isinstance(d, int) or isinstance(d, bool) or d < 1 or d % INDEXER_QUANT_BLOCK:
-        return [f"index_head_dim must be a positive multiple of {INDEXER_QUANT_BLOCK}, got {d!r}"]
-    return []
 
 
 # ---------------------------------------------------------------- mamba
@@ -152,13 +151,8 @@ def num_spec(p: Mapping[str, Any]) -> int:
 
 
 def _check_mamba(p: Mapping[str, Any]) -> list[str]:
+    """Relations between a Mamba layer's fields (each field's type, range and names: MAMBA_FIELDS)."""
     errors = []
-    if p["mamba_type"] not in MAMBA_TYPES:
-        return [f"mamba_type must be one of {sorted(MAMBA_TYPES)}, got {p['mamba_type']!r}"]
-    if p["ssm_dtype"] not in SSM_DTYPES:
-        errors.append(f"ssm_dtype must be one of {SSM_DTYPES}, got {p['ssm_dtype']!r}")
-    if p["conv_layout"] not in ("DS", "SD"):
-        errors.append(f"conv_layout must be DS or SD, got {p['conv_layout']!r}")
     if num_spec(p) and (p["mamba_type"] == "mamba1" or p["tp_replicated"]):
         errors.append("num_spec applies to mamba2 and gdn states only (vLLM's Mamba1 conv state has no speculative rows)")
     if p["mamba_type"] == "mamba1":
@@ -245,38 +239,38 @@ def _mamba_hints(p: Mapping[str, Any]) -> dict[str, Any]:
     return {"mamba": {**mamba_geometry(p), "conv_state_layout": p["conv_layout"]}}
 
 
-MAMBA_OPTIONAL = {
-    "mamba_type": "mamba2", "num_heads": None, "head_dim": None, "n_groups": None, "intermediate_size": None, "conv_kernel": 4,
-    "dtype": "bfloat16", "ssm_dtype": "float32", "conv_layout": "DS", "tp_replicated": False,
-    "num_spec": None,
+MAMBA_FIELDS: dict[str, Field] = {
+    "d_state": count(),
+    "mamba_type": choice(MAMBA_TYPES, "mamba2"),
+    # None where the Mamba type has none (Mamba1: heads and groups; Mamba2 / GDN: heads x head_dim)
+    "num_heads": count(None, nullable=True), "head_dim": count(None, nullable=True),
+    "n_groups": count(None, nullable=True), "intermediate_size": count(None, nullable=True),
+    "conv_kernel": count(4),
+    "dtype": choice(DTYPES, "bfloat16"), "ssm_dtype": choice(SSM_DTYPES, "float32"),
+    "conv_layout": choice(("DS", "SD"), "DS"), "tp_replicated": flag(False),
+    "num_spec": count(None, nullable=True),
     # tokens a state block stands for (vLLM sets max_model_len); a captured engine's value
-    "state_tokens": None,
+    "state_tokens": count(None, nullable=True),
 }
+MAMBA_OPTIONAL = {name: f.default for name, f in MAMBA_FIELDS.items() if not f.required}
 
 UNIFORM = "uniform"  # not a layer: its `members` become layers vLLM must put in one uniform group
 
 KINDS: dict[str, KindDef] = {
-    "full_attention": KindDef(("num_kv_heads", "head_size"), _ATTENTION_OPTIONAL, _full_attention, interior=True),
-    "sliding_window": KindDef(("num_kv_heads", "head_size", "window"), _ATTENTION_OPTIONAL, _sliding_window,
-                              interior=True),
+    "full_attention": KindDef(fields=ATTENTION_FIELDS, build=_full_attention, interior=True),
+    "sliding_window": KindDef(fields={**ATTENTION_FIELDS, "window": count()}, build=_sliding_window, interior=True),
     "mla": KindDef(
-        (),
-        {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto",
-         "compress_ratio": 1, "alignment": None},
-        _mla,
+        fields={**MLA_FIELDS, "compress_ratio": count(1), "alignment": count(None, nullable=True)},
+        build=_mla,
         check=_check_mla,
         replicated=True,
     ),
-    "sliding_window_mla": KindDef(
-        ("window",),
-        {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "cache_dtype": "auto"},
-        _sliding_window_mla,
-        check=_check_mla,
-        replicated=True,
-    ),
-    "mla_indexer": KindDef((), {"index_head_dim": 128}, _mla_indexer, check=_check_indexer, replicated=True),
-    "mamba": KindDef(("d_state",), MAMBA_OPTIONAL, _mamba, check=_check_mamba, hints=_mamba_hints),
-    UNIFORM: KindDef(("members",)),
+    "sliding_window_mla": KindDef(fields={"window": count(), **MLA_FIELDS}, build=_sliding_window_mla, check=_check_mla,
+                                  replicated=True),
+    "mla_indexer": KindDef(fields={"index_head_dim": count(128, multiple_of=INDEXER_QUANT_BLOCK)}, build=_mla_indexer,
+                           replicated=True),
+    "mamba": KindDef(fields=MAMBA_FIELDS, build=_mamba, check=_check_mamba, hints=_mamba_hints),
+    UNIFORM: KindDef(("members",)),  # not a layer: the parser reads its members (each checked as its own kind)
 }
 
 

@@ -11,11 +11,12 @@ from typing import Any
 import yaml
 
 from ..core.errors import NixlkvError
+from ..scenario_kinds import DTYPES as DTYPES  # named here too (the dtypes a scenario's caches may hold)
+from ..scenario_kinds import MAX_INT, check_params, show
 from .kinds import KINDS, UNIFORM, known_kind, takes_interior
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 INTERIORS = ("k_channel_major",)  # see nixlkv.vllm.model_backend
-DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int8")
 
 
 class ScenarioError(NixlkvError):
@@ -103,7 +104,6 @@ class Scenario:
 
 
 MAX_FILE_BYTES = 1 << 20  # a scenario is a page of YAML: anything larger is refused unread
-MAX_INT = 1 << 40  # counts and sizes beyond this are typos or attacks, never a cache to build
 MAX_LAYERS = 4096  # no model has more; the rehearsal builds each layer's spec and tensors in Python
 
 
@@ -197,35 +197,49 @@ def parse(data: Any, source: str = "<inline>") -> Scenario:
 
 
 def _captured(x: Any, where: str) -> dict[str, Any]:
-    """What real engines built (nixlkv capture): checked by the rehearsal, so checked for shape here."""
+    """What real engines built (nixlkv capture): checked by the rehearsal, so checked for type here
+    (every field: a wrong type is a ScenarioError naming it, never a value converted to fit)."""
     d = _mapping(x, where)
     _only(d, {"source", "prefill", "decode"}, where)
-    out: dict[str, Any] = {"source": str(d.get("source", ""))}
+    out: dict[str, Any] = {"source": _str(d.get("source", ""), f"{where}.source")}
     for role in ("prefill", "decode"):
         w = f"{where}.{role}"
         side = _mapping(_req(d, role, where), w)
         _only(side, {"vllm", "groups", "pages"}, w)
         groups = _req(side, "groups", w)
         if not isinstance(groups, list) or not groups:
-            raise ScenarioError(f"{w}.groups must be a non-empty list")
+            raise ScenarioError(f"{w}.groups must be a non-empty list, got {_show(groups)}")
         parsed = []
         for i, g in enumerate(groups):
-            gm = _mapping(g, f"{w}.groups[{i}]")
-            _only(gm, {"spec", "block_size", "layers"}, f"{w}.groups[{i}]")
-            spec = _req(gm, "spec", f"{w}.groups[{i}]")
-            layers = _req(gm, "layers", f"{w}.groups[{i}]")
-            if not isinstance(spec, str) or not isinstance(layers, list):
-                raise ScenarioError(f"{w}.groups[{i}]: spec must be a string and layers a list of layer positions")
-            parsed.append({"spec": spec, "block_size": _pos(_req(gm, "block_size", f"{w}.groups[{i}]"), f"{w}.groups[{i}].block_size"),
-                           "layers": [_nonneg(n, f"{w}.groups[{i}].layers") for n in layers]})
+            wg = f"{w}.groups[{i}]"
+            gm = _mapping(g, wg)
+            _only(gm, {"spec", "block_size", "layers"}, wg)
+            layers = _req(gm, "layers", wg)
+            if not isinstance(layers, list):
+                raise ScenarioError(f"{wg}.layers: must be a list of layer positions, got {_show(layers)}")
+            parsed.append({"spec": _str(_req(gm, "spec", wg), f"{wg}.spec"),
+                           "block_size": _pos(_req(gm, "block_size", wg), f"{wg}.block_size"),
+                           "layers": [_nonneg(n, f"{wg}.layers[{j}]") for j, n in enumerate(layers)]})
         pages = _mapping(side.get("pages", {}), f"{w}.pages")
         out[role] = {
-            "vllm": str(side.get("vllm", "")),
+            "vllm": _str(side.get("vllm", ""), f"{w}.vllm"),
             "groups": parsed,
-            "pages": {_nonneg(int(k) if isinstance(k, str) and k.isdigit() else k, f"{w}.pages key"): str(v)
-                      for k, v in pages.items()},
+            "pages": {_layer_position(k, f"{w}.pages"): _str(v, f"{w}.pages[{_show(k)}]") for k, v in pages.items()},
         }
     return out
+
+
+def _layer_position(k: Any, where: str) -> int:
+    """A page's key: a layer position, as YAML writes it (an integer) or JSON (a string of digits)."""
+    if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 13:
+        k = int(k)
+    return _nonneg(k, f"{where} key")
+
+
+def _str(x: Any, where: str) -> str:
+    if not isinstance(x, str):
+        raise ScenarioError(f"{where}: must be a string, got {_show(x)}")
+    return x
 
 
 def _model(x: Any, where: str) -> tuple[LayerKind, ...]:
@@ -254,22 +268,11 @@ def _layer(x: Any, where: str, in_uniform: bool = False) -> LayerKind:
     if kind == UNIFORM:
         return _uniform(d, where, in_uniform)
     count = _pos(d.pop("count", 1), f"{where}.count")
-    required, optional = KINDS[kind].required, KINDS[kind].optional
-    _only(d, set(required) | set(optional), where)
-    params = {**optional, **d}
-    for key in required:
-        _req(params, key, where)
-    for key, value in params.items():
-        if key == "dtype":
-            if value not in DTYPES:
-                raise ScenarioError(f"{where}: dtype must be one of {DTYPES}, got {_show(value)}")
-        elif isinstance(optional.get(key), bool):
-            if not isinstance(value, bool):
-                raise ScenarioError(f"{where}.{key}: must be true or false, got {_show(value)}")
-        elif isinstance(optional.get(key), str):
-            continue  # a named choice (e.g. cache_dtype): the kind's check below validates it
-        elif value is not None:
-            _pos(value, f"{where}.{key}")
+    # One checker for every kind's own fields, built in or a plugin's (its declared schema):
+    # type, range and allowed names, before the kind's own check or build reads a value.
+    params, problems = check_params(KINDS[kind].fields, d)
+    if problems:
+        raise ScenarioError("; ".join(f"{where}.{name}: {problem} ({kind} layer)" for name, problem in problems))
     check = KINDS[kind].check
     errors = check(params) if check is not None else []
     if errors:
@@ -341,9 +344,4 @@ def _nonneg(x: Any, where: str) -> int:
     return x
 
 
-def _show(x: Any) -> str:
-    """A value for a message, bounded (a huge integer is not even converted to text)."""
-    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_INT:
-        return f"an integer of {x.bit_length()} bits"
-    text = repr(x)
-    return text if len(text) <= 80 else text[:77] + "..."
+_show = show  # a value for a message, bounded (nixlkv.scenario_kinds.show)

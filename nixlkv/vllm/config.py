@@ -28,6 +28,7 @@ class ConfigError(NixlkvError):
 
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+DEFAULT_LEASE_S = 480.0  # see ConnectorConfig.lease_s
 # Every time setting is at most a day, as a lease is on the wire (a decode engine refuses a longer
 # one and computes each such prompt itself, no transfer): beyond, a timeout is a typo, and an
 # endless one overflows the socket's and the clock's timeouts.
@@ -81,7 +82,13 @@ class ConnectorConfig:
     # timeouts and lease
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
-    lease_s: float = 30.0
+    # How long P holds a finished request's blocks for a decode leg that has not reached D yet (D's
+    # heartbeats then keep it). 480 s: the longest any vLLM connector waits for a decode leg
+    # (VLLM_NIXL_ABORT_REQUEST_TIMEOUT of earlier NixlConnectors; VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+    # in 0.33). vLLM 0.33's NixlConnector frees at 30 s (kv_lease_duration) but D reads a later leg
+    # anyway, from freed blocks; nixlkv refuses such a leg, so it holds as long as a router may
+    # queue one. Trade-off and how to lower it: docs/configuration.md, "The lease".
+    lease_s: float = DEFAULT_LEASE_S
     heartbeat_interval_s: float = 5.0  # 0: no heartbeats
     max_handshake_bytes: int = 64 << 20
     enforce_compat_hash: bool = True

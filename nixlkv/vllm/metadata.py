@@ -50,6 +50,7 @@ class RecvRequest:
     # How long P surely still holds the blocks without a heartbeat, from when the worker receives
     # the request (see LeaseView); None when P published no lease (not checked).
     held_for_s: float | None = None
+    lease_s: float | None = None  # the lease P published (remote_lease_s), for the message of a lapsed hold
     received_at: float | None = None  # the worker's own clock when it received the request (set there)
     # Tokens each side's block list holds (each list is the tail of the list for that many
     # tokens): what pairs blocks when P and D hold a different number of tokens per block.
@@ -104,6 +105,7 @@ def recv_from_params(
         report=report,
         remote_generation=r.generation,
         held_for_s=view.held_for_s if view else None,
+        lease_s=r.lease_s,
         num_tokens=num_tokens,
         remote_num_tokens=r.num_tokens,
     )

@@ -94,6 +94,21 @@ class _Hold:
     consumers: int | None = None
 
 
+def lapsed_hold_reason(lease_s: float | None) -> str:
+    """Why a load is not read when the prefill engine's hold may have ended, and the fix: what D's
+    log says of the request (the client sees vLLM's "internal error" only; vLLM gives a connector no
+    way to tell it why)."""
+    lease = f"lease_s={lease_s:g} s" if lease_s is not None else "its lease_s"
+    return (
+        f"the prefill engine's hold on the blocks ({lease}) may have ended before they could be read: queued "
+        "here longer than its lease with no heartbeat in time, or reached this engine after the end of the hold "
+        "the remote published (a decode leg delayed on its way, e.g. in a router's queue, or the two hosts' clocks "
+        "apart by more than a tenth of the lease); not reading them. If decode legs may reach this engine later "
+        "than that after the prefill engine answered, raise lease_s in the prefill engine's "
+        'kv_connector_extra_config (docs/configuration.md, "The lease"); if the clocks disagree, synchronise them'
+    )
+
+
 class NixlkvWorker:
     def __init__(
         self,
@@ -433,10 +448,7 @@ class NixlkvWorker:
         plan = remote.prepared.plan
         if any(req.local_block_ids) and self._lease_lapsed(req):
             self.stats.count("lapsed_holds")
-            self._fail(rid, req, "the remote's lease on the blocks may have expired before they could be read "
-                                 "(queued here longer than its lease_s with no heartbeat in time, or reached this "
-                                 "engine after the end of the hold the remote published: a decode leg delayed on its "
-                                 "way, or the two hosts' clocks apart by more than a tenth of the lease); not reading them")
+            self._fail(rid, req, lapsed_hold_reason(req.lease_s))
             return
         try:
             local = list(req.local_block_ids) + [[]] * (self.num_groups - len(req.local_block_ids))
@@ -643,8 +655,12 @@ class NixlkvWorker:
                 self._done_send.add(rid)
                 self.stats.count("expired_leases")
                 logger.warning(
-                    "nixlkv lease expired req=%s notifications=%d/%s: freeing its blocks",
-                    rid, hold.count, hold.consumers if hold.consumers is not None else "?",
+                    "nixlkv lease expired req=%s notifications=%d/%s: freeing its blocks, held lease_s=%s s with no "
+                    "decode engine reading them or naming them in a heartbeat. A decode leg that reaches its decode "
+                    "engine later is failed there (HTTP 500 to the client). If a router may hold decode legs longer "
+                    "than that between this engine's answer and the decode engine, raise lease_s in this engine's "
+                    "kv_connector_extra_config (docs/configuration.md, \"The lease\")",
+                    rid, hold.count, hold.consumers if hold.consumers is not None else "?", f"{hold.lease:g}",
                 )
         for rid, (count, _, seen) in list(self._early.items()):
             if now - seen > self.config.lease_s:
