@@ -640,6 +640,7 @@ def run_concurrent(srv: Servers, case: Case, rule: str, block: int, max_model_le
 
 
 PARALLEL_N = 3
+HELD_WAIT_CAP_S = 120.0  # the longest the n=3 row waits to see blocks no decode reads freed by their lease
 
 
 def parallel_prompt_len(block: int) -> int:
@@ -692,9 +693,11 @@ def run_parallel_sampling(srv: Servers, case: Case, block: int) -> dict[str, Any
     if held > 0 and case.connector == "nixlkv":
         # children P prefilled that no decode reads (a proxy that sends n > 1 to P; nixlkv's sends 1):
         # still a failure, but they must go when their lease ends, or P leaks them
-        lease = ConnectorConfig().lease_s
+        # (the case's lease_s where it sets one, as `--connector-config lease_s=30` does; the wait is
+        # capped: at the 480 s default the row has failed long before)
+        lease = float(dict(case.connector_config).get("lease_s", ConnectorConfig().lease_s))
         t0 = time.monotonic()
-        if max(settled_kv_usage(url, timeout_s=lease + 15.0) for url in srv.p_urls) == 0:
+        if max(settled_kv_usage(url, timeout_s=min(lease + 15.0, HELD_WAIT_CAP_S)) for url in srv.p_urls) == 0:
             freed_by_lease_s = round(time.monotonic() - t0 + 5.0, 1)
     same = got == ref
     other = [(prompt[0] + 1 - FIRST_ID) % (models.VOCAB_SIZE - FIRST_ID) + FIRST_ID, *prompt[1:]]
