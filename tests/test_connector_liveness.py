@@ -171,35 +171,57 @@ def _leg_on_its_way(p: PDEngine, delay_s: float) -> None:
         time.sleep(0.02)
 
 
-def _decode_leg(p: PDEngine, d: PDEngine, params: dict) -> None:
-    """Request ``r`` reaches D with P's ``params``; both step until D answered and P let it go."""
-    d.add("r", prompt(1, 40), 2, params)
-    deadline = time.monotonic() + 30
-    while ("r" not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
+def _decode_leg(p: PDEngine, d: PDEngine, params: dict, rid: str = "r") -> None:
+    """Request ``rid`` reaches D with P's ``params``; both step until D answered and P let it go."""
+    d.add(rid, prompt(1, 40), 2, params)
+    deadline = time.monotonic() + 60
+    while (rid not in d.outputs or not p.finished_sending) and time.monotonic() < deadline:
         d.step()
         p.step()
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("delay_s", [0.3, 1.6])
-def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog) -> None:
-    """vLLM's real Schedulers: P holds for lease_s=1 s; the decode leg reaches D ``delay_s`` after
-    P answered (a router queueing it). D's count from its own arrival would still give the lease
-    0.9 s; P published when its hold ends (``remote_held_until``), so D reads a leg that came in
+def lease_from_a_leg(factor: float = 5.0, floor_s: float = 1.0) -> float:
+    """A prefill lease for these engines on this machine now: ``factor`` times one measured decode
+    leg (fresh P and D; from P's answer to D's finished read, D's first handshake with P included),
+    at least ``floor_s``. A quiet machine gets ``floor_s``; a loaded one a lease that grows with what
+    a leg takes there, so "in time" and "late" below are fractions of what the machine does, not
+    wall-clock guesses."""
+    p = PDEngine(PDCase(), "prefill", "Pw", {**SIDE, "lease_s": 600.0})
+    d = PDEngine(PDCase(), "decode", "Dw", SIDE)
+    try:
+        params = prefill(p, "w", 40)
+        t0 = time.monotonic()
+        _decode_leg(p, d, params, "w")
+        took = time.monotonic() - t0
+        assert d.finished_recving == {"w"} and not d.failed_recving, "the measuring leg did not load"
+    finally:
+        p.close()
+        d.close()
+    return max(floor_s, factor * took)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.6])
+def test_a_decode_leg_delayed_past_the_lease_is_not_read(fraction: float, caplog) -> None:
+    """vLLM's real Schedulers: P holds for ``lease_s`` (1 s, or five decode legs as measured on this
+    machine now: :func:`lease_from_a_leg`); the decode leg reaches D ``fraction`` of the lease after P
+    answered (a router queueing it). D's count from its own arrival would still give the lease
+    0.9 of it; P published when its hold ends (``remote_held_until``), so D reads a leg that came in
     time and refuses one that came after P freed the blocks (they may hold another request's KV
     by then): the request fails cleanly, nothing written."""
     caplog.set_level(logging.ERROR, logger="nixlkv.connector")
-    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
+    lease_s = lease_from_a_leg()
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": lease_s})
     d = PDEngine(PDCase(), "decode", "D", SIDE)
     try:
         oracle.fill_decode(d.ranks[0])
         params = prefill(p, "r", 40)
         assert params["remote_held_until"] > time.time()
-        _leg_on_its_way(p, delay_s)
+        _leg_on_its_way(p, fraction * lease_s)
         _decode_leg(p, d, params)
         assert p.finished_sending == {"r"}
-        if delay_s < 0.9:
-            assert d.finished_recving == {"r"} and not d.failed_recving
+        if fraction < 0.9:
+            assert d.finished_recving == {"r"} and not d.failed_recving, lease_s
             assert oracle.compare(d.ranks[0], d.expected(0, {"r": d.recv_blocks["r"]})) is None
         else:
             assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0])
@@ -207,7 +229,7 @@ def test_a_decode_leg_delayed_past_the_lease_is_not_read(delay_s: float, caplog)
             assert sum(s.reduce()["expired_leases"] for s in p.stats) == 1
             assert any("after the end of the hold the remote published" in r.getMessage() for r in caplog.records)
             # D's log names P's lease and the fix (the client only sees vLLM's "internal error")
-            assert any("lease_s=1 s" in r.getMessage() and "raise lease_s in the prefill engine's "
+            assert any(f"lease_s={lease_s:g} s" in r.getMessage() and "raise lease_s in the prefill engine's "
                        "kv_connector_extra_config" in r.getMessage() for r in caplog.records)
             assert sum(s.reduce()["lapsed_holds"] for s in d.stats) == 1
         clean(p)
