@@ -114,3 +114,23 @@ def test_the_kv_must_reach_d_through_its_interface(monkeypatch) -> None:
     assert not check.crossed_the_network(srv, Net(999_999))["ok"]
     srv.decode_metrics = lambda: {}
     assert not check.crossed_the_network(srv, Net(1_200_000))["ok"]  # nothing loaded: nothing proven
+
+
+def test_networks_made_side_by_side_get_subnets_of_their_own_and_a_taken_one_is_refused() -> None:
+    """Checks run at once (a matrix beside a drill) each pick from their own candidate on, and a
+    subnet another network took between a check's pick and its make is refused by name, never
+    shared (two bridges on one subnet would cut both checks' clients off their hosts)."""
+    used = netns._used_subnets()
+    k = next(i for i, n in enumerate(netns.SUBNETS) if i > 0 and not any(n.overlaps(u) for u in used))
+    assert netns.free_subnet(start=k) == netns.SUBNETS[k]  # from its own candidate on
+    one = netns.Network(["a"], tag="t7")
+    with one:
+        assert netns.free_subnet(start=netns.SUBNETS.index(one.subnet)) != one.subnet  # its route is seen
+        clash = netns.Network(["a"], tag="t6", subnet=one.subnet)
+        with pytest.raises(check.ServeError, match=f"subnet {one.subnet} overlaps route .*start the check again"):
+            clash.make()
+        assert "nxt6-" not in _namespaces() and clash.bridge not in _links()  # nothing of it left
+        other = netns.Network(["a"], tag="t5")
+        with other:
+            assert other.subnet != one.subnet
+    assert "nxt7-" not in _namespaces() and "nxt5-" not in _namespaces()

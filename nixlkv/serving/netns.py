@@ -13,10 +13,12 @@ Inside a host, vLLM serves on its own address; NIXL's UCX is held to TCP on ``nx
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -24,7 +26,9 @@ from .launch import ServeError
 
 DEVICE = "nx0"  # every host's interface on the check's network
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": DEVICE}  # NIXL's bytes over TCP on that interface only
-SUBNETS = [ipaddress.ip_network(f"10.231.{k}.0/24") for k in range(16, 240)]  # candidates, in order
+SUBNETS = [ipaddress.ip_network(f"10.231.{k}.0/24") for k in range(16, 240)]  # candidates
+# Checks that make their networks at once (a matrix beside a drill) claim a subnet under this lock.
+LOCK_PATH = os.path.join(tempfile.gettempdir(), "nixlkv-netns.lock")
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,13 @@ def _used_subnets() -> list[ipaddress.IPv4Network]:
     return nets
 
 
-def free_subnet() -> ipaddress.IPv4Network:
-    """The first candidate subnet that no route of this machine overlaps."""
+def free_subnet(start: int = 0) -> ipaddress.IPv4Network:
+    """The first candidate subnet, from candidate ``start`` on (cyclically), that no route of this
+    machine overlaps. Each process starts at its own candidate, so checks run side by side pick
+    different subnets; :meth:`Network.make` confirms the pick under a lock."""
     used = _used_subnets()
-    for net in SUBNETS:
+    for i in range(len(SUBNETS)):
+        net = SUBNETS[(start + i) % len(SUBNETS)]
         if not any(net.overlaps(u) for u in used):
             return net
     raise ServeError("no free 10.231.x.0/24 subnet for the check's hosts: every candidate overlaps a route")
@@ -77,7 +84,7 @@ class Network:
             raise ValueError(f"host names must differ: {names}")
         self.tag = tag or str(os.getpid())
         self.bridge = f"nxb{self.tag}"[:15]
-        self.subnet = subnet or free_subnet()
+        self.subnet = subnet or free_subnet(start=os.getpid())
         addresses = list(self.subnet.hosts())
         if len(names) + 1 > len(addresses):
             raise ValueError(f"{len(names)} hosts do not fit in {self.subnet}")
@@ -104,10 +111,16 @@ class Network:
 
     def _make(self) -> None:
         bits = self.subnet.prefixlen
-        _ip("link", "add", self.bridge, "type", "bridge")
-        self._bridge_made = True
-        _ip("addr", "add", f"{self.gateway}/{bits}", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        with open(LOCK_PATH, "a") as lock:  # the subnet is claimed (its route made) by one check at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            taken = [u for u in _used_subnets() if self.subnet.overlaps(u)]
+            if taken:
+                raise ServeError(f"the check's subnet {self.subnet} overlaps route {taken[0]} (another network on this "
+                                 f"machine took it since it was picked); start the check again to pick another")
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self._bridge_made = True
+            _ip("addr", "add", f"{self.gateway}/{bits}", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
         for i, host in enumerate(self.hosts.values()):
             outer = f"nxv{self.tag}{i}"[:15]
             _ip("netns", "add", host.namespace)
