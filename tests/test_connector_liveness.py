@@ -253,11 +253,12 @@ def test_control_without_the_published_end_d_reads_blocks_p_freed(monkeypatch) -
     """The control of the test above: a D that counts the lease from its own arrival only reads
     the late leg from blocks P had already freed (expired before D's READ), and calls it loaded."""
     judge_by_arrival_alone(monkeypatch)
-    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": 1.0})
+    lease_s = lease_from_a_leg()
+    p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": lease_s})
     d = PDEngine(PDCase(), "decode", "D", SIDE)
     try:
         params = prefill(p, "r", 40)
-        _leg_on_its_way(p, 1.6)
+        _leg_on_its_way(p, 1.6 * lease_s)
         assert p.finished_sending == {"r"}  # freed by its lease before D heard of it
         _decode_leg(p, d, params)
         assert d.finished_recving == {"r"} and not d.failed_recving  # read from freed blocks

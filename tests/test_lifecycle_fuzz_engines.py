@@ -21,6 +21,7 @@ by its own arrival alone).
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -29,13 +30,23 @@ import pytest
 
 from pd_harness import PDCase, PDEngine, prompt
 from test_connector_lifecycle import SIDE
-from test_connector_liveness import judge_by_arrival_alone
+from test_connector_liveness import judge_by_arrival_alone, lease_from_a_leg
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
-LEASE_S = 2.0
 KINDS = ("normal", "normal", "p_abort", "d_abort_now", "d_abort_later", "unread", "late")
-LATE_S = LEASE_S + 0.5  # how long after P's answer a late decode leg reaches D
+
+
+@functools.cache
+def lease_s() -> float:
+    """P's lease here: 2 s, or more where a decode leg measured on this machine now is slow (a
+    ``normal`` leg reaches D up to four steps after P's answer and must be read in the hold)."""
+    return lease_from_a_leg(factor=8.0, floor_s=2.0)
+
+
+def late_s() -> float:
+    """How long after P's answer a late decode leg reaches D: past P's hold, whatever the lease."""
+    return 1.25 * lease_s() + 0.25
 CASES = (PDCase(), PDCase(model="llama-sw"), PDCase(p_tp=2, d_tp=1), PDCase(p_tp=1, d_tp=2),
          PDCase(model="nemotron-h"), PDCase(model="llama", d_block=32),
          PDCase(num_blocks=20))  # a pool of 19 blocks: P queues prompts, D waits for room
@@ -68,7 +79,7 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
     from vllm.v1.request import RequestStatus
 
     case, reqs = draw(seed)
-    p = PDEngine(case, "prefill", "P", {**SIDE, "lease_s": LEASE_S, **(p_extra or {})})
+    p = PDEngine(case, "prefill", "P", {**SIDE, "lease_s": lease_s(), **(p_extra or {})})
     try:
         d = PDEngine(case, "decode", "D", SIDE)
     except BaseException:
@@ -81,7 +92,7 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
         d_aborts: dict[int, list[str]] = {}
         p_aborts: dict[int, list[str]] = {}
         step = 0
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 90 + 4 * lease_s()
         while time.monotonic() < deadline:
             for q in reqs:
                 if q.p_step == step:
@@ -108,7 +119,7 @@ def run(seed: int, p_extra: dict | None = None, d_hook=None) -> dict:
                 if out is not None and q.rid not in handed and out.kv_transfer_params:
                     handed.add(q.rid)
                     if q.kind == "late":
-                        late.append((time.monotonic() + LATE_S, q, dict(out.kv_transfer_params)))
+                        late.append((time.monotonic() + late_s(), q, dict(out.kv_transfer_params)))
                     elif q.kind not in ("unread", "p_abort"):
                         to_d.setdefault(step + 1 + q.delay, []).append((q, dict(out.kv_transfer_params)))
             d.step()
