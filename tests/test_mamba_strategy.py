@@ -4,10 +4,12 @@ read from (with the oracle's independent sharding model), running-state pairing,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -289,3 +291,52 @@ def test_speculative_conv_rows_are_part_of_the_page() -> None:
     conv = regions(p, 2, 0)["conv"]
     assert conv.page.axes == (("channel", 16 + 16), ("row", 3 + 2), ("byte", 2))
     assert conv.facts["conv_rows"] == 5 and conv.facts["num_speculative_blocks"] == 2
+
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("name", ["mamba-conv-sd-sd-p2-d1", "mamba-conv-sd-ds-p1-d2", "mamba-conv-ds-sd-p2-d1"])
+def test_rehearsal_catches_an_sd_page_planned_as_ds(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Every conv element placed as if both pages were DS (the layout ignored, what dropping the
+    refusal alone would do) must be a mismatch, whichever side is SD."""
+    from nixlkv.testing.rehearsal import rehearse
+    from nixlkv.testing.scenario import load
+
+    monkeypatch.setattr(ConvPage, "offsets", lambda self, channel, row: (channel * self.rows + row) * self.itemsize)
+    result = rehearse(load(SCENARIOS / f"{name}.yaml"), descriptor_mode="direct")
+    assert result.outcome == "mismatch", result.message
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize(("name", "layout"), [("mamba-conv-sd-sd-p2-d1", "SD"), ("mamba-conv-sd-ds-p2-d1", "SD"),
+                                              ("mamba-conv-ds-sd-p2-d1", "DS")])
+def test_rehearsal_catches_one_conv_element_of_prefill_corrupted(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                                   layout: str) -> None:
+    """One element (row 1 of channel 5) of P rank 0's running conv state flipped after it is
+    written: decode rank 0 must differ in exactly those bytes, in either layout pairing."""
+    from nixlkv.testing import oracle
+    from nixlkv.testing.rehearsal import rehearse
+    from nixlkv.testing.scenario import load
+
+    original = oracle.fill_prefill
+
+    def corrupted(rank, blocks, seed):
+        original(rank, blocks, seed)
+        if rank.tp_rank != 0:
+            return
+        layer = "model.layers.0.self_attn.attn"
+        group = next(g for g in range(rank.num_groups) if layer in rank.group_layers(g))
+        block = oracle.running_state(blocks[group].ids, rank.params[layer]["num_spec"] or 0)
+        view = rank.kv_caches[layer]
+        channels = len(oracle.mamba_state_coordinates(rank.params[layer], rank.side.tp, 0)[0])
+        conv = ConvPage(layout, channels, 3, 2)
+        at = int(conv.offsets(np.int64(5), np.int64(1)))
+        page = view.view(torch.uint8).numpy().reshape(view.shape[0], -1)
+        page[block, at : at + 2] ^= 0xFF
+
+    monkeypatch.setattr(oracle, "fill_prefill", corrupted)
+    result = rehearse(load(SCENARIOS / f"{name}.yaml"), descriptor_mode="direct")
+    assert result.outcome == "mismatch", result.message
+    assert result.message.startswith("decode rank 0: 2 wrong bytes"), result.message
