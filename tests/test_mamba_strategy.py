@@ -340,3 +340,13 @@ def test_rehearsal_catches_one_conv_element_of_prefill_corrupted(monkeypatch: py
     result = rehearse(load(SCENARIOS / f"{name}.yaml"), descriptor_mode="direct")
     assert result.outcome == "mismatch", result.message
     assert result.message.startswith("decode rank 0: 2 wrong bytes"), result.message
+
+
+def test_a_replicated_state_in_two_layouts_is_refused_naming_the_setting() -> None:
+    """A tp_replicated conv state moves as one whole page: in two layouts it would be a transpose."""
+    p = params(mamba_type="mamba2", num_heads=8, head_dim=4, d_state=8, n_groups=1, tp_replicated=True)
+    sd, ds = regions(p, 1, 0, layout="SD")["state"], regions(p, 1, 0, layout="DS")["state"]
+    assert len(MambaStrategy().segments(sd, {0: regions(p, 1, 0, layout="SD")["state"]}, Topology(1, 0), 1)) == 1
+    with pytest.raises(IncompatibleGeometry, match=r"replicated conv state laid out SD here and DS remotely.*"
+                                                   r"VLLM_SSM_CONV_STATE_LAYOUT to the same value"):
+        MambaStrategy().segments(sd, {0: ds}, Topology(1, 0), 1)
