@@ -22,10 +22,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # what nixlkv needs for Mamba conv states
+# vLLM's default conv state layout is SD; each engine of a case sets its own (PDCase), DS unless it says.
+os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 
 from nixlkv.testing import oracle  # noqa: E402
 from nixlkv.testing.engines import DATA, build_rank  # noqa: E402
+from nixlkv.testing.kinds import vllm_conv_state_layout  # noqa: E402
 from nixlkv.testing.scenario import parse  # noqa: E402
 
 EOS = 2
@@ -85,14 +87,19 @@ class PDCase:
     p_block: int = 16
     d_block: int = 16
     num_blocks: int = 96
+    # Each engine's VLLM_SSM_CONV_STATE_LAYOUT (Mamba models): its caches and its connector see it.
+    p_conv_layout: str = "DS"
+    d_conv_layout: str = "DS"
 
     def scenario(self):
         m = MODELS[self.model]
         return parse({
             "name": f"pd-{self.model}-p{self.p_tp}b{self.p_block}-d{self.d_tp}b{self.d_block}",
             "model": {"layers": [dict(layer) for layer in m.layers]},
-            "prefill": {"tp": self.p_tp, "block_size": self.p_block, "layout": m.layout, "num_blocks": self.num_blocks},
-            "decode": {"tp": self.d_tp, "block_size": self.d_block, "layout": m.layout, "num_blocks": self.num_blocks},
+            "prefill": {"tp": self.p_tp, "block_size": self.p_block, "layout": m.layout, "num_blocks": self.num_blocks,
+                        "conv_layout": self.p_conv_layout},
+            "decode": {"tp": self.d_tp, "block_size": self.d_block, "layout": m.layout, "num_blocks": self.num_blocks,
+                       "conv_layout": self.d_conv_layout},
             "request": {"num_tokens": 16},
         })
 
@@ -172,7 +179,8 @@ class PDEngine:
         assert isinstance(self.scheduler.connector, nc.NixlkvConnector)
         self.workers = []
         for rank in self.ranks:
-            with mock.patch.object(nc, "tp_rank_and_size", return_value=(rank.tp_rank, side.tp)):
+            with (mock.patch.object(nc, "tp_rank_and_size", return_value=(rank.tp_rank, side.tp)),
+                  vllm_conv_state_layout(side.conv_layout)):  # what the engine's env would say
                 w = nc.NixlkvConnector(self.vc, KVConnectorRole.WORKER, rank.kv_cache_config)
             w.register_kv_caches(rank.kv_caches)
             self.workers.append(w)

@@ -235,7 +235,7 @@ def mamba_layer(draw, mamba_type: str | None = None) -> dict[str, Any]:
     if _maybe(draw, 4):
         layer["ssm_dtype"] = draw(st.sampled_from(["bfloat16", "float16", "float32"]))
     if _maybe(draw, 12):
-        layer["conv_layout"] = "SD"  # the strategy refuses it (documented)
+        layer["conv_layout"] = "SD"  # vLLM's default (both sides, unless a side sets its own)
     if _maybe(draw, 8):
         layer["tp_replicated"] = True
     elif mtype != "mamba1" and _maybe(draw, 4):
@@ -339,6 +339,10 @@ def scenario_dicts(draw, family: str | None = None) -> dict[str, Any]:
     if draw(st.integers(0, 2)) == 0:  # a prefix hit on D (possibly every block, or more)
         request["cached_blocks"] = draw(st.integers(0, -(-num_tokens // decode["block_size"]) + 1))
     spec = max((leaf.get("num_spec") or 0 for leaf in leaves if leaf["kind"] == "mamba"), default=0)
+    if any(leaf["kind"] == "mamba" for leaf in leaves) and _maybe(draw, 4):
+        # each engine's VLLM_SSM_CONV_STATE_LAYOUT: SD on one side and DS on the other is a transpose
+        for one in (prefill, decode):
+            one["conv_layout"] = draw(st.sampled_from(["SD", "DS"]))
     if any(leaf["kind"] == "mamba" for leaf in leaves) and draw(st.booleans()):
         request["state_blocks"] = spec + 1 + draw(st.integers(0, 2))
     d = {"name": f"campaign-{family}", "model": {"layers": layers}, "prefill": prefill, "decode": decode,
@@ -382,6 +386,10 @@ def _features(d: Mapping[str, Any]) -> list[str]:
         out.append("mamba num_spec")
     if any(leaf.get("tp_replicated") for leaf in leaves):
         out.append("mamba tp_replicated")
+    if any(leaf["kind"] == "mamba" for leaf in leaves):
+        layouts = [side.get("conv_layout") for side in (p, q)]
+        if "SD" in layouts or any(leaf.get("conv_layout") == "SD" for leaf in leaves):
+            out.append("conv layouts differ" if len(set(layouts)) > 1 and None not in layouts else "conv layout SD")
     if any(leaf.get("cache_dtype") in ("fp8_ds_mla", "nvfp4_ds_mla") for leaf in leaves):
         out.append("packed MLA cache")
     if any(leaf.get("head_size_v") not in (None, leaf.get("head_size")) for leaf in leaves):

@@ -63,6 +63,19 @@ def test_mamba_hybrid_is_byte_exact(p_tp: int, d_tp: int) -> None:
     assert run.computes_from == {**loaded, "k-4": 0}
 
 
+@pytest.mark.parametrize(("p_tp", "d_tp", "p_layout", "d_layout"), [(2, 1, "SD", "SD"), (1, 2, "SD", "DS")])
+def test_mamba_hybrid_conv_layouts_are_byte_exact(p_tp: int, d_tp: int, p_layout: str, d_layout: str) -> None:
+    """vLLM's default conv state layout (SD) on both engines, and SD on P with DS on D: each
+    engine's connector reads its own layout, D's plan places every conv element, and the oracle
+    checks D's running states in D's layout against the states P wrote in P's (DS -> SD: the
+    rehearsal scenarios mamba-conv-ds-sd-*)."""
+    case = PDCase("nemotron-h", p_tp, d_tp, p_conv_layout=p_layout, d_conv_layout=d_layout)
+    run = run_pd(case, MAMBA_PROMPTS, local={"k-4"})
+    assert len(run.state_groups) == 2 and run.transfers["failed_transfers"] == 0
+    loaded = {rid: n - 1 for rid, n in MAMBA_PROMPTS.items() if n > 1}
+    assert run.loaded_tokens == loaded
+
+
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_compressor_rings_move_whole_through_vllms_scheduler(p_tp: int, d_tp: int) -> None:
     """GQA + compressor rings: vLLM's scheduler gives each request one ring block per ring group on

@@ -61,3 +61,18 @@ def test_scenario_parameters_are_type_checked() -> None:
     }
     with pytest.raises(ScenarioError, match=r"model.layers\[0\].num_kv_heads: must be a positive integer"):
         parse(base)
+
+
+def test_a_side_conv_layout_is_checked_and_sets_every_mamba_layer_of_that_side() -> None:
+    from nixlkv.testing.scenario import ScenarioError, parse
+
+    base = {
+        "model": {"layers": [{"kind": "mamba", "mamba_type": "mamba2", "num_heads": 8, "head_dim": 4, "d_state": 8,
+                              "n_groups": 1, "count": 2}, {"kind": "full_attention", "num_kv_heads": 2, "head_size": 64}]},
+        "prefill": {"tp": 1, "conv_layout": "SD"}, "decode": {"tp": 1}, "request": {"num_tokens": 10},
+    }
+    s = parse(base)
+    assert [k.params.get("conv_layout") for k in s.layer_kinds("prefill")] == ["SD", "SD", None]
+    assert [k.params.get("conv_layout") for k in s.layer_kinds("decode")] == ["DS", "DS", None]
+    with pytest.raises(ScenarioError, match=r"prefill: conv_layout must be one of \('DS', 'SD'\) or absent, got 'sd'"):
+        parse({**base, "prefill": {"tp": 1, "conv_layout": "sd"}})

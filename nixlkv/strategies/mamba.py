@@ -1,16 +1,21 @@
 """Mamba-style state caches (Mamba2, GDN, Mamba1): a conv state and a temporal (SSM) state.
 
-vLLM packs one layer's page as ``[conv | ssm | padding]`` (``MambaBase.bind_kv_cache``). With
-the dim-first (DS) conv layout the conv state is ``channels x (kernel - 1 + num_spec)``, each
-rank's channels ordered ``[x_r | B_r | C_r]`` (GDN: ``[Q_r | K_r | V_r]``, Mamba1: ``[x_r]``),
-and the SSM state is ``units x ...`` (Mamba2 / GDN heads, Mamba1 channels). Every part is split
+vLLM packs one layer's page as ``[conv | ssm | padding]`` (``MambaBase.bind_kv_cache``). The conv
+state holds ``channels`` x ``rows`` elements (rows = kernel - 1 + num_spec), each rank's channels
+ordered ``[x_r | B_r | C_r]`` (GDN: ``[Q_r | K_r | V_r]``, Mamba1: ``[x_r]``), in the engine's
+``VLLM_SSM_CONV_STATE_LAYOUT``: dim-first ``DS`` (channel-major: a channel's rows together) or
+state-first ``SD`` (row-major: a row holds every channel of the rank; vLLM's default). Where an
+element lies is :class:`ConvPage` alone; each side may use either layout, and the SSM state is
+``units x ...`` (Mamba2 / GDN heads, Mamba1 channels). Every part is split
 over TP by its *own* unit: x by heads, B and C by groups. With ``n_groups = 1`` every rank holds
 group 0 whole (vLLM replicates it), so B/C do not shrink with TP — reading them at offsets
 scaled by TP (what vLLM's own connector does) fetches wrong columns. Here each part is planned
 per unit with :func:`nixlkv.core.unit_sources`, so replicated and sharded groups are both exact.
 
-Each layer becomes two regions over the same blocks: ``<layer>:conv`` (axes channel x byte)
-and ``<layer>:ssm`` (axes unit x byte), each one row-major page. A ``tp_replicated`` state
+Each layer becomes two regions over the same blocks: ``<layer>:conv`` (DS: axes channel x row x
+byte, SD: row x channel x byte) and ``<layer>:ssm`` (axes unit x byte), each one row-major page. A TP
+channel run is one byte run when both sides are DS, one per row when both are SD; between DS and
+SD every element is a run of its own (a transpose), bounded by :data:`MAX_TRANSPOSED_ELEMENTS`. A ``tp_replicated`` state
 (held whole on every rank) is one ``<layer>:state`` region copied whole from one remote rank.
 
 The state after a prompt's last token cannot be the decode engine's starting point: vLLM's
@@ -27,6 +32,7 @@ paired by token range.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -107,6 +113,64 @@ def rank_conv_layout(facts: Mapping[str, Any], tp: int) -> list[tuple[str, int, 
     return out
 
 
+CONV_LAYOUTS = ("DS", "SD")  # VLLM_SSM_CONV_STATE_LAYOUT: dim-first, state-first (vLLM's default)
+# Between a DS and an SD engine every conv element is a descriptor of its own. Above this many
+# per layer (a real model's conv state is ~10k channels x 3 rows) the plan is refused, naming the
+# setting that makes both sides alike.
+MAX_TRANSPOSED_ELEMENTS = 1 << 12
+
+
+@dataclass(frozen=True)
+class ConvPage:
+    """One block's conv state as an engine lays it out: ``channels`` x ``rows`` elements of
+    ``itemsize`` bytes, channel-major (DS) or row-major (SD). :meth:`offsets` is where every conv
+    byte offset of the strategy is computed."""
+
+    layout: str
+    channels: int
+    rows: int
+    itemsize: int
+
+    def offsets(self, channel: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """Byte offset in the page of element (channel, row), channels counted on this rank."""
+        if self.layout == "DS":
+            return (channel * self.rows + row) * self.itemsize
+        return (row * self.channels + channel) * self.itemsize
+
+    @property
+    def page(self) -> PageLayout:
+        """The same axes in the layout's order (row-major): a peer sees which layout it is."""
+        channel, row, element = ("channel", self.channels), ("row", self.rows), ("byte", self.itemsize)
+        return PageLayout((channel, row, element) if self.layout == "DS" else (row, channel, element))
+
+    @classmethod
+    def of(cls, region: Region) -> ConvPage:
+        """The conv page a region advertises (a peer without ``conv_layout`` is DS: older nixlkv)."""
+        layout = region.facts.get("conv_layout", "DS")
+        if layout not in CONV_LAYOUTS:
+            raise IncompatibleGeometry(f"region {region.name!r}: conv_layout {layout!r} is not one of {CONV_LAYOUTS}")
+        return cls(layout, region.page.size("channel"), int(region.fact("conv_rows")), int(region.fact("conv_itemsize")))
+
+
+def conv_runs(local: ConvPage, local_first: int, remote: ConvPage, remote_first: int, count: int) -> np.ndarray:
+    """Byte runs ``[n, 3]`` (local offset, remote offset, nbytes) that copy channels
+    ``[remote_first, +count)`` of the remote page into ``[local_first, +count)`` of the local one,
+    every row: each element placed by :meth:`ConvPage.offsets`, then runs that continue each other
+    on both sides joined (one run per channel run when both are DS, one per row when both are SD,
+    one per element between DS and SD)."""
+    channel = np.repeat(np.arange(count, dtype=np.int64), local.rows)
+    row = np.tile(np.arange(local.rows, dtype=np.int64), count)
+    lo = local.offsets(local_first + channel, row)
+    ro = remote.offsets(remote_first + channel, row)
+    order = np.argsort(lo, kind="stable")
+    lo, ro = lo[order], ro[order]
+    size = local.itemsize
+    follows = (lo[1:] == lo[:-1] + size) & (ro[1:] == ro[:-1] + size)
+    starts = np.flatnonzero(np.concatenate([[True], ~follows]))
+    ends = np.concatenate([starts[1:], [lo.size]])
+    return np.stack([lo[starts], ro[starts], (ends - starts) * size], axis=1)
+
+
 class MambaStrategy(Strategy):
     name = "mamba"
     spec_types = (MambaSpec,)
@@ -124,11 +188,10 @@ class MambaStrategy(Strategy):
         if spec.tp_replicated:
             page = PageLayout((("byte", real),))
             return (Region.of_layer(layer, self.name, {**facts, "part": "state"}, page=page, part="state"),)
-        conv_rows_bytes = facts["conv_rows"] * facts["conv_itemsize"]
         channels = sum(n * per for _, _, n, per, _ in rank_conv_layout(facts, topology.tp_size))
         unit_name, units, elems = ssm_unit(facts)
         ssm_units = units_per_rank(topology.tp_size, units, "num_heads" if unit_name == "head" else "intermediate_size")
-        conv = PageLayout((("channel", channels), ("byte", conv_rows_bytes)))
+        conv = ConvPage(facts["conv_layout"], channels, facts["conv_rows"], facts["conv_itemsize"]).page
         ssm = PageLayout(((unit_name, ssm_units), ("byte", elems * facts["ssm_itemsize"])))
         return (  # each block: the conv state, then the SSM state
             Region.of_layer(layer, self.name, {**facts, "part": "conv"}, page=conv, part="conv"),
@@ -151,12 +214,13 @@ class MambaStrategy(Strategy):
                 f"integer fields {MODEL_FACTS}; per-rank shapes cannot tell a replicated B/C group from a sharded one"
             )
         layout = model.get("conv_state_layout", "DS")
-        if layout != "DS":
+        if layout not in CONV_LAYOUTS:
             raise IncompatibleGeometry(
-                f"layer {layer.name!r}: conv state layout is {layout!r}; nixlkv needs the dim-first layout "
-                "(VLLM_SSM_CONV_STATE_LAYOUT=DS) so each conv sub-projection is one contiguous byte run"
+                f"layer {layer.name!r}: conv state layout {layout!r} is not one of {CONV_LAYOUTS} "
+                "(VLLM_SSM_CONV_STATE_LAYOUT)"
             )
         facts: dict[str, Any] = {k: int(model[k]) for k in MODEL_FACTS}
+        facts["conv_layout"] = layout
         facts["mamba_type"] = kind
         facts["tp_replicated"] = bool(spec.tp_replicated)
         facts["num_speculative_blocks"] = int(spec.num_speculative_blocks)
@@ -186,15 +250,17 @@ class MambaStrategy(Strategy):
                 f"layer {layer.name!r}: conv state shape {conv_shape} does not hold the {channels} channels "
                 f"{[p[0] for p in conv_parts(facts)]} a {kind} layer has per rank at tp={tp}"
             )
-        if conv_shape[0] != channels or (conv_shape[1] == channels and conv_shape[0] != conv_shape[1]):
+        rows, held_channels = conv_shape if layout == "SD" else conv_shape[::-1]
+        if held_channels != channels:
             raise IncompatibleGeometry(
-                f"layer {layer.name!r}: conv state shape {conv_shape} is state-first (SD layout); nixlkv needs "
-                "the dim-first layout (VLLM_SSM_CONV_STATE_LAYOUT=DS) so each sub-projection is one byte run"
+                f"layer {layer.name!r}: conv state shape {conv_shape} is not {layout} "
+                f"({'rows x channels' if layout == 'SD' else 'channels x rows'}) with {channels} channels, but "
+                f"the engine reports VLLM_SSM_CONV_STATE_LAYOUT={layout}"
             )
-        facts["conv_rows"] = conv_shape[1]
-        if conv_shape[1] < facts["conv_kernel"] - 1:
+        facts["conv_rows"] = rows
+        if rows < facts["conv_kernel"] - 1:
             raise IncompatibleGeometry(
-                f"layer {layer.name!r}: conv state holds {conv_shape[1]} positions, fewer than conv_kernel - 1 = "
+                f"layer {layer.name!r}: conv state holds {rows} positions, fewer than conv_kernel - 1 = "
                 f"{facts['conv_kernel'] - 1}"
             )
         unit_name, units, elems = ssm_unit(facts)
@@ -220,6 +286,13 @@ class MambaStrategy(Strategy):
         if part == "state":
             source = covered_remote_ranks(rank, local_topology.tp_size, remote_tp)[0]
             peer = remote[source]
+            theirs = peer.facts.get("conv_layout", "DS")
+            if theirs != local.facts.get("conv_layout", "DS"):
+                raise IncompatibleGeometry(
+                    f"layer {local.name!r}: a replicated conv state laid out {local.facts.get('conv_layout', 'DS')} "
+                    f"here and {theirs} remotely is not moved (a transpose); set VLLM_SSM_CONV_STATE_LAYOUT to the "
+                    "same value (DS or SD) on both engines"
+                )
             if peer.page.nbytes != local.page.nbytes:
                 raise IncompatibleGeometry(
                     f"layer {local.name!r}: replicated state of {local.page.nbytes} B here, {peer.page.nbytes} B remotely"
@@ -227,22 +300,7 @@ class MambaStrategy(Strategy):
             return [Segment(local.name, 0, source, peer.name, 0, local.page.nbytes)]
         facts = local.facts
         if part == "conv":
-            row = local.page.size("byte")
-            local_parts = rank_conv_layout(facts, local_topology.tp_size)
-            remote_parts = rank_conv_layout(facts, remote_tp)
-            out = []
-            for (name, lstart, _, per, single), (_, rstart, rn, _, _) in zip(local_parts, remote_parts):
-                units = next(u for n, u, _, _ in conv_parts(facts) if n == name)
-                for run in unit_sources(rank, local_topology.tp_size, remote_tp, units, part_what(facts, name), single):
-                    peer = remote[run.remote_rank]
-                    self._check_peer_page(local, peer, "channel", sum(n * p for _, _, n, p, _ in remote_parts))
-                    out.append(
-                        Segment(
-                            local.name, (lstart + run.local_slot * per) * row, run.remote_rank, peer.name,
-                            (rstart + run.remote_slot * per) * row, run.count * per * row,
-                        )
-                    )
-            return out
+            return self._conv_segments(local, remote, local_topology, remote_tp)
         unit_name, units, _ = ssm_unit(facts)
         what = "num_heads" if unit_name == "head" else "intermediate_size"
         size = local.page.size("byte")
@@ -252,6 +310,41 @@ class MambaStrategy(Strategy):
             self._check_peer_page(local, peer, unit_name, units_per_rank(remote_tp, units, what))
             out.append(
                 Segment(local.name, run.local_slot * size, run.remote_rank, peer.name, run.remote_slot * size, run.count * size)
+            )
+        return out
+
+    def _conv_segments(
+        self, local: Region, remote: Mapping[int, Region], local_topology: Topology, remote_tp: int
+    ) -> list[Segment]:
+        """Every TP channel run of every sub-projection, as the byte runs :func:`conv_runs` gives
+        between the two sides' conv pages (each in its own layout)."""
+        facts = local.facts
+        rank = local_topology.tp_rank
+        mine = ConvPage.of(local)
+        remote_parts = rank_conv_layout(facts, remote_tp)
+        remote_channels = sum(n * p for _, _, n, p, _ in remote_parts)
+        out, transposed = [], 0
+        for (name, lstart, _, per, single), (_, rstart, _, _, _) in zip(rank_conv_layout(facts, local_topology.tp_size), remote_parts):
+            units = next(u for n, u, _, _ in conv_parts(facts) if n == name)
+            for run in unit_sources(rank, local_topology.tp_size, remote_tp, units, part_what(facts, name), single):
+                peer = remote[run.remote_rank]
+                theirs = ConvPage.of(peer)
+                if peer.page != ConvPage(theirs.layout, remote_channels, mine.rows, mine.itemsize).page:
+                    raise IncompatibleGeometry(
+                        f"region {peer.name!r} on the remote engine has page {peer.page.describe()}, but the model's "
+                        f"geometry at its TP size gives {remote_channels} channels x {mine.rows} rows of "
+                        f"{mine.itemsize} B ({theirs.layout})"
+                    )
+                count = run.count * per
+                runs = conv_runs(mine, lstart + run.local_slot * per, theirs, rstart + run.remote_slot * per, count)
+                out += [Segment(local.name, lo, run.remote_rank, peer.name, ro, n) for lo, ro, n in runs.tolist()]
+                transposed += count * mine.rows if theirs.layout != mine.layout else 0
+        if transposed > MAX_TRANSPOSED_ELEMENTS:
+            raise IncompatibleGeometry(
+                f"layer {local.name!r}: the conv state is {mine.layout} here and "
+                f"{'SD' if mine.layout == 'DS' else 'DS'} on the remote engine, so each of its {transposed} "
+                f"elements would be a descriptor of its own (more than {MAX_TRANSPOSED_ELEMENTS} per layer); set "
+                "VLLM_SSM_CONV_STATE_LAYOUT to the same value (SD, vLLM's default, or DS) on both engines"
             )
         return out
 

@@ -368,8 +368,9 @@ def running_state(ids: np.ndarray, num_spec: int) -> int:
 
 
 def _write_state(rank: FabricatedRank, view: torch.Tensor, name: str, block: int, seed: int) -> None:
-    """Write the request's running state into ``block`` of a Mamba layer: every conv row and
-    every SSM unit carries its global coordinate; padding after the states is left alone."""
+    """Write the request's running state into ``block`` of a Mamba layer: every conv element and
+    every SSM unit carries its global coordinate (a conv element the same bytes in either layout:
+    channel-major DS, row-major SD); padding after the states is left alone."""
     p = rank.params[name]
     channels, units = mamba_state_coordinates(p, rank.side.tp, rank.tp_rank)
     row = (p["conv_kernel"] - 1 + (p["num_spec"] or 0)) * DTYPE_BYTES[p["dtype"]]
@@ -378,7 +379,12 @@ def _write_state(rank: FabricatedRank, view: torch.Tensor, name: str, block: int
     else:
         unit = p["head_dim"] * p["d_state"] * DTYPE_BYTES[p["ssm_dtype"]]
     layer = rank.layer_index[name]
-    conv = pattern(layer, np.array([[CONV_CODE]]), channels, row, seed).reshape(-1)
+    conv = pattern(layer, np.array([[CONV_CODE]]), channels, row, seed)  # channel x (rows x element): DS
+    if p["conv_layout"] == "SD":
+        # state-first: row r holds element r of every channel (vLLM's VLLM_SSM_CONV_STATE_LAYOUT=SD)
+        element = DTYPE_BYTES[p["dtype"]]
+        conv = conv.reshape(len(channels), -1, element).transpose(1, 0, 2)
+    conv = np.ascontiguousarray(conv).reshape(-1)
     ssm = pattern(layer, np.array([[SSM_CODE]]), units, unit, seed).reshape(-1) if units else np.zeros(0, np.uint8)
     page = view.view(torch.uint8).numpy().reshape(view.shape[0], -1)
     if conv.size + ssm.size != page.shape[1]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from .kinds import KINDS, UNIFORM, known_kind, takes_interior
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 INTERIORS = ("k_channel_major",)  # see nixlkv.vllm.model_backend
+CONV_LAYOUTS = ("DS", "SD")  # VLLM_SSM_CONV_STATE_LAYOUT
 
 
 class ScenarioError(NixlkvError):
@@ -53,6 +54,9 @@ class Side:
     # The order the attention kernels write inside a page where it is not the view's
     # (``k_channel_major``: vLLM's CPU backend); None: token-major, as the view says.
     interior: str | None = None
+    # The engine's VLLM_SSM_CONV_STATE_LAYOUT (DS | SD): every Mamba layer's conv_layout on this
+    # side; None: each layer's own (DS unless it says). P and D may differ.
+    conv_layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,17 @@ class Scenario:
         return self.layers
 
     def layer_kinds(self, role: str = "prefill") -> list[LayerKind]:
-        """One entry per layer, in model order, on the ``role`` ("prefill" or "decode") side."""
-        return [leaf for k in self.layers_of(role) for leaf in k.leaves()]
+        """One entry per layer, in model order, on the ``role`` ("prefill" or "decode") side, with
+        the side's ``conv_layout`` where it sets one."""
+        leaves = [leaf for k in self.layers_of(role) for leaf in k.leaves()]
+        layout = (self.prefill if role == "prefill" else self.decode).conv_layout
+        if layout is None:
+            return leaves
+        sided: dict[int, LayerKind] = {}  # one object per distinct leaf, as leaves() gives them
+        for leaf in leaves:
+            if leaf.kind == "mamba" and id(leaf) not in sided:
+                sided[id(leaf)] = replace(leaf, params={**leaf.params, "conv_layout": layout})
+        return [sided.get(id(leaf), leaf) for leaf in leaves]
 
     def uniform_members(self, role: str = "prefill") -> list[tuple[str, range]]:
         """(where in the file, layer indices) of every ``uniform`` entry on the ``role`` side."""
@@ -293,7 +306,7 @@ def _uniform(d: Mapping[str, Any], where: str, in_uniform: bool) -> LayerKind:
 
 def _side(x: Any, where: str) -> Side:
     d = _mapping(x, where)
-    _only(d, {"tp", "block_size", "layout", "num_blocks", "kernel_block_size", "interior"}, where)
+    _only(d, {"tp", "block_size", "layout", "num_blocks", "kernel_block_size", "interior", "conv_layout"}, where)
     layout = d.get("layout", "LBHNC")
     if layout not in LAYOUTS:
         raise ScenarioError(f"{where}: layout must be one of {LAYOUTS}, got {_show(layout)}")
@@ -302,6 +315,9 @@ def _side(x: Any, where: str) -> Side:
         raise ScenarioError(f"{where}: interior must be one of {INTERIORS} or absent, got {_show(interior)}")
     if interior is not None and layout != "LBHNC":
         raise ScenarioError(f"{where}: interior {interior} is a backend's order inside LBHNC pages; set layout: LBHNC")
+    conv_layout = d.get("conv_layout")
+    if conv_layout is not None and conv_layout not in CONV_LAYOUTS:
+        raise ScenarioError(f"{where}: conv_layout must be one of {CONV_LAYOUTS} or absent, got {_show(conv_layout)}")
     nb = d.get("num_blocks")
     kb = d.get("kernel_block_size")
     return Side(
@@ -311,6 +327,7 @@ def _side(x: Any, where: str) -> Side:
         num_blocks=None if nb is None else _pos(nb, f"{where}.num_blocks"),
         kernel_block_size=None if kb is None else _pos(kb, f"{where}.kernel_block_size"),
         interior=interior,
+        conv_layout=conv_layout,
     )
 
 
