@@ -3,7 +3,8 @@
 
 ``prefill SPEC``: its workers hold requests on blocks filled with the oracle pattern and answer
 handshakes on its address; prints ``port N``, serves until its stdin closes.
-``decode SPEC``: reads one command a line from stdin (``load RID LOCAL_IDS [HOST:PORT]``: load a
+``decode SPEC``: reads one command a line from stdin (``release-as-nixl-offers``: the negative
+control, READs released whatever NIXL's state; ``load RID LOCAL_IDS [HOST:PORT]``: load a
 request of P's blocks into these blocks, from P's side channel or the one named, and print how it
 ended as one JSON line: done, failed, seconds, the connector's warnings and errors, and whether
 every block loaded so far is P's and nothing else was written); ends when stdin closes."""
@@ -52,6 +53,19 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def release_as_nixl_offers(nixl):  # noqa: ANN001, ANN201 - a NixlRank
+    """The release nixlkv made before it checked NIXL's state: whatever NIXL lets go of."""
+
+    def release_handle(handle: object) -> bool:
+        try:
+            nixl.agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    return release_handle
+
+
 def decode(spec: dict) -> None:
     log = LogLines()
     logging.getLogger("nixlkv.connector").addHandler(log)
@@ -67,6 +81,10 @@ def decode(spec: dict) -> None:
             cmd = line.split()
             if not cmd or cmd[0] == "quit":
                 break
+            if cmd[0] == "release-as-nixl-offers":  # the negative control: release READs NIXL still runs
+                w.nixl.release_handle = release_as_nixl_offers(w.nixl)
+                print("result {}", flush=True)
+                continue
             rid, local = cmd[1], [int(b) for b in cmd[2].split(",")]
             host, port = spec["remote_host"], spec["remote_port"]
             if len(cmd) > 3:

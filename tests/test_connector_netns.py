@@ -63,17 +63,14 @@ class Peer:
                 self.proc.wait(10)
 
 
-NETWORKS = iter(range(10))  # each test's hosts named apart: a removed namespace's links go asynchronously
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pair():
-    net = netns.Network(["p", "d"], tag=f"c{os.getpid() % 100000}{next(NETWORKS)}")
+    net = netns.Network(["p", "d"], tag=f"c{os.getpid() % 100000}")
     peers: list[Peer] = []
     with net:
         ph, dh = net.hosts["p"], net.hosts["d"]
         spec = {"scenario": SCENARIO, "p_ids": [1, 2, 3], "seed": 3}
-        p = Peer(ph, "prefill", {**spec, "address": ph.address, "holds": ["warm", "cut", "next", "last", "lo", "port"]})
+        p = Peer(ph, "prefill", {**spec, "address": ph.address, "holds": [f"r{i}" for i in range(12)]})
         peers.append(p)
         port = int(p.line("port "))
         d = Peer(dh, "decode", {**spec, "remote_host": ph.address, "remote_port": port, "give_up_s": 60,
@@ -87,42 +84,63 @@ def pair():
                 peer.stop()
 
 
-def test_a_read_cut_by_a_link_down_is_given_up_only_once_nothing_can_land(pair) -> None:
-    net, _, d, port = pair
-    warm = d.load("warm", [4, 5, 6])
-    assert warm["done"] and not warm["failed"] and warm["bytes_exact"], warm
+def cut_read(net: netns.Network, d: Peer, rid: str, local: list[int]) -> dict:
+    """A load sent to D with P's link down, the link back LINK_DOWN_S later (or once D reported it)."""
     net.set_link("p", False)
     back = threading.Timer(LINK_DOWN_S, net.set_link, ("p", True))
     back.start()
     try:
-        cut = d.load("cut", [7, 8, 9])
+        return d.load(rid, local)
     finally:
         back.cancel()
         net.set_link("p", True)
+
+
+def test_a_handshake_to_loopback_or_a_closed_port_fails_in_time_naming_the_setting(pair) -> None:
+    net, _, d, port = pair
+    lo = d.load("r0", [4, 5, 6], port, "127.0.0.1")  # P advertised its side channel on loopback
+    assert lo["done"] and lo["failed"] and lo["seconds"] < HANDSHAKE_TIMEOUT_S + 3, lo
+    said = " ".join(lo["log"])
+    assert "127.0.0.1" in said and "loopback address" in said and "side_channel_host" in said, said
+    host = net.hosts["p"].address
+    closed = d.load("r1", [7, 8, 9], port + 7, host)  # a port nothing listens on at P's address
+    assert closed["done"] and closed["failed"] and closed["seconds"] < HANDSHAKE_TIMEOUT_S + 3, closed
+    said = " ".join(closed["log"])
+    assert f"connection refused: nothing listens on {host}:{port + 7}" in said and "side_channel_port" in said, said
+    ok = d.load("r2", [10, 11, 12], port, host)  # the right address: served, byte-exact
+    assert ok["done"] and not ok["failed"] and ok["bytes_exact"], ok
+
+
+def test_a_read_cut_by_a_link_down_is_given_up_only_once_nothing_can_land(pair) -> None:
+    net, _, d, port = pair
+    warm = d.load("r3", [16, 17, 18])
+    assert warm["done"] and not warm["failed"] and warm["bytes_exact"], warm
+    cut = cut_read(net, d, "r4", [19, 20, 21])
     assert cut["done"] and cut["failed"], cut  # reported failed, never hung ...
     # ... but only once the READ ended: its blocks stayed held while the link was down
     assert cut["seconds"] >= LINK_DOWN_S, cut
     assert any(f"READs from {net.hosts['p'].address} not done after transfer_timeout_s=1 s" in line
                for line in cut["log"]), cut["log"]
     assert cut["bytes_exact"], cut  # nothing outside the failed request's blocks written
-    nxt = d.load("next", [10, 11, 12])
+    nxt = d.load("r5", [22, 23, 24])
     assert nxt["done"] and not nxt["failed"] and nxt["bytes_exact"], nxt
     time.sleep(8)  # past TCP's next retransmissions: a READ still live would have landed by now
-    last = d.load("last", [13, 14, 15])
-    # every block of every load is as it was when D reported it: no late write into "cut"'s blocks
+    last = d.load("r6", [25, 26, 27])
+    # every block of every load is as it was when D reported it: no late write into the cut READ's blocks
     assert last["done"] and not last["failed"] and last["bytes_exact"], last
 
 
-def test_a_handshake_to_loopback_or_a_closed_port_fails_in_time_naming_the_setting(pair) -> None:
+def test_control_a_read_released_as_nixl_offers_lands_after_it_was_reported(pair) -> None:
+    """The negative control (last: it leaves D's blocks written behind its back): READs released
+    whatever NIXL's state, as nixlkv did before. The cut request is reported at the transfer
+    timeout, while the link is down, and P's bytes land in its blocks once the link is back."""
     net, _, d, port = pair
-    lo = d.load("lo", [4, 5, 6], port, "127.0.0.1")  # P advertised its side channel on loopback
-    assert lo["done"] and lo["failed"] and lo["seconds"] < HANDSHAKE_TIMEOUT_S + 3, lo
-    said = " ".join(lo["log"])
-    assert "127.0.0.1" in said and "loopback address" in said and "side_channel_host" in said, said
-    host = net.hosts["p"].address
-    closed = d.load("port", [7, 8, 9], port + 7, host)  # a port nothing listens on at P's address
-    assert closed["done"] and closed["failed"] and closed["seconds"] < HANDSHAKE_TIMEOUT_S + 3, closed
-    said = " ".join(closed["log"])
-    assert f"connection refused: nothing listens on {host}:{port + 7}" in said and "side_channel_port" in said, said
-    ok = d.load("warm", [10, 11, 12], port, host)  # the right address: served, byte-exact
-    assert ok["done"] and not ok["failed"] and ok["bytes_exact"], ok
+    d.proc.stdin.write("release-as-nixl-offers\n")
+    d.proc.stdin.flush()
+    d.line("result ")
+    cut = cut_read(net, d, "r7", [28, 29, 30])
+    assert cut["done"] and cut["failed"] and cut["seconds"] < LINK_DOWN_S, cut  # reported with the link down
+    assert cut["bytes_exact"], cut  # nothing had landed yet
+    time.sleep(8)
+    last = d.load("r8", [31, 32, 33])
+    assert not last["bytes_exact"] and "block 28" in last.get("first_wrong", ""), last  # the late write

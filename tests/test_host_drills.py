@@ -60,7 +60,7 @@ def test_the_drills_case_is_across_hosts_with_ds_timeouts() -> None:
     assert dict(case.connector_config) == {"descriptor_mode": "staged", "handshake_timeout_s": hd.HANDSHAKE_TIMEOUT_S,
                                            "transfer_timeout_s": hd.TRANSFER_TIMEOUT_S}
     assert hd.host_case(Case(connector="vllm")).connector_config == ()  # vLLM's connector has no such keys
-    assert hd.LINK_DOWN_S < hd.TRANSFER_TIMEOUT_S  # drill 12's link comes back while D may still read
+    assert hd.LINK_DOWN_S < hd.TRANSFER_TIMEOUT_S < hd.UNREACHABLE_S  # 12: back in time; 11: past the timeout
 
 
 def test_serve_drill_hosts_netns_selects_the_separate_hosts_group(monkeypatch) -> None:

@@ -9,12 +9,13 @@ engines' own KV usage.
 10. **P advertises a closed side-channel port**: a request whose ``kv_transfer_params`` name P's
     address and a port nothing listens on there (what D sees of a wrong ``side_channel_port``).
 11. **P unreachable mid-request**: D has read from P before (handshaken, connected); a request
-    prefilled on P, P's link dropped, the request sent to D; the link comes back once D answered.
+    prefilled on P, P's link dropped, the request sent to D; the link comes back
+    :data:`UNREACHABLE_S` later, past D's transfer timeout.
 12. **A link dropped for some seconds**: as 11, the link restored :data:`LINK_DOWN_S` after the
     request reached D, inside D's transfer timeout.
 
-Each must give D's answer within its bound (the handshake timeout, or the transfer timeout, and
-:data:`SLACK_S` for the engines' steps on this machine), the request recomputed exactly
+Each must give D's answer within its bound (the handshake timeout, or the link's outage past the
+transfer timeout, and :data:`SLACK_S` for the engines' steps on this machine), the request recomputed exactly
 (``recompute``) or failed (``fail``) unless it could still be read (12), D's log naming the
 setting or the peer (nixlkv), D holding no blocks afterwards, and the next request to a reachable
 P decoded exactly from P's KV (a transfer, bytes moved).
@@ -41,6 +42,11 @@ HANDSHAKE_TIMEOUT_S = 5.0  # D's handshake_timeout_s in these drills (nixlkv's d
 TRANSFER_TIMEOUT_S = 10.0  # D's transfer_timeout_s in these drills (default 30 s: shorter, for a quicker run)
 SLACK_S = 20.0  # beyond a timeout: the engines' steps and D recomputing the prompt on this loaded machine
 LINK_DOWN_S = 3.0  # drill 12: how long P's link is down once the request reached D
+# drill 11: P's link down this long, past D's transfer timeout. D gives up on the READ at its
+# timeout but reports the request only once NIXL says the READ ended, which over a stalled TCP
+# connection is when the link is back (or TCP abandons the connection, minutes later): a READ
+# released earlier would still land, into blocks vLLM has freed by then
+UNREACHABLE_S = TRANSFER_TIMEOUT_S + 10.0
 CLOSED_PORT_OFFSET = 7  # drill 10: P's side-channel port plus this, where nothing listens
 
 
@@ -199,11 +205,14 @@ class _Drills:
         prompt = self.prompt()
         params = prefill_on(self.srv.p_url, self.model, prompt)
         self.network.set_link("prefill0", False)
+        restore = threading.Timer(UNREACHABLE_S, self.network.set_link, ("prefill0", True))
         try:
             needles = (params["remote_host"], "transfer_timeout_s") if self.case.connector == "nixlkv" else ()
-            facts, more = self.faulted(params, prompt, TRANSFER_TIMEOUT_S + SLACK_S, needles)
+            facts, more = self.faulted(params, prompt, UNREACHABLE_S + SLACK_S, needles, during=restore)
         finally:
+            restore.cancel()
             self.network.set_link("prefill0", True)
+        facts["link_down_s"] = UNREACHABLE_S
         faults += more
         self.p_freed(facts, faults)
         self.next_served(facts, faults)
