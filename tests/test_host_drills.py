@@ -74,6 +74,7 @@ def test_serve_drill_hosts_netns_selects_the_separate_hosts_group(monkeypatch) -
         return {"case": case.label, "policies": {}, "ok": True}
 
     monkeypatch.setattr(drills, "run", fake_run)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # serve- commands set a SIGTERM handler
     assert cli.main(["serve-drill", "--hosts", "netns", "--policy", "recompute", "--python", "python"]) == 0
     assert cli.main(["serve-drill", "--python", "python"]) == 0
     assert seen[0][2] is hd.run_host_drills and seen[0][1] == ("recompute",)
