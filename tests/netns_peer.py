@@ -87,16 +87,24 @@ def decode(spec: dict) -> None:
                 continue
             rid, local = cmd[1], [int(b) for b in cmd[2].split(",")]
             host, port = spec["remote_host"], spec["remote_port"]
-            if len(cmd) > 3:
-                host, port = cmd[3].rsplit(":", 1)
+            beat = "beat" in cmd[3:]  # heartbeats to P every second while the load waits, as D's scheduler asks
+            where = [c for c in cmd[3:] if c != "beat"]
+            if where:
+                host, port = where[0].rsplit(":", 1)
             req = RecvRequest(local_block_ids=(local,), remote_block_ids=(spec["p_ids"][:len(local)],),
                               remote_engine_id="P", remote_request_id=rid, remote_host=host, remote_port=int(port))
             del log.lines[:]
             t0 = time.monotonic()
             w.start_load_kv(NixlkvMetadata(reqs_to_recv={rid: req}))
             out = {"rid": rid, "done": False}
+            next_beat = t0 + 1.0
             while time.monotonic() - t0 < spec["give_up_s"]:
                 w.start_load_kv(None)
+                if beat and time.monotonic() > next_beat:
+                    next_beat += 1.0
+                    for remote in list(w._remotes.values()):
+                        if remote.prepared is not None:
+                            w._beat(remote, {rid: None})
                 _, done = w.get_finished(set())
                 failed = w.take_failed_recving()
                 if rid in done:
