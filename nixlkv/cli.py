@@ -417,7 +417,8 @@ COMMANDS: dict[str, list[tuple[str, str, str]]] = {
          "D's answers judged against D computing the prompts itself", "docs/serving.md"),
         ("serve-drill", "failures in real serving: P killed while D waits, P restarted on the same port, a decode "
          "that never came, the same params twice, clients that hang up, D short of KV blocks, P with another "
-         "--kv-cache-dtype", "docs/serving.md"),
+         "--kv-cache-dtype; with --hosts netns, misconfiguration and link faults between separate hosts",
+         "docs/serving.md"),
         ("serve-matrix", "serve-check over every tiny model, TP pair and block-size pair, both connectors side by "
          "side", "docs/serving.md"),
         ("capture", "start real vLLM engines (one per TP size) that write the KV cache geometry they built; write a "

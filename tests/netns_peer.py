@@ -70,7 +70,7 @@ def decode(spec: dict) -> None:
     log = LogLines()
     logging.getLogger("nixlkv.connector").addHandler(log)
     config = ConnectorConfig(transfer_timeout_s=spec["transfer_timeout_s"], handshake_timeout_s=spec["handshake_timeout_s"],
-                             heartbeat_interval_s=0)
+                             heartbeat_interval_s=0, nixl_progress_delay_us=spec.get("nixl_progress_delay_us", 0))
     d = Engine(fa_scenario(**spec["scenario"]), "decode", "D", config=config)
     w, rank = d.workers[0], d.ranks[0]
     oracle.fill_decode(rank)
