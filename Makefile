@@ -8,7 +8,7 @@ SERVE_VENV := .serve-venv
 SERVE_BIN := $(SERVE_VENV)/bin
 SERVE_STAMP := $(SERVE_VENV)/.nixlkv-installed
 
-.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-check serve-matrix lock serve-lock clean
+.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-check serve-matrix serve-drill-hosts lock serve-lock clean
 
 venv: $(STAMP)
 
@@ -72,6 +72,10 @@ bench-pytest: venv
 MODEL ?= tiny-llama
 serve-check: serve-venv
 	$(SERVE_BIN)/nixlkv serve-check --model $(MODEL) $(ARGS)
+
+# The failure drills across separate hosts (network namespaces; root), both policies: docs/serving.md
+serve-drill-hosts: serve-venv
+	$(SERVE_BIN)/nixlkv serve-drill --hosts netns
 
 # Every model x TP pair x block-size pair x connector of docs/serving.md (slow: ~1-3 min per case).
 serve-matrix: serve-venv

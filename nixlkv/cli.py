@@ -300,14 +300,17 @@ def _connector_config(items: Sequence[str]) -> list[tuple[str, Any]]:
 
 def cmd_serve_drill(args: argparse.Namespace) -> int:
     from .serving.check import Case, Options
-    from .serving.drills import format_drills, run
+    from .serving.drills import format_drills, run, run_drills
 
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
                    proxy_cmd=args.proxy_cmd,
                    port=args.port, start_timeout_s=args.start_timeout, verify_bytes=args.verify_bytes)
     config = tuple(_connector_config(args.connector_config or ()))
+    group = run_drills
+    if args.hosts == "netns":  # the separate-hosts drills (9-12), not the loopback ones
+        from .serving.host_drills import run_host_drills as group
     outs = [run(Case(model=args.model, connector=c, connector_config=config), opts,
-                tuple(args.policy or ("recompute", "fail")))
+                tuple(args.policy or ("recompute", "fail")), group)
             for c in (args.connector or ["nixlkv"])]
     print(json.dumps(outs, indent=1, default=float) if args.json else "\n".join(format_drills(o) for o in outs))
     return 0 if all(o["ok"] for o in outs) else 1
@@ -414,7 +417,8 @@ COMMANDS: dict[str, list[tuple[str, str, str]]] = {
          "D's answers judged against D computing the prompts itself", "docs/serving.md"),
         ("serve-drill", "failures in real serving: P killed while D waits, P restarted on the same port, a decode "
          "that never came, the same params twice, clients that hang up, D short of KV blocks, P with another "
-         "--kv-cache-dtype", "docs/serving.md"),
+         "--kv-cache-dtype; with --hosts netns, misconfiguration and link faults between separate hosts",
+         "docs/serving.md"),
         ("serve-matrix", "serve-check over every tiny model, TP pair and block-size pair, both connectors side by "
          "side", "docs/serving.md"),
         ("capture", "start real vLLM engines (one per TP size) that write the KV cache geometry they built; write a "
@@ -576,6 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connector-config", action="append", metavar="KEY=VALUE",
                    help="a kv_connector_extra_config entry for every engine, repeatable (e.g. "
                    "--connector-config descriptor_mode=staged)")
+    p.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                   help="netns: the drills across separate hosts instead (network namespaces the drill makes; root): "
+                   "P advertising a loopback side channel, a closed side-channel port, P unreachable mid-request, a "
+                   "link dropped for seconds (docs/serving.md, failure drills)")
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_drill)

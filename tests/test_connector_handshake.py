@@ -329,6 +329,38 @@ def test_an_unanswered_handshake_names_the_prefill_engines_settings() -> None:
     assert "loopback" not in far and "side_channel_host (10.0.0.7)" in far and "side_channel_port (5600) is open" in far
 
 
+def test_an_unanswered_handshake_says_what_a_tcp_connection_met(monkeypatch) -> None:
+    # ZMQ retries a refused connection in silence: the probe after the timeout tells a closed port
+    # (nothing listens) from one that accepts but never answers, and from a host that does not answer
+    import socket
+
+    from nixlkv.core.errors import HandshakeError
+    from nixlkv.vllm import handshake as hs
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        closed = free.getsockname()[1]  # nothing listens once the socket closes
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError) as err:
+        hs.fetch("127.0.0.1", closed, 0.3, 1 << 20)
+    assert time.monotonic() - t0 < 2
+    assert f"(connection refused: nothing listens on 127.0.0.1:{closed})" in str(err.value)
+    assert "loopback" in str(err.value)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert hs.probe("127.0.0.1", port) == (f"127.0.0.1:{port} accepts TCP connections but sent no handshake answer "
+                                               "(another service on that port, or the prefill engine stuck)")
+
+    def silent(address, timeout):  # fault injection: a host that never answers the SYN
+        raise TimeoutError
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    assert hs.probe("10.0.0.7", 5600, 0.5) == ("10.0.0.7:5600 did not accept a TCP connection within 0.5 s (host down "
+                                               "or unreachable, or a firewall drops it)")
+
+
 def test_invalid_utf8_in_any_string_is_a_handshake_error() -> None:
     """A msgpack str holding invalid UTF-8 (was UnicodeDecodeError out of decode_reply)."""
     from nixlkv.core.errors import HandshakeError

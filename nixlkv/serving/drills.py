@@ -431,11 +431,13 @@ def _other_cache_dtype(srv: Servers, case: Case, rng: np.random.Generator, polic
     return Drill(f"P with another --kv-cache-dtype ({OTHER_CACHE_DTYPE})", not faults, facts, "; ".join(faults))
 
 
-def run(case: Case, opts: Options, policies: tuple[str, ...] = ("recompute", "fail")) -> dict[str, Any]:
+def run(case: Case, opts: Options, policies: tuple[str, ...] = ("recompute", "fail"),
+        drills_of: Callable[[Case, Options, str], list[Drill]] = run_drills) -> dict[str, Any]:
+    """``drills_of``: the group to run (these, or host_drills.run_host_drills across hosts)."""
     out: dict[str, Any] = {"case": case.label, "policies": {}}
     for policy in policies:
         try:
-            drills = run_drills(case, opts, policy)
+            drills = drills_of(case, opts, policy)
             out["policies"][policy] = [asdict(d) for d in drills]
         except (ServeError, CompletionError, OSError) as exc:
             out["policies"][policy] = [asdict(Drill("set-up", False, why=f"{type(exc).__name__}: {exc}"))]

@@ -244,7 +244,16 @@ class NixlRank:
         return not flight.handles
 
     def release_handle(self, handle: object) -> bool:
-        """Release one transfer handle; False when NIXL refused (an active transfer it cannot cancel)."""
+        """Release one transfer handle; False while it may still write: NIXL still reports it in
+        progress, or refused. NIXL releases a READ in progress over a connection that only stalled
+        (a link down), but does not stop it: its data lands when the link comes back, seconds after
+        the release, into blocks given up by then (measured over UCX's TCP, tests/test_connector_netns.py).
+        So a READ in progress is kept until NIXL says it ended."""
+        try:
+            if self.agent.check_xfer_state(handle) == "PROC":
+                return False
+        except Exception:  # nixl raises for a transfer whose peer went away: nothing more comes from it
+            pass
         try:
             self.agent.release_xfer_handle(handle)
         except Exception:  # nixl raises when the transfer is active and cannot be cancelled

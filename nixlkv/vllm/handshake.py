@@ -380,16 +380,39 @@ def is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in LOOPBACK_NAMES
 
 
-def unanswered(host: str, port: int, timeout_s: float) -> str:
+PROBE_TIMEOUT_S = 1.0  # the TCP probe after a handshake went unanswered
+
+
+def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """What a plain TCP connection to ``host:port`` meets, said for the deployer: ZMQ retries a
+    refused connection in silence, so an unanswered handshake alone cannot tell a closed port from
+    a host that is unreachable."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return (f"{host}:{port} accepts TCP connections but sent no handshake answer (another service on that "
+                    "port, or the prefill engine stuck)")
+    except ConnectionRefusedError:
+        return f"connection refused: nothing listens on {host}:{port}"
+    except TimeoutError:
+        return f"{host}:{port} did not accept a TCP connection within {timeout_s:g} s (host down or unreachable, or a firewall drops it)"
+    except OSError as exc:
+        return f"a TCP connection to {host}:{port} failed: {exc.strerror or exc}"
+
+
+def unanswered(host: str, port: int, timeout_s: float, seen: str | None = None) -> str:
     """Why a handshake went unanswered, in the settings a deployer fixes: the prefill engine's
     ``side_channel_host`` and ``side_channel_port`` are what it publishes to D (``remote_host``,
-    ``remote_port``), so a wrong one reaches D only as silence."""
+    ``remote_port``), so a wrong one reaches D only as silence. ``seen``: what a TCP probe met
+    (:func:`probe`)."""
     where = (f"{host} is a loopback address: the prefill engine advertised its side channel on its own "
              f"host only; set its side_channel_host (or VLLM_NIXL_SIDE_CHANNEL_HOST) to an address this "
              f"decode engine reaches") if is_loopback(host) else (
              f"check that the prefill engine's side_channel_host ({host}) is an address this decode engine "
              f"reaches, that its side_channel_port ({port}) is open between them, and that the prefill engine runs")
-    return f"no handshake answer from the prefill engine's side channel {host}:{port} within {timeout_s} s: {where}"
+    probed = f" ({seen})" if seen else ""
+    return f"no handshake answer from the prefill engine's side channel {host}:{port} within {timeout_s} s{probed}: {where}"
 
 
 def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
@@ -409,7 +432,7 @@ def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
             sock.send(msgspec.msgpack.encode(Request(SCHEMA_VERSION)))
             raw = sock.recv()
         except zmq.Again:
-            raise HandshakeError(unanswered(host, port, timeout_s)) from None
+            raise HandshakeError(unanswered(host, port, timeout_s, probe(host, port))) from None
         if not raw:
             raise HandshakeError(f"{host}:{port} refused the handshake request")
         return raw

@@ -509,7 +509,9 @@ class NixlkvWorker:
             elif now - f.flight.posted_at > self.config.transfer_timeout_s:
                 del self._flights[rid]
                 self._invalidate(f.owner.key)
-                self._give_up(rid, f, f"READs not done after transfer_timeout_s={self.config.transfer_timeout_s}")
+                self._give_up(rid, f, f"READs from {f.owner.key[1]} not done after transfer_timeout_s="
+                                      f"{self.config.transfer_timeout_s:g} s: the prefill engine is unreachable "
+                                      f"from here or too slow (its link, or UCX's listener on it, closed?)")
 
     def _give_up(self, rid: str, f: _Flight, why: str) -> None:
         """Fail a request whose READs errored or timed out, but only once NIXL released every one
@@ -520,7 +522,7 @@ class NixlkvWorker:
             return
         self.stats.count("unreleased_transfers")
         logger.warning(
-            "nixlkv could not release the READs of req=%s (NIXL cannot cancel them yet): its blocks stay "
+            "nixlkv could not release the READs of req=%s (NIXL still runs them, or cannot cancel them yet): its blocks stay "
             "held and it is reported failed once they are released; %s", rid, why,
         )
         self._draining[rid] = (f, why)

@@ -1,0 +1,83 @@
+"""serve-drill --hosts netns: how each drill across separate hosts is judged (the served run is
+opt-in, tests/test_serving_host_drills.py), and the CLI that selects the group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nixlkv.serving import host_drills as hd
+from nixlkv.serving.check import Case
+
+
+def test_a_faulted_request_is_judged_by_its_policy() -> None:
+    fine = dict(exact=True, loaded=False, elapsed_s=6.0, bound_s=25.0, named=True, held=0.0)
+    assert hd.judge_outcome("recompute", answered=True, **fine) == []
+    assert hd.judge_outcome("fail", answered=False, **{**fine, "exact": False}) == []
+    # the controls: each requirement, broken alone, is a fault
+    assert hd.judge_outcome("recompute", answered=False, **{**fine, "exact": False}) == ["failed under recompute"]
+    assert hd.judge_outcome("fail", answered=True, **fine) == [
+        "answered under fail without a load: D recomputed what it should have failed"]
+    assert hd.judge_outcome("recompute", answered=True, **{**fine, "exact": False}) == ["D answered, but not as D alone"]
+    assert hd.judge_outcome("recompute", answered=True, **{**fine, "loaded": True}) == [
+        "D answered from a load it could not have made (the fault did not bite)"]
+    assert hd.judge_outcome("recompute", answered=True, **{**fine, "elapsed_s": 25.5}) == [
+        "D took 25.5 s, past its bound of 25 s"]
+    assert hd.judge_outcome("recompute", answered=True, **{**fine, "named": False}) == [
+        "D's log does not name the setting or the peer"]
+    assert hd.judge_outcome("recompute", answered=True, **{**fine, "held": 0.01}) == ["D still holds KV (0.0100)"]
+    assert hd.judge_outcome("recompute", answered=True, **{**fine, "named": None}) == []  # not checked: vLLM's
+
+
+def test_a_link_back_in_time_may_be_read_under_either_policy() -> None:
+    fine = dict(answered=True, exact=True, loaded=True, elapsed_s=4.0, bound_s=30.0, named=None, held=0.0)
+    assert hd.judge_outcome("fail", readable=True, **fine) == []
+    assert hd.judge_outcome("recompute", readable=True, **fine) == []
+    assert hd.judge_outcome("fail", readable=True, **{**fine, "answered": False, "exact": False, "loaded": False}) == []
+    assert hd.judge_outcome("fail", readable=True, **{**fine, "loaded": False}) != []  # recomputed under fail
+
+
+def test_ds_log_must_name_the_cause_after_the_mark(tmp_path: Path) -> None:
+    log = tmp_path / "decode.log"
+    old = "nixlkv handshake failed engine=P remote=127.0.0.1:8110 error=HandshakeError: ... is a loopback address ... side_channel_host\n"
+    log.write_text(old)
+    mark = log.stat().st_size
+    assert hd.named_in_log(log, 0, "loopback address", "side_channel_host")
+    assert not hd.named_in_log(log, mark, "loopback address", "side_channel_host")  # an earlier drill's line
+    with log.open("a") as f:
+        f.write("nixlkv recv failed req=x reason=READs from 10.231.16.3 not done\nafter transfer_timeout_s=10 s\n")
+    assert not hd.named_in_log(log, mark, "10.231.16.3", "transfer_timeout_s")  # both on one line, or not named
+    with log.open("a") as f:
+        f.write("nixlkv recv failed req=y reason=READs from 10.231.16.3 not done after transfer_timeout_s=10 s\n")
+    assert hd.named_in_log(log, mark, "10.231.16.3", "transfer_timeout_s")
+    assert not hd.named_in_log(tmp_path / "none.log", 0, "x")
+
+
+def test_the_drills_case_is_across_hosts_with_ds_timeouts() -> None:
+    case = hd.host_case(Case(connector_config=(("descriptor_mode", "staged"),)))
+    assert case.hosts == "netns"
+    assert dict(case.connector_config) == {"descriptor_mode": "staged", "handshake_timeout_s": hd.HANDSHAKE_TIMEOUT_S,
+                                           "transfer_timeout_s": hd.TRANSFER_TIMEOUT_S}
+    assert hd.host_case(Case(connector="vllm")).connector_config == ()  # vLLM's connector has no such keys
+    assert hd.LINK_DOWN_S < hd.TRANSFER_TIMEOUT_S < hd.UNREACHABLE_S  # 12: back in time; 11: past the timeout
+
+
+def test_serve_drill_hosts_netns_selects_the_separate_hosts_group(monkeypatch) -> None:
+    from nixlkv import cli
+    from nixlkv.serving import drills
+
+    seen: list = []
+
+    def fake_run(case, opts, policies, drills_of):
+        seen.append((case.connector, policies, drills_of))
+        return {"case": case.label, "policies": {}, "ok": True}
+
+    monkeypatch.setattr(drills, "run", fake_run)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # serve- commands set a SIGTERM handler
+    assert cli.main(["serve-drill", "--hosts", "netns", "--policy", "recompute", "--python", "python"]) == 0
+    assert cli.main(["serve-drill", "--python", "python"]) == 0
+    assert seen[0][2] is hd.run_host_drills and seen[0][1] == ("recompute",)
+    assert seen[1][2] is drills.run_drills and seen[1][1] == ("recompute", "fail")
+    with pytest.raises(SystemExit):
+        cli.main(["serve-drill", "--hosts", "cluster"])
