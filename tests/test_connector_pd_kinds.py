@@ -43,17 +43,21 @@ def test_mla_latent_is_byte_exact(p_tp: int, d_tp: int, monkeypatch: pytest.Monk
 MAMBA_PROMPTS = {**PROMPTS, "k-3": 16, "k-4": 1}
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
-def test_mamba_hybrid_is_byte_exact(p_tp: int, d_tp: int) -> None:
+@pytest.mark.parametrize(("p_tp", "d_tp", "p_layout", "d_layout"),
+                         [(2, 1, "SD", "SD"), (1, 2, "DS", "DS"), (1, 2, "SD", "DS")])
+def test_mamba_hybrid_is_byte_exact(p_tp: int, d_tp: int, p_layout: str, d_layout: str) -> None:
     """Nemotron-H-like Mamba2 + attention hybrid: the connector reads each Mamba layer's geometry
-    from the model class (one B/C group, replicated on every rank) and moves the running state.
+    from the model class (one B/C group, replicated on every rank) and moves the running state,
+    in each engine's conv state layout: vLLM's default SD on both, DS on both, and SD on P with DS
+    on D (D's plan places every conv element; DS -> SD: the rehearsal scenarios mamba-conv-ds-sd-*).
 
     D computes the last prompt token again for its logits, so the state it holds then must be the
     state after N - 1 tokens, not N (that token would be applied twice): P prefills N - 1 tokens
     and publishes that count, D loads exactly those (attention KV included) and computes the last
     one. The oracle knows the state after every prefix length, so a state after N fails here. A
     one-token prompt leaves nothing to load: D computes it and P frees its blocks on notification."""
-    run = run_pd(PDCase("nemotron-h", p_tp, d_tp), MAMBA_PROMPTS, local={"k-4"})
+    case = PDCase("nemotron-h", p_tp, d_tp, p_conv_layout=p_layout, d_conv_layout=d_layout)
+    run = run_pd(case, MAMBA_PROMPTS, local={"k-4"})
     assert len(run.state_groups) == 2 and run.decode_groups == 3 and run.transfers["failed_transfers"] == 0
     for blocks in run.recv_blocks.values():  # the oracle checked a running state in each
         assert all(blocks[g] and blocks[g][-1] != 0 for g in run.state_groups), blocks
@@ -61,19 +65,6 @@ def test_mamba_hybrid_is_byte_exact(p_tp: int, d_tp: int) -> None:
     assert {rid: p["remote_num_tokens"] for rid, p in run.params.items()} == {**loaded, "k-4": 1}
     assert run.loaded_tokens == loaded
     assert run.computes_from == {**loaded, "k-4": 0}
-
-
-@pytest.mark.parametrize(("p_tp", "d_tp", "p_layout", "d_layout"), [(2, 1, "SD", "SD"), (1, 2, "SD", "DS")])
-def test_mamba_hybrid_conv_layouts_are_byte_exact(p_tp: int, d_tp: int, p_layout: str, d_layout: str) -> None:
-    """vLLM's default conv state layout (SD) on both engines, and SD on P with DS on D: each
-    engine's connector reads its own layout, D's plan places every conv element, and the oracle
-    checks D's running states in D's layout against the states P wrote in P's (DS -> SD: the
-    rehearsal scenarios mamba-conv-ds-sd-*)."""
-    case = PDCase("nemotron-h", p_tp, d_tp, p_conv_layout=p_layout, d_conv_layout=d_layout)
-    run = run_pd(case, MAMBA_PROMPTS, local={"k-4"})
-    assert len(run.state_groups) == 2 and run.transfers["failed_transfers"] == 0
-    loaded = {rid: n - 1 for rid, n in MAMBA_PROMPTS.items() if n > 1}
-    assert run.loaded_tokens == loaded
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
