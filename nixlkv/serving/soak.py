@@ -355,6 +355,7 @@ class Soak:
         self.asks = schedule(plan, len(self.pool))
         self.refs: list[list[Completion]] = []
         self.done = 0
+        self.issued = 0  # requests the loop has sent so far
         self.t0 = 0.0
         self.restart: threading.Thread | None = None
         self.restart_error: BaseException | None = None
@@ -438,7 +439,7 @@ class Soak:
     def _link_up(self) -> None:
         if self.srv.network is not None:
             self.srv.network.set_link(self.plan.link_host, True)
-        self._event("link up", len(self.report.outcomes), self.plan.link_host)
+        self._event("link up", self.issued, self.plan.link_host)
 
     def loop(self) -> None:
         plan, report = self.plan, self.report
@@ -462,6 +463,7 @@ class Soak:
                 self._inject(issued)
                 running[pool.submit(self._one, self.asks[issued])] = self.asks[issued]
                 issued += 1
+                self.issued = issued
                 if issued % step == 0:
                     c = SoakReport.counts(report)
                     self.progress(f"{issued} issued, {self._now():.0f} s: " + ", ".join(f"{k} {v}" for k, v in c.items() if v))
