@@ -28,7 +28,7 @@ def _passing() -> SoakReport:
     report.outcomes = [Outcome(0, 0, 33, 8, "whole", 0.0, 1.0, "exact"),
                        Outcome(1, 1, 65, 8, "stream", 0.1, 1.0, "drift"),
                        Outcome(2, 2, 31, 4, "whole", 0.2, 0.1, "failed", "CompletionError: 500"),
-                       Outcome(3, 0, 33, 16, "cancel", 0.3, 0.5, "cancelled", "closed after 0.005 s")]
+                       Outcome(3, 0, 33, 16, "cancel", 0.3, 0.5, "cancelled", "closed after 0.005 s", cancelled_at="before")]
     report.events = [Event(n, float(i), i) for i, n in enumerate(("P0 killed", "P0 back", "link down", "link up"))]
     report.kv_usage_end = {"prefill0": 0.0, "prefill1": 0.0, "decode0": 0.0, "decode1": 0.0}
     report.memory = {name: Memory(1000 * MIB, 1040 * MIB, 1100 * MIB) for name in report.kv_usage_end}
@@ -97,8 +97,8 @@ def test_a_failure_not_injected_or_nothing_answered_fails_the_soak() -> None:
             o.status = "failed"
     assert any("tested nothing" in f for f in report.faults())
     report = _passing()
-    report.outcomes = [o for o in report.outcomes if o.status != "cancelled"]
-    assert any("no client cancelled" in f for f in report.faults())
+    report.outcomes[3].cancelled_at = "whole"  # the client closed after its answer had come: nothing cancelled
+    assert any("tested no cancellation" in f for f in report.faults())
 
 
 def test_plan_refuses_settings_that_cannot_run() -> None:

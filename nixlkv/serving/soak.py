@@ -57,6 +57,9 @@ CANCEL_AFTER_S = tuple(np.geomspace(0.005, 2.0, 8).round(3).tolist())  # a cance
 REQUEST_ID = "soak-{:05d}"  # each request's X-Request-Id: its loads in D's dumps are found by it
 _ID_IN = re.compile(r"soak-(\d{5})")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# where a cancelling client closed its connection (drills._hang_up): before the answer began, during
+# it, or after the whole answer had come (too late: nothing was cancelled)
+CANCELLED_AT = {"before": "before the answer began", "during": "during the answer", "whole": "after the whole answer"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class Outcome:
     seconds: float = 0.0
     status: str = ""
     detail: str = ""  # the error, the wrong answer's reason, or where a cancelled client got
+    cancelled_at: str = ""  # a cancelled request: where its client closed (CANCELLED_AT)
     answer: Completion | None = field(default=None, repr=False)
 
 
@@ -167,8 +171,8 @@ class SoakReport:
                 out.append(f"{counts[status]} request(s) {why}: {'; '.join(shown)}")
         if not sum(counts[s] for s in ANSWERED):
             out.append("no request was answered: the soak tested nothing")
-        if not counts["cancelled"]:
-            out.append("no client cancelled a request: the soak tested no cancellation")
+        if not any(o.cancelled_at in ("before", "during") for o in self.outcomes):
+            out.append("no client closed its request before the answer ended: the soak tested no cancellation")
         unjudged = [o.index for o in self.outcomes if not o.status]
         if unjudged:
             out.append(f"{len(unjudged)} request(s) never judged: {unjudged[:5]}")
@@ -392,8 +396,8 @@ class Soak:
         try:
             if ask.mode == "cancel":
                 body = request_body(self.model, prompt, max(MAX_TOKENS), stream=True)
-                got = _hang_up(self.srv.proxy_url, body, ask.cancel_after_s)
-                out.status, out.detail = "cancelled", f"closed after {ask.cancel_after_s} s, {got} the answer"
+                out.cancelled_at = _hang_up(self.srv.proxy_url, body, ask.cancel_after_s)
+                out.status, out.detail = "cancelled", f"closed after {ask.cancel_after_s} s, {CANCELLED_AT[out.cancelled_at]}"
             else:
                 out.answer = complete(self.srv.proxy_url, self.model, prompt, ask.max_tokens,
                                       stream=ask.mode == "stream", timeout_s=self.plan.request_timeout_s,
@@ -587,6 +591,9 @@ def format_soak(report: SoakReport) -> str:
              f"   references: every decode engine alone agrees: {report.references_agree}"]
     for e in report.events:
         lines.append(f"   {e.at_s:>7.1f} s  request {e.issued:>5}  {e.name}" + (f": {e.detail}" if e.detail else ""))
+    cancelled = [o.cancelled_at for o in report.outcomes if o.status == "cancelled"]
+    if cancelled:
+        lines.append("   cancelled: " + ", ".join(f"{cancelled.count(k)} {w}" for k, w in CANCELLED_AT.items()))
     failed = [o for o in report.outcomes if o.status == "failed"]
     if failed:
         lines.append(f"   failed cleanly, e.g.: {failed[0].detail[:200]}")
