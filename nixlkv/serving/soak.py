@@ -53,7 +53,7 @@ from .launch import Process, ServeError
 ANSWERED = ("exact", "drift")  # answered as D alone would (exactly, or within the drift rule when batched)
 STATUSES = (*ANSWERED, "wrong", "failed", "cancelled", "hung", "broken")
 MAX_TOKENS = (4, 8, 16)  # what a request asks for; references are taken at the largest
-CANCEL_AFTER_S = tuple(np.geomspace(0.005, 2.0, 8).round(3).tolist())  # a cancelling client's moments
+CANCEL_AFTER_S = tuple(np.geomspace(0.005, 10.0, 8).round(3).tolist())  # a cancelling client's moments (10 s: into D's answer under load)
 REQUEST_ID = "soak-{:05d}"  # each request's X-Request-Id: its loads in D's dumps are found by it
 _ID_IN = re.compile(r"soak-(\d{5})")
 PAGE = os.sysconf("SC_PAGE_SIZE")
