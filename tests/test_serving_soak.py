@@ -170,6 +170,16 @@ def test_loads_are_found_by_the_request_id_the_client_sent(tmp_path: Path) -> No
     assert unchecked == [1]  # 0 judged, 2 failed (recomputed), 3 one token (nothing to load), 4 not answered
 
 
+def test_only_loads_p0_took_with_it_are_excused_from_the_bytes() -> None:
+    outcomes = [Outcome(0, 0, 33, 8, "whole", 10.0, 2.0, "exact"),  # ended 88 s before the kill
+                Outcome(1, 0, 33, 8, "whole", 95.0, 3.0, "exact"),  # ended 2 s before it: P0's copy not yet written
+                Outcome(2, 0, 33, 8, "whole", 99.0, 4.0, "exact"),  # in flight at the kill
+                Outcome(3, 0, 33, 8, "whole", 101.0, 1.0, "exact")]  # sent after it (to the other P)
+    missing = [f"cmpl-soak-0000{i}-0-ab" for i in range(4)] + ["cmpl-soak-00001-0-cd (decode e: dumps of ranks [] of 1)"]
+    assert soak.lost_with_killed_p(missing, outcomes, 100.0) == ["cmpl-soak-00001-0-ab", "cmpl-soak-00002-0-ab"]
+    assert soak.lost_with_killed_p(missing, outcomes, None) == []  # no P killed: every missing dump fails
+
+
 @pytest.mark.skipif(os.environ.get("NIXLKV_SOAK") != "1",
                     reason="the short soak starts four vLLM servers (minutes): NIXLKV_SOAK=1 or `make soak-short`")
 def test_short_soak_across_hosts(tmp_path: Path) -> None:

@@ -520,6 +520,22 @@ def attribute_loads(dump_dir: Path, verdict_loads: list[Any], outcomes: list[Out
             if o.status in (*ANSWERED, "wrong") and o.prompt_len > 1 and o.index not in judged | failed]
 
 
+LOST_WINDOW_S = 15.0  # how long before P0's kill a request may have ended and P0 not yet written its copy
+
+
+def lost_with_killed_p(missing: list[str], outcomes: list[Outcome], killed_at_s: float | None) -> list[str]:
+    """The loads with no prefill dump that P0 took with it: P writes its copy of a request's blocks
+    after D has read them (measured here: up to 3 s later under load), so a request that ended
+    shortly before P0's kill, or was in flight at it, may have none; its answer is still judged.
+    Only a load named by its request id alone (no P dump at all, not a rank missing) and of a
+    request in that window is excused; every other missing dump fails the soak."""
+    if killed_at_s is None:
+        return []
+    window = {o.index for o in outcomes
+              if o.start_s <= killed_at_s and o.start_s + o.seconds >= killed_at_s - LOST_WINDOW_S}
+    return [m for m in missing if " " not in m and (i := _ID_IN.search(m)) and int(i.group(1)) in window]
+
+
 def run_soak(case: Case, opts: Options, plan: SoakPlan,
              progress: Callable[[str], None] = lambda m: None) -> SoakReport:
     if case.prefills < 2 or case.decodes < 1:
@@ -569,9 +585,7 @@ def run_soak(case: Case, opts: Options, plan: SoakPlan,
             soak.judge_answers()
         if srv.dump_dir is not None:  # every engine stopped: every dump written
             progress("judging the bytes")
-            verdict = judge_dir(srv.dump_dir, allow_failed=True)
-            report.bytes = verdict.summary()
-            report.unchecked = attribute_loads(srv.dump_dir, verdict.loads, report.outcomes)
+            judge_bytes(report, srv.dump_dir)
         else:
             report.notes.append("bytes not checked: " + ("vLLM's connector writes no dumps" if case.connector != "nixlkv"
                                                          else "--no-verify-bytes"))
@@ -580,6 +594,19 @@ def run_soak(case: Case, opts: Options, plan: SoakPlan,
     report.notes.append(f"logs: {srv.log_dir}")
     report.total_s = round(time.monotonic() - t_start, 1)
     return report
+
+
+def judge_bytes(report: SoakReport, dump_dir: Path) -> None:
+    """Every load in D's dumps judged against P's (:func:`judge_dir`, loads that failed listed), but
+    those P0 took with it (:func:`lost_with_killed_p`: reported, not judged); and the answered
+    requests none of whose loads was judged or failed (:func:`attribute_loads`)."""
+    verdict = judge_dir(dump_dir, allow_failed=True)
+    killed = next((e.at_s for e in report.events if e.name == "P0 killed"), None)
+    lost = lost_with_killed_p(verdict.missing, report.outcomes, killed)
+    verdict.missing = [m for m in verdict.missing if m not in lost]
+    report.bytes = {**verdict.summary(), "lost_with_killed_p": lost}
+    excused = {int(m.group(1)) for r in lost if (m := _ID_IN.search(r))}
+    report.unchecked = [i for i in attribute_loads(dump_dir, verdict.loads, report.outcomes) if i not in excused]
 
 
 def format_soak(report: SoakReport) -> str:
@@ -605,6 +632,9 @@ def format_soak(report: SoakReport) -> str:
                      + (f" ({g:+.1%})" if g is not None else ""))
     if report.bytes is not None:
         lines.append("   " + format_bytes(report.bytes))
+        if report.bytes.get("lost_with_killed_p"):
+            lines.append(f"   not judged: {len(report.bytes['lost_with_killed_p'])} load(s) whose P copy P0 took with it "
+                         f"(answered within {LOST_WINDOW_S:.0f} s of its kill; their answers are judged)")
     for note in report.notes:
         lines.append(f"   note: {note}")
     for f in faults:
