@@ -520,13 +520,14 @@ def attribute_loads(dump_dir: Path, verdict_loads: list[Any], outcomes: list[Out
             if o.status in (*ANSWERED, "wrong") and o.prompt_len > 1 and o.index not in judged | failed]
 
 
-LOST_WINDOW_S = 15.0  # how long before P0's kill a request may have ended and P0 not yet written its copy
+LOST_WINDOW_S = 15.0  # how long before P0's kill a request may have ended with P0's copy not yet written
 
 
 def lost_with_killed_p(missing: list[str], outcomes: list[Outcome], killed_at_s: float | None) -> list[str]:
     """The loads with no prefill dump that P0 took with it: P writes its copy of a request's blocks
-    after D has read them (measured here: up to 3 s later under load), so a request that ended
-    shortly before P0's kill, or was in flight at it, may have none; its answer is still judged.
+    at one of its own later engine steps, not when D reads them (measured under the soak's load:
+    six loads D made 7 to 10 s before P0's kill had no P copy yet), so a request that ended shortly
+    before the kill, or was in flight at it, may have none; its answer is still judged.
     Only a load named by its request id alone (no P dump at all, not a rank missing) and of a
     request in that window is excused; every other missing dump fails the soak."""
     if killed_at_s is None:
