@@ -469,7 +469,7 @@ class Soak:
                 issued += 1
                 self.issued = issued
                 if issued % step == 0:
-                    c = SoakReport.counts(report)
+                    c = report.counts()
                     self.progress(f"{issued} issued, {self._now():.0f} s: " + ", ".join(f"{k} {v}" for k, v in c.items() if v))
             if issued < plan.requests:
                 report.notes.append(f"the deadline ({plan.deadline_s:.0f} s) stopped the loop after {issued} of "
