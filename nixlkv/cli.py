@@ -316,6 +316,30 @@ def cmd_serve_drill(args: argparse.Namespace) -> int:
     return 0 if all(o["ok"] for o in outs) else 1
 
 
+def cmd_serve_soak(args: argparse.Namespace) -> int:
+    from .serving.check import Case, Options
+    from .serving.soak import SoakPlan, format_soak, run_soak, to_json
+
+    opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
+                   proxy_cmd=args.proxy_cmd, port=args.port, start_timeout_s=args.start_timeout,
+                   verify_bytes=args.verify_bytes)
+    plan = SoakPlan(requests=args.requests, in_flight=args.in_flight, deadline_s=args.deadline,
+                    request_timeout_s=args.request_timeout, link_host=args.drop_link, link_down_s=args.link_down,
+                    policy=args.policy, seed=args.seed)
+    reports = []
+    for connector in args.connector or ["nixlkv"]:
+        case = Case(model=args.model, connector=connector, prefills=2, decodes=2, hosts=args.hosts)
+        print(f"[serve-soak] {case.label}: {plan.requests} requests, {plan.in_flight} in flight",
+              file=sys.stderr, flush=True)
+        reports.append(run_soak(case, opts, plan, progress=lambda m: print(f"[serve-soak] {m}", file=sys.stderr,
+                                                                           flush=True)))
+        if args.json_out:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(to_json(reports) + "\n")
+    print(to_json(reports) if args.json else "\n".join(format_soak(r) for r in reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     from .serving.bench import markdown, run
     from .serving.check import Case, Options
@@ -419,6 +443,9 @@ COMMANDS: dict[str, list[tuple[str, str, str]]] = {
          "that never came, the same params twice, clients that hang up, D short of KV blocks, P with another "
          "--kv-cache-dtype; with --hosts netns, misconfiguration and link faults between separate hosts",
          "docs/serving.md"),
+        ("serve-soak", "a bounded soak: 2 prefill and 2 decode engines behind the proxy, many requests in flight, "
+         "clients that cancel, a prefill engine killed and restarted and a link dropped mid-run; every answer, "
+         "every loaded byte, the engines' KV usage and memory judged", "docs/serving.md"),
         ("serve-matrix", "serve-check over every tiny model, TP pair and block-size pair, both connectors side by "
          "side", "docs/serving.md"),
         ("capture", "start real vLLM engines (one per TP size) that write the KV cache geometry they built; write a "
@@ -587,6 +614,31 @@ def build_parser() -> argparse.ArgumentParser:
     _serving_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_drill)
+    p = _command(sub, "serve-soak")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"),
+                   help="repeatable; one soak each, in turn (default nixlkv)")
+    p.add_argument("--requests", type=int, default=1000, help="requests the loop sends (default 1000)")
+    p.add_argument("--in-flight", type=int, default=16, help="requests at once (default 16)")
+    p.add_argument("--deadline", type=float, default=3600.0,
+                   help="seconds after which the loop sends nothing more and the soak reports how far it got")
+    p.add_argument("--request-timeout", type=float, default=180.0,
+                   help="a request with no answer within this many seconds hung (the soak then fails)")
+    p.add_argument("--hosts", choices=("loopback", "netns"), default="netns",
+                   help="netns (default): every engine and the proxy on a host of its own (root); loopback: no "
+                   "link to drop")
+    p.add_argument("--drop-link", default="prefill1", metavar="HOST",
+                   help="the host whose link goes down mid-run (prefill0, prefill1, decode0, decode1, proxy)")
+    p.add_argument("--link-down", type=float, default=8.0, help="seconds the link stays down")
+    p.add_argument("--policy", choices=("recompute", "fail"), default="recompute",
+                   help="the decode engines' kv_load_failure_policy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_false",
+                   help="skip the byte check (nixlkv only; on by default)")
+    _serving_args(p)
+    p.add_argument("--json-out", metavar="PATH", help="also write the reports as JSON to PATH (after each connector)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_serve_soak)
     p = _command(sub, "serve-bench")
     p.add_argument("--model", action="append", help="tiny model(s) (default tiny-llama)")
     p.add_argument("--p-tp", type=int, default=1)

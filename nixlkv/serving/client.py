@@ -56,8 +56,9 @@ def request_body(model: str, prompt: list[int], max_tokens: int, *, stream: bool
     return body
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict[str, Any], timeout_s: float, headers: dict[str, str] | None = None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         return urllib.request.urlopen(req, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
@@ -77,11 +78,13 @@ def _absorb(choice: dict[str, Any], ids: list[int], lps: list[float], top: list[
 
 
 def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, *, stream: bool = False,
-             kv_transfer_params: dict[str, Any] | None = None, timeout_s: float = 300.0) -> Completion:
-    """One completion of ``prompt`` (token ids), greedy, with logprobs; streamed if asked (for TTFT)."""
+             kv_transfer_params: dict[str, Any] | None = None, timeout_s: float = 300.0,
+             headers: dict[str, str] | None = None) -> Completion:
+    """One completion of ``prompt`` (token ids), greedy, with logprobs; streamed if asked (for TTFT).
+    ``headers``: further request headers (an ``X-Request-Id`` names the request in the engines)."""
     url = f"{base_url}/v1/completions"
     body = request_body(model, prompt, max_tokens, stream=stream, kv_transfer_params=kv_transfer_params)
-    return _exchange(url, body, stream, _absorb, timeout_s)
+    return _exchange(url, body, stream, _absorb, timeout_s, headers)
 
 
 def forced(base_url: str, model: str, prompt: list[int], answer: list[int], *, timeout_s: float = 300.0) -> Completion:
@@ -116,7 +119,8 @@ def forced(base_url: str, model: str, prompt: list[int], answer: list[int], *, t
 Absorb = Callable[[dict[str, Any], list[int], list[float], list[dict[int, float]]], None]
 
 
-def _exchange(url: str, body: dict[str, Any], stream: bool, absorb: Absorb, timeout_s: float) -> Completion:
+def _exchange(url: str, body: dict[str, Any], stream: bool, absorb: Absorb, timeout_s: float,
+              headers: dict[str, str] | None = None) -> Completion:
     """Post ``body`` and read the answer, whole or streamed (server-sent events), each choice read
     by ``absorb`` into token ids, logprobs and top alternatives; TTFT where streamed."""
     ids: list[int] = []
@@ -126,7 +130,7 @@ def _exchange(url: str, body: dict[str, Any], stream: bool, absorb: Absorb, time
     ttft = None
     raw: dict[str, Any] = {}
     usage: dict[str, Any] = {}
-    with _post(url, body, timeout_s) as resp:
+    with _post(url, body, timeout_s, headers) as resp:
         if not stream:
             raw = json.loads(resp.read())
             absorb(raw["choices"][0], ids, lps, top)
