@@ -33,20 +33,43 @@ def test_heartbeat_wire_format_round_trips_and_refuses_garbage() -> None:
             parse_heartbeat(bad)
 
 
+def _heartbeat_turn(pw, dw, key) -> float:
+    """One turn of the loop below without a hold (D names only "ghost"); its seconds."""
+    t0 = time.monotonic()
+    dw.start_load_kv(NixlkvMetadata(heartbeats={key: {"ghost": None}}))
+    dw.get_finished(set())
+    pw.get_finished(set())
+    time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def lease_from_heartbeat_turns(pw, dw, key, turns: int = 5, factor: float = 6.0, floor_s: float = 0.4) -> float:
+    """A lease for the heartbeat test on this machine now: D handshakes P first (its first
+    heartbeat starts the handshake; at most 60 s), then ``factor`` times the slowest of ``turns``
+    heartbeat turns, at least ``floor_s``: a turn slower than the lease would let P expire a hold
+    D did name, whatever the code does."""
+    deadline = time.monotonic() + 60
+    while (key not in dw._remotes or dw._remotes[key].prepared is None) and time.monotonic() < deadline:
+        _heartbeat_turn(pw, dw, key)
+    return max(floor_s, factor * max(_heartbeat_turn(pw, dw, key) for _ in range(turns)))
+
+
 def test_heartbeats_extend_the_hold_and_garbage_is_ignored(caplog) -> None:
-    """Two holds with a 0.4 s lease: the one D names in its heartbeats outlives it several times
-    and is then read byte-exact; the other expires. Malformed heartbeats and heartbeats for
-    requests P does not hold change nothing and are counted."""
+    """Two holds with a short lease (0.4 s, or six heartbeat turns as measured on this machine
+    now): the one D names in its heartbeats outlives it several times and is then read
+    byte-exact; the other expires. Malformed heartbeats and heartbeats for requests P does not
+    hold change nothing and are counted."""
     p, d = filled_pair(1, 1, [1, 2, 3])
     try:
         pw, dw = p.workers[0], d.workers[0]
-        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"kept": 0.4, "unnamed": 0.4}))
         key = ("P", "127.0.0.1", p.server.port)
+        lease = lease_from_heartbeat_turns(pw, dw, key)
+        pw.start_load_kv(NixlkvMetadata(reqs_to_send={"kept": lease, "unnamed": lease}))
         freed: set[str] = set()
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="nixlkv.connector"):
-            while time.monotonic() - t0 < 1.5:
-                beat = {key: {"kept": LeaseView(0.4, t0 + 0.36 - time.monotonic()), "ghost": None}}
+            while time.monotonic() - t0 < 3.75 * lease:
+                beat = {key: {"kept": LeaseView(lease, t0 + 0.9 * lease - time.monotonic()), "ghost": None}}
                 dw.start_load_kv(NixlkvMetadata(heartbeats=beat))
                 freed |= pw.get_finished(set())[0]
                 time.sleep(0.05)
