@@ -881,7 +881,7 @@ def test_a_teacher_forced_reference_reads_prompt_logprobs_of_the_answers_tokens(
 
 def test_a_client_that_hangs_up_is_told_where_it_got() -> None:
     """serve-drill's hang-ups: closed before the answer began, during it, or after all of it."""
-    from nixlkv.serving.drills import _hang_up
+    from nixlkv.serving.drills import hang_up
 
     async def slow(request: web.Request) -> web.StreamResponse:
         await request.json()
@@ -894,7 +894,7 @@ def test_a_client_that_hangs_up_is_told_where_it_got() -> None:
         await out.write(b"data: [DONE]\n\n")
         return out
 
-    calls = [lambda url, after=after: _hang_up(url, {"prompt": [1]}, after) for after in (0.05, 0.45, 5.0)]
+    calls = [lambda url, after=after: hang_up(url, {"prompt": [1]}, after) for after in (0.05, 0.45, 5.0)]
     assert asyncio.run(_against("/v1/completions", slow, calls)) == ["before", "during", "whole"]
 
 

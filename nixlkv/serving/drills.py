@@ -78,7 +78,8 @@ def _still_held(srv: Servers, facts: dict[str, Any], p_timeout_s: float = 20.0) 
     return facts["p_kv_usage_after"] > 0 or facts["d_kv_usage_after"] > 0
 
 
-def _prompt(rng: np.random.Generator, n: int) -> list[int]:
+def random_prompt(rng: np.random.Generator, n: int) -> list[int]:
+    """``n`` token ids drawn from the tiny models' vocabulary (past the special ids)."""
     return rng.integers(FIRST_ID, models.VOCAB_SIZE, size=n).tolist()
 
 
@@ -94,8 +95,8 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
     with srv:
         srv.start()
         # 1. P killed while D waits for the KV
-        dead = _prompt(rng, n)
-        stale = _prompt(rng, n)  # prefilled by the P that dies; decoded after its restart (drill 2)
+        dead = random_prompt(rng, n)
+        stale = random_prompt(rng, n)  # prefilled by the P that dies; decoded after its restart (drill 2)
         ref_dead = complete(srv.d_url, model, dead, case.max_tokens)
         params_dead = prefill_on(srv.p_url, model, dead)
         params_stale = prefill_on(srv.p_url, model, stale)  # D never sees these before drill 2
@@ -119,7 +120,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
 
         # 2. P restarted on the same port; the dead P's request and a new one
         facts = {"restart_s": round(srv.restart_prefill(), 1)}
-        live = _prompt(rng, n)
+        live = random_prompt(rng, n)
         ref_live = complete(srv.d_url, model, live, case.max_tokens)
         try:
             got_live = complete(srv.d_url, model, live, case.max_tokens, kv_transfer_params=prefill_on(srv.p_url, model, live))
@@ -146,7 +147,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         drills.append(Drill("P restarted on the same port", ok, facts, why))
 
         # 3. prefill done, decode never came: P frees the blocks when the lease ends
-        orphan = _prompt(rng, n)
+        orphan = random_prompt(rng, n)
         prefill_on(srv.p_url, model, orphan)
         held = kv_usage(srv.p_url)
         t0 = time.monotonic()
@@ -158,7 +159,7 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         drills.append(Drill("prefill done, decode never came", ok, facts, why))
 
         # 4. the same params sent twice
-        twice = _prompt(rng, n)
+        twice = random_prompt(rng, n)
         ref_twice = complete(srv.d_url, model, twice, case.max_tokens)
         params_twice = prefill_on(srv.p_url, model, twice)
         facts = {}
@@ -199,7 +200,7 @@ HANG_UP_TOKENS = 200  # each asks for this many: the late hang-ups land in D's a
 FINISHED = "vllm:request_success_total"  # an engine's finished requests, per finish reason
 
 
-def _hang_up(url: str, body: dict[str, Any], after_s: float) -> str:
+def hang_up(url: str, body: dict[str, Any], after_s: float) -> str:
     """Send ``body`` streamed and close the connection ``after_s`` seconds later, or when the answer
     ends first: what a client that gives up does. Where it got: ``before`` the answer began,
     ``during`` it, or the ``whole`` answer."""
@@ -226,12 +227,12 @@ def _hang_ups(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     """Drill 7: clients that hang up at every moment of a P/D request."""
     model, block = str(srv.model_dir), srv.recipe.block_size
     room = srv.recipe.max_model_len - HANG_UP_TOKENS
-    prompts = [_prompt(rng, int(n)) for n in rng.integers(2 * block, min(8 * block, room), size=HANG_UPS)]
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(2 * block, min(8 * block, room), size=HANG_UPS)]
     delays = np.geomspace(*HANG_UP_AFTER_S, HANG_UPS).tolist()
     bodies = [request_body(model, p, HANG_UP_TOKENS, stream=True) for p in prompts]
     before = {"p": scrape(srv.p_url), "d": scrape(srv.d_url)}
     with ThreadPoolExecutor(HANG_UPS) as pool:
-        seen = list(pool.map(_hang_up, [srv.proxy_url] * HANG_UPS, bodies, delays))
+        seen = list(pool.map(hang_up, [srv.proxy_url] * HANG_UPS, bodies, delays))
     facts: dict[str, Any] = {"hung_up_after_s": [round(d, 3) for d in delays], "clients": seen}
     faults = []
     if "before" not in seen or "during" not in seen:  # else the drill missed a phase of the request
@@ -247,7 +248,7 @@ def _hang_ups(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
         faults.append("every request finished on both engines: no hang-up stopped one, the drill tested nothing")
     if _still_held(srv, facts, p_timeout_s=LEASE_WAIT_S):
         faults.append("blocks still held after every client hung up")
-    prompt = _prompt(rng, 3 * block + 5)
+    prompt = random_prompt(rng, 3 * block + 5)
     try:
         ref = complete(srv.d_url, model, prompt, case.max_tokens)
         got = complete(srv.proxy_url, model, prompt, case.max_tokens, timeout_s=120)
@@ -327,7 +328,7 @@ def _short_prefill(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     extra = srv.p_spec.extra_args
     facts: dict[str, Any] = {"p_blocks": room,
                              "restart_s": round(srv.restart_prefill((*extra, "--num-gpu-blocks-override", str(room))), 1)}
-    prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
+    prompts = [random_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
     refs = [complete(srv.d_url, model, p, case.max_tokens) for p in prompts]
     before = scrape(srv.d_url)
     peak = [0.0]
@@ -377,7 +378,7 @@ def _short_decode(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
     restart_s = srv.restart_decode(("--num-gpu-blocks-override", str(room)))
     facts: dict[str, Any] = {"d_blocks": room, "restart_s": round(restart_s, 1)}
     length, answer = rec.max_model_len // 5, 3 * rec.max_model_len // 10
-    prompts = [_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
+    prompts = [random_prompt(rng, length + 7 * i) for i in range(SHORT_REQUESTS)]
     refs = [complete(srv.d_url, model, p, answer) for p in prompts]  # one at a time: each fits
     before = scrape(srv.d_url)
     faults = _judged_at_once(srv, prompts, refs, _through_proxy(srv, answer))
@@ -401,7 +402,7 @@ def _other_cache_dtype(srv: Servers, case: Case, rng: np.random.Generator, polic
     model = str(srv.model_dir)
     facts: dict[str, Any] = {"policy": policy, "p_kv_cache_dtype": OTHER_CACHE_DTYPE,
                              "restart_s": round(srv.restart_prefill(("--kv-cache-dtype", OTHER_CACHE_DTYPE)), 1)}
-    prompt = _prompt(rng, 3 * srv.recipe.block_size + 5)
+    prompt = random_prompt(rng, 3 * srv.recipe.block_size + 5)
     ref = complete(srv.d_url, model, prompt, case.max_tokens)
     params = prefill_on(srv.p_url, model, prompt)
     faults = []

@@ -35,7 +35,7 @@ from .bytecheck import judge_dir
 from .check import Case, Options, Servers, default_rule, format_bytes, prefill_on, transfer_facts
 from .client import CompletionError, complete, delta, scrape, settled_kv_usage
 from .compare import judge
-from .drills import LEASE_S, LEASE_WAIT_S, Drill, _prompt
+from .drills import LEASE_S, LEASE_WAIT_S, Drill, random_prompt
 from .launch import LOOPBACK
 
 HANDSHAKE_TIMEOUT_S = 5.0  # D's handshake_timeout_s in these drills (nixlkv's default)
@@ -98,7 +98,7 @@ class _Drills:
         self.network = srv.network
 
     def prompt(self) -> list[int]:
-        return _prompt(self.rng, 3 * self.srv.recipe.block_size + 5)
+        return random_prompt(self.rng, 3 * self.srv.recipe.block_size + 5)
 
     def log_mark(self) -> int:
         log = self.srv.d.log if self.srv.d else None

@@ -47,7 +47,7 @@ from .bytecheck import judge_dir, read_notes
 from .check import FIRST_ID, Case, Options, Servers, format_bytes
 from .client import Completion, CompletionError, complete, forced, request_body, settled_kv_usage
 from .compare import judge
-from .drills import _hang_up
+from .drills import hang_up
 from .launch import Process, ServeError
 
 ANSWERED = ("exact", "drift")  # answered as D alone would (exactly, or within the drift rule when batched)
@@ -57,7 +57,7 @@ CANCEL_AFTER_S = tuple(np.geomspace(0.005, 10.0, 8).round(3).tolist())  # a canc
 REQUEST_ID = "soak-{:05d}"  # each request's X-Request-Id: its loads in D's dumps are found by it
 _ID_IN = re.compile(r"soak-(\d{5})")
 PAGE = os.sysconf("SC_PAGE_SIZE")
-# where a cancelling client closed its connection (drills._hang_up): before the answer began, during
+# where a cancelling client closed its connection (drills.hang_up): before the answer began, during
 # it, or after the whole answer had come (too late: nothing was cancelled)
 CANCELLED_AT = {"before": "before the answer began", "during": "during the answer", "whole": "after the whole answer"}
 
@@ -396,7 +396,7 @@ class Soak:
         try:
             if ask.mode == "cancel":
                 body = request_body(self.model, prompt, max(MAX_TOKENS), stream=True)
-                out.cancelled_at = _hang_up(self.srv.proxy_url, body, ask.cancel_after_s)
+                out.cancelled_at = hang_up(self.srv.proxy_url, body, ask.cancel_after_s)
                 out.status, out.detail = "cancelled", f"closed after {ask.cancel_after_s} s, {CANCELLED_AT[out.cancelled_at]}"
             else:
                 out.answer = complete(self.srv.proxy_url, self.model, prompt, ask.max_tokens,
