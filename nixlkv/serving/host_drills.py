@@ -200,42 +200,37 @@ class _Drills:
 
     def unreachable(self) -> Drill:
         """11: P's link dropped after P answered the prefill; restored once D answered."""
-        faults: list[str] = []
-        self.warm(faults)
-        prompt = self.prompt()
-        params = prefill_on(self.srv.p_url, self.model, prompt)
-        self.network.set_link("prefill0", False)
-        restore = threading.Timer(UNREACHABLE_S, self.network.set_link, ("prefill0", True))
-        try:
-            needles = (params["remote_host"], "transfer_timeout_s") if self.case.connector == "nixlkv" else ()
-            facts, more = self.faulted(params, prompt, UNREACHABLE_S + SLACK_S, needles, during=restore)
-        finally:
-            restore.cancel()
-            self.network.set_link("prefill0", True)
-        facts["link_down_s"] = UNREACHABLE_S
-        faults += more
-        self.p_freed(facts, faults)
-        self.next_served(facts, faults)
-        return Drill("P unreachable mid-request", not faults, facts, "; ".join(faults))
+        needles = ("transfer_timeout_s",) if self.case.connector == "nixlkv" else ()
+        return self._link_down("P unreachable mid-request", UNREACHABLE_S, UNREACHABLE_S + SLACK_S, needles,
+                               readable=False, name_p=self.case.connector == "nixlkv")
 
     def link_dropped(self) -> Drill:
         """12: P's link down for LINK_DOWN_S from when the request is sent to D."""
+        return self._link_down(f"a link dropped for {LINK_DOWN_S:g} s", LINK_DOWN_S, TRANSFER_TIMEOUT_S + SLACK_S, (),
+                               readable=True, name_p=False)
+
+    def _link_down(self, name: str, down_s: float, bound_s: float, needles: tuple[str, ...], readable: bool,
+                   name_p: bool) -> Drill:
+        """A request prefilled on P, P's link dropped as it is sent to D and restored ``down_s`` later:
+        D must answer within ``bound_s``, its log naming ``needles`` (and P's address where
+        ``name_p``), then hold no blocks and serve the next request from P."""
         faults: list[str] = []
         self.warm(faults)
         prompt = self.prompt()
         params = prefill_on(self.srv.p_url, self.model, prompt)
         self.network.set_link("prefill0", False)
-        restore = threading.Timer(LINK_DOWN_S, self.network.set_link, ("prefill0", True))
+        restore = threading.Timer(down_s, self.network.set_link, ("prefill0", True))
         try:
-            facts, more = self.faulted(params, prompt, TRANSFER_TIMEOUT_S + SLACK_S, (), during=restore, readable=True)
+            named = (params["remote_host"], *needles) if name_p else needles
+            facts, more = self.faulted(params, prompt, bound_s, named, during=restore, readable=readable)
         finally:
             restore.cancel()
             self.network.set_link("prefill0", True)
-        facts["link_down_s"] = LINK_DOWN_S
+        facts["link_down_s"] = down_s
         faults += more
         self.p_freed(facts, faults)
         self.next_served(facts, faults)
-        return Drill(f"a link dropped for {LINK_DOWN_S:g} s", not faults, facts, "; ".join(faults))
+        return Drill(name, not faults, facts, "; ".join(faults))
 
 
 def host_case(case: Case) -> Case:
