@@ -8,7 +8,7 @@ SERVE_VENV := .serve-venv
 SERVE_BIN := $(SERVE_VENV)/bin
 SERVE_STAMP := $(SERVE_VENV)/.nixlkv-installed
 
-.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-check serve-matrix serve-drill-hosts soak soak-short lock serve-lock clean
+.PHONY: venv serve-venv test rehearse compare bench bench-quick bench-pytest serve-bench-kv serve-check serve-matrix serve-drill-hosts soak soak-short lock serve-lock clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,19 @@ bench-quick: venv
 
 bench: venv
 	$(BIN)/nixlkv bench --markdown docs/performance-tables.md --plot docs/performance.png
+
+# Served transfers at Llama-3-8B's KV size (128 KiB/token), both connectors in one run with vLLM's
+# own NIXL agent settings, P1->D1 and P2->D1, then the plot (docs/performance.md, "Served transfers
+# at Llama-3-8B's KV size"). Long: an 8k prefill takes tens of seconds on a loaded 2-core machine.
+KV_LENGTHS ?= 128 512 1024 2048 4096 8192
+KV_LOAD_LENGTHS ?= 128 1024
+KV_OUT ?= build/serve-bench-kv
+serve-bench-kv: serve-venv venv
+	$(SERVE_BIN)/nixlkv serve-bench --model tiny-llama-8b-kv --p-tp 1 --p-tp 2 \
+	  $(foreach n,$(KV_LENGTHS),--prompt-len $(n)) $(foreach n,$(KV_LOAD_LENGTHS),--load-len $(n)) \
+	  --requests 3 --load-requests 8 --concurrency 8 --kv-cache-gib 3 \
+	  --json-out $(KV_OUT).json --markdown $(KV_OUT).md $(ARGS)
+	$(BIN)/nixlkv serve-bench-plot $(KV_OUT).json $(KV_OUT).png
 
 # pytest-benchmark suite; outside tests/ so `make test` never times anything
 bench-pytest: venv

@@ -341,20 +341,37 @@ def cmd_serve_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
-    from .serving.bench import markdown, run
+    from .serving.bench import BenchPlan, markdown, run
     from .serving.check import Case, Options
 
+    extra_env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)} if args.kv_cache_gib else {}
     # timings: no dumps (the byte check copies every request's blocks to disk on the engines' threads)
     opts = Options(python=args.python, models_dir=Path(args.models_dir), work_dir=Path(args.work_dir),
-                   proxy_cmd=args.proxy_cmd,
+                   proxy_cmd=args.proxy_cmd, extra_env=extra_env,
                    port=args.port, start_timeout_s=args.start_timeout, verify_bytes=False)
-    rows = [run(Case(model=m, p_tp=args.p_tp, d_tp=args.d_tp), opts, prompt_len=args.prompt_len,
-                requests=args.requests, load_requests=args.load_requests, concurrency=args.concurrency)
-            for m in (args.model or ["tiny-llama"])]
+    lengths = tuple(args.prompt_len or [512])
+    plan = BenchPlan(lengths=lengths, requests=args.requests, load_requests=args.load_requests,
+                     concurrency=args.concurrency, ceiling_reps=args.ceiling_reps,
+                     load_lengths=None if args.load_len is None else tuple(args.load_len))
+    rows = []
+    for m in args.model or ["tiny-llama"]:
+        for p_tp in args.p_tp or [1]:
+            rows.append(run(Case(model=m, p_tp=p_tp, d_tp=args.d_tp), opts, plan,
+                            progress=lambda msg: print(f"[serve-bench] {msg}", file=sys.stderr, flush=True)))
+        if args.json_out:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(json.dumps(rows, indent=1, default=float) + "\n")
     table = markdown(rows)
     if args.markdown:
         Path(args.markdown).write_text(table)
     print(json.dumps(rows, indent=1, default=float) if args.json else table)
+    return 0
+
+
+def cmd_serve_bench_plot(args: argparse.Namespace) -> int:
+    from .serving.bench_plot import plot
+
+    print(plot(json.loads(Path(args.json_in).read_text()), args.out, args.title or ""))
     return 0
 
 
@@ -458,8 +475,11 @@ COMMANDS: dict[str, list[tuple[str, str, str]]] = {
          "NIXL work the handshake does (fabricated engines, real NIXL)", "docs/performance.md"),
         ("bench-settings", "NIXL progress threads and telemetry (nixlkv's defaults vs vLLM's) measured on the "
          "connector's READ path (fabricated engines, real NIXL)", "docs/configuration.md"),
-        ("serve-bench", "serving performance, nixlkv vs vLLM's NixlConnector in one run: TTFT through the proxy, "
-         "D's transfer time, throughput under a concurrent load (ratios)", "docs/serving.md"),
+        ("serve-bench", "serving performance, nixlkv vs vLLM's NixlConnector in one run with the same NIXL agent "
+         "settings: TTFT through the proxy, D's transfer time against a raw NIXL READ's ceiling, throughput under "
+         "a concurrent load (ratios), per prompt length", "docs/performance.md"),
+        ("serve-bench-plot", "a PNG of serve-bench's JSON: D's transfer time and TTFT against prompt length, both "
+         "connectors (needs matplotlib: the project's venv)", "docs/performance.md"),
     ],
 }
 COMMAND_DOCS = {name: (summary, page) for group in COMMANDS.values() for name, summary, page in group}
@@ -641,16 +661,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve_soak)
     p = _command(sub, "serve-bench")
     p.add_argument("--model", action="append", help="tiny model(s) (default tiny-llama)")
-    p.add_argument("--p-tp", type=int, default=1)
+    p.add_argument("--p-tp", type=int, action="append", help="P's TP size (repeatable: a row each; default 1)")
     p.add_argument("--d-tp", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--requests", type=int, default=10, help="sequential streamed requests for TTFT")
-    p.add_argument("--load-requests", type=int, default=24, help="requests of the concurrent load")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, action="append",
+                   help="prompt length in tokens (repeatable: every length on the same servers; default 512)")
+    p.add_argument("--requests", type=int, default=10, help="sequential streamed requests per length (TTFT, transfer)")
+    p.add_argument("--load-requests", type=int, default=24, help="requests of the concurrent load per length")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight during the load")
+    p.add_argument("--load-len", type=int, action="append",
+                   help="only these lengths get the load (repeatable; default every length)")
+    p.add_argument("--no-load", dest="load_len", action="store_const", const=[], help="no load at any length")
+    p.add_argument("--ceiling-reps", type=int, default=5, help="timed raw NIXL READs per length for the ceiling")
+    p.add_argument("--kv-cache-gib", type=int, default=None,
+                   help="VLLM_CPU_KVCACHE_SPACE of every engine, GiB (default: the environment's, else 1)")
     _serving_args(p)
+    p.add_argument("--json-out", metavar="PATH", help="also write the rows as JSON to PATH (after each model)")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_bench)
+    p = _command(sub, "serve-bench-plot")
+    p.add_argument("json_in", metavar="JSON", help="what serve-bench --json-out wrote")
+    p.add_argument("out", metavar="PNG")
+    p.add_argument("--title", help="the figure's title (e.g. its date, commit and machine)")
+    p.set_defaults(func=cmd_serve_bench_plot)
     p = _command(sub, "serve-matrix")
     p.add_argument("--model", action="append", help="only these models (repeatable)")
     p.add_argument("--shape", action="append", help="only this shape, exactly, e.g. 'P1->D1', 'P2->D1', "

@@ -1,12 +1,18 @@
 """``nixlkv serve-bench``: serving performance of NixlkvConnector against vLLM's NixlConnector,
-measured in one run on the same model, prompts and machine; reported as ratios (nixlkv / vLLM).
+measured in one run on the same model, prompts, machine and NIXL agent settings; reported as
+ratios (nixlkv / vLLM) and against the transport's ceiling.
 
-Per connector: P, D and the proxy are started, warmed up, then
+Per connector, P, D and the proxy are started once and warmed up; then, for each prompt length:
 - **TTFT**: streamed requests one at a time through the proxy; time from sending to the first
   token the client receives (P's prefill + hand-over + D's load + D's first step);
-- **D's transfer time** per request, from D's own connector metric (``*_xfer_time_seconds``);
-- **throughput** under a concurrent load: a bounded number of requests at a fixed concurrency
-  through the proxy, requests and generated tokens per second.
+- **D's transfer time** per request, from D's own connector metric over those requests
+  (nixlkv: ``vllm:nixlkv_xfer_time_seconds``, from posting a request's READs to all done, its own
+  clock; vLLM: ``vllm:nixl_xfer_time_seconds``, NIXL's telemetry ``xferDuration`` per READ), and
+  the bytes D read per request (``*_bytes_transferred``);
+- **throughput** under load: a fixed number of requests kept in flight through the proxy, requests
+  and generated tokens per second.
+After both connectors' servers stopped, the **ceiling**: a raw NIXL READ of each length's byte
+count between agents built with the same settings (:mod:`nixlkv.serving.ceiling`).
 """
 
 from __future__ import annotations
@@ -14,73 +20,189 @@ from __future__ import annotations
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from . import models
+from .ceiling import VLLM_AGENT, AgentSettings, read_ceiling
 from .check import FIRST_ID, Case, Options, Servers
 from .client import complete, delta, scrape
+
+CONNECTORS = ("nixlkv", "vllm")
+METRIC_PREFIX = {"nixlkv": "vllm:nixlkv_", "vllm": "vllm:nixl_"}
+GOAL_RATIO = 1.0  # nixlkv / vLLM, times: at most this at every length
+GOAL_OF_CEILING = 0.9  # the served transfer's rate against the same run's ceiling: at least this
+LOAD_TIMEOUT_S = 3600.0  # a request of the load may queue behind seven long prefills on two cores
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What one ``serve-bench`` run measures."""
+
+    lengths: tuple[int, ...] = (512,)
+    requests: int = 10  # streamed requests one at a time per length (TTFT, D's transfer)
+    load_requests: int = 24  # requests of the load per length
+    concurrency: int = 4  # requests in flight during the load
+    load_lengths: tuple[int, ...] | None = None  # lengths with a load (None: every length; (): none)
+    max_tokens: int = 16
+    ceiling_reps: int = 5
+    # every NIXL agent of the run, both connectors' and the ceiling's: vLLM's NixlConnector's own
+    # (the only one it can be given), so that a ratio measures the connector, not a setting
+    agent: AgentSettings = VLLM_AGENT
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"lengths must be positive prompt lengths, got {self.lengths}")
+        for name in ("requests", "load_requests", "concurrency", "ceiling_reps", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.load_lengths and not set(self.load_lengths) <= set(self.lengths):
+            raise ValueError(f"load_lengths {self.load_lengths} must be among lengths {self.lengths}")
+
+    @property
+    def loaded(self) -> tuple[int, ...]:
+        return self.lengths if self.load_lengths is None else self.load_lengths
 
 
 def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
     return [rng.integers(FIRST_ID, models.VOCAB_SIZE, size=length).tolist() for _ in range(n)]
 
 
-def measure(case: Case, opts: Options, prompt_len: int, requests: int, load_requests: int,
-            concurrency: int, max_tokens: int) -> dict[str, Any]:
-    rng = np.random.default_rng(case.seed + 11)
-    with Servers(case, opts, tag="-bench", references=False) as srv:
-        srv.start()
-        model = str(srv.model_dir)
-        for p in _prompts(rng, 2, prompt_len):  # warm-up: first handshake, first forward passes
-            complete(srv.proxy_url, model, p, max_tokens, stream=True)
-        before = scrape(srv.d_url)
-        ttft = []
-        for p in _prompts(rng, requests, prompt_len):
-            c = complete(srv.proxy_url, model, p, max_tokens, stream=True)
-            ttft.append(c.ttft_s or float("nan"))
-        d = delta(scrape(srv.d_url), before)
-        prefix = "vllm:nixlkv_" if case.connector == "nixlkv" else "vllm:nixl_"
-        n_xfer = d.get(f"{prefix}xfer_time_seconds_count", 0.0)
-        xfer_ms = 1000 * d.get(f"{prefix}xfer_time_seconds_sum", 0.0) / n_xfer if n_xfer else float("nan")
-        load = _prompts(rng, load_requests, prompt_len)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            done = list(pool.map(lambda p: complete(srv.proxy_url, model, p, max_tokens), load))
-        wall = time.perf_counter() - t0
+def transfer_of(d: dict[str, float], connector: str, requests: int) -> dict[str, float]:
+    """D's transfer figures over ``requests`` requests from a metrics delta: per request (the
+    metric's sum over the requests), per recorded transfer (nixlkv records one per request and
+    decode rank; vLLM one per READ, i.e. per prefill rank read), and bytes per request."""
+    prefix = METRIC_PREFIX[connector]
+    count = d.get(f"{prefix}xfer_time_seconds_count", 0.0)
+    total = d.get(f"{prefix}xfer_time_seconds_sum", 0.0)
+    nbytes = d.get(f"{prefix}bytes_transferred_sum", 0.0)
+    nan = float("nan")
     return {
+        "transfers": count, "transfers_per_request": count / requests,
+        "xfer_ms_per_request": 1000 * total / requests if count else nan,
+        "xfer_ms_per_transfer": 1000 * total / count if count else nan,
+        "bytes_per_request": nbytes / requests,
+    }
+
+
+def _one_length(srv: Servers, connector: str, model: str, rng: np.random.Generator, plan: BenchPlan,
+                length: int) -> dict[str, Any]:
+    complete(srv.proxy_url, model, _prompts(rng, 1, length)[0], plan.max_tokens, stream=True,
+             timeout_s=LOAD_TIMEOUT_S)  # this length's first: pages of D's cache touched, buffers grown
+    before = scrape(srv.d_url)
+    ttft = []
+    for p in _prompts(rng, plan.requests, length):
+        c = complete(srv.proxy_url, model, p, plan.max_tokens, stream=True, timeout_s=LOAD_TIMEOUT_S)
+        ttft.append(c.ttft_s or float("nan"))
+    out: dict[str, Any] = {
         "ttft_ms_median": 1000 * statistics.median(ttft), "ttft_ms": [round(1000 * t, 1) for t in ttft],
-        "xfer_ms_per_request": xfer_ms, "transfers": n_xfer,
-        "load_requests": load_requests, "concurrency": concurrency, "load_wall_s": wall,
-        "requests_per_s": load_requests / wall, "tokens_per_s": sum(len(c.token_ids) for c in done) / wall,
+        **transfer_of(delta(scrape(srv.d_url), before), connector, plan.requests),
     }
-
-
-def run(case: Case, opts: Options, prompt_len: int = 512, requests: int = 10, load_requests: int = 24,
-        concurrency: int = 4, max_tokens: int = 16) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": case.model, "shape": case.label.rsplit(" ", 1)[0], "prompt_len": prompt_len,
-                           "max_tokens": max_tokens}
-    for conn in ("nixlkv", "vllm"):
-        out[conn] = measure(replace(case, connector=conn), opts, prompt_len, requests, load_requests, concurrency,
-                            max_tokens)
-    n, v = out["nixlkv"], out["vllm"]
-    out["ratios"] = {  # nixlkv / vLLM: <= 1 is as fast or faster for times, >= 1 for rates
-        "ttft": n["ttft_ms_median"] / v["ttft_ms_median"],
-        "d_transfer_time": n["xfer_ms_per_request"] / v["xfer_ms_per_request"],
-        "throughput_inverse": v["requests_per_s"] / n["requests_per_s"],
-    }
+    if length in plan.loaded:
+        load = _prompts(rng, plan.load_requests, length)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=plan.concurrency) as pool:
+            done = list(pool.map(lambda p: complete(srv.proxy_url, model, p, plan.max_tokens,
+                                                    timeout_s=LOAD_TIMEOUT_S), load))
+        wall = time.perf_counter() - t0
+        out.update(load_requests=plan.load_requests, concurrency=plan.concurrency, load_wall_s=wall,
+                   requests_per_s=plan.load_requests / wall,
+                   tokens_per_s=sum(len(c.token_ids) for c in done) / wall)
     return out
 
 
+def measure(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
+    """One connector: its servers started once, every length measured on them."""
+    rng = np.random.default_rng(case.seed + 11)
+    with Servers(case, opts, tag="-bench", references=False) as srv:
+        ready = srv.start()
+        model = str(srv.model_dir)
+        for p in _prompts(rng, 2, min(plan.lengths)):  # warm-up: first handshake, first forward passes
+            complete(srv.proxy_url, model, p, plan.max_tokens, stream=True, timeout_s=LOAD_TIMEOUT_S)
+        by_length = {}
+        for length in plan.lengths:
+            by_length[str(length)] = _one_length(srv, case.connector, model, rng, plan, length)
+            if progress:
+                progress(f"{case.connector} {length} tokens: {by_length[str(length)]}")
+        return {"ready_s": ready, "log_dir": str(srv.log_dir), "lengths": by_length}
+
+
+def ratios(n: dict[str, Any], v: dict[str, Any], ceiling_s: float | None) -> dict[str, float]:
+    """One length's ratios: nixlkv / vLLM for times (<= 1: as fast or faster), vLLM / nixlkv for
+    throughput (the same sense), and each connector's transfer rate against the ceiling (the
+    ceiling's time over the connector's per-request time: 1 is the transport's best)."""
+    out = {
+        "ttft": n["ttft_ms_median"] / v["ttft_ms_median"],
+        "d_transfer_time": n["xfer_ms_per_request"] / v["xfer_ms_per_request"],
+    }
+    if "requests_per_s" in n and "requests_per_s" in v:
+        out["throughput_inverse"] = v["requests_per_s"] / n["requests_per_s"]
+    if ceiling_s:
+        out["nixlkv_of_ceiling"] = 1000 * ceiling_s / n["xfer_ms_per_request"]
+        out["vllm_of_ceiling"] = 1000 * ceiling_s / v["xfer_ms_per_request"]
+    return out
+
+
+def goals(r: dict[str, float]) -> dict[str, bool]:
+    """Which of the issue's goals one length's ratios meet."""
+    met = {k: r[k] <= GOAL_RATIO for k in ("ttft", "d_transfer_time", "throughput_inverse") if k in r}
+    if "nixlkv_of_ceiling" in r:
+        met["nixlkv_at_90pct_of_ceiling"] = r["nixlkv_of_ceiling"] >= GOAL_OF_CEILING
+    return met
+
+
+def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
+    """Both connectors, then the ceiling at each length's byte count, then the ratios."""
+    out: dict[str, Any] = {"model": case.model, "shape": case.label.rsplit(" ", 1)[0], "plan": asdict(plan),
+                           "kv_bytes_per_token": models.kv_bytes_per_token(models.recipe(case.model))}
+    for conn in CONNECTORS:
+        cfg = plan.agent.nixlkv_config() if conn == "nixlkv" else plan.agent.vllm_config()
+        out[conn] = measure(replace(case, connector=conn, connector_config=tuple(cfg.items())), opts, plan, progress)
+    out["ceiling"] = {}
+    out["ratios"] = {}
+    out["goals"] = {}
+    for length in map(str, plan.lengths):
+        n, v = out["nixlkv"]["lengths"][length], out["vllm"]["lengths"][length]
+        nbytes = int(max(n["bytes_per_request"], v["bytes_per_request"]))
+        ceiling = None
+        if nbytes > 0:
+            secs = read_ceiling(nbytes, case.p_tp, plan.ceiling_reps, plan.agent)
+            ceiling = {"bytes": nbytes, "ms_p50": 1000 * statistics.median(secs), "ms": [round(1000 * s, 2) for s in secs],
+                       "gbps": nbytes / statistics.median(secs) / 1e9}
+            if progress:
+                progress(f"ceiling {length} tokens: {ceiling}")
+        out["ceiling"][length] = ceiling
+        out["ratios"][length] = ratios(n, v, ceiling["ms_p50"] / 1000 if ceiling else None)
+        out["goals"][length] = goals(out["ratios"][length])
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.0f}-{max(values):.0f}" if values else "-"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | P/D | prompt | TTFT median ms (nixlkv / vLLM) | ratio | D transfer ms/request | ratio | "
-             "requests/s at concurrency | 1/ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    """Per run and length: TTFT, D's transfer and its rate against the ceiling, throughput."""
+    lines = ["| model | P/D | prompt | TTFT median ms (nixlkv / vLLM; spread) | ratio | D transfer ms/request "
+             "(nixlkv / vLLM) | ratio | GB/s nixlkv / vLLM / ceiling | of ceiling (nixlkv / vLLM) | "
+             "requests/s in flight (nixlkv / vLLM) | vLLM/nixlkv |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        n, v, q = r["nixlkv"], r["vllm"], r["ratios"]
-        lines.append(
-            f"| {r['model']} | {r['shape']} | {r['prompt_len']} | {n['ttft_ms_median']:.1f} / {v['ttft_ms_median']:.1f} | "
-            f"{q['ttft']:.2f} | {n['xfer_ms_per_request']:.2f} / {v['xfer_ms_per_request']:.2f} | {q['d_transfer_time']:.2f} | "
-            f"{n['requests_per_s']:.2f} / {v['requests_per_s']:.2f} (x{n['concurrency']}) | {q['throughput_inverse']:.2f} |")
+        for length in map(str, r["plan"]["lengths"]):
+            n, v, q = r["nixlkv"]["lengths"][length], r["vllm"]["lengths"][length], r["ratios"][length]
+            c = r["ceiling"].get(length)
+            nb = max(n["bytes_per_request"], v["bytes_per_request"])
+            gb = (f"{nb / n['xfer_ms_per_request'] / 1e6:.2f} / {nb / v['xfer_ms_per_request'] / 1e6:.2f} / "
+                  f"{c['gbps']:.2f}" if c else "-")
+            of = f"{q['nixlkv_of_ceiling']:.2f} / {q['vllm_of_ceiling']:.2f}" if c else "-"
+            load = (f"{n['requests_per_s']:.3f} / {v['requests_per_s']:.3f} (x{n['concurrency']})"
+                    if "requests_per_s" in n else "-")
+            inv = f"{q['throughput_inverse']:.2f}" if "throughput_inverse" in q else "-"
+            lines.append(
+                f"| {r['model']} | {r['shape'].split(' ', 1)[-1]} | {length} | {n['ttft_ms_median']:.0f} / "
+                f"{v['ttft_ms_median']:.0f} ({_spread(n['ttft_ms'])}; {_spread(v['ttft_ms'])}) | {q['ttft']:.2f} | "
+                f"{n['xfer_ms_per_request']:.1f} / {v['xfer_ms_per_request']:.1f} | {q['d_transfer_time']:.2f} | "
+                f"{gb} | {of} | {load} | {inv} |")
     return "\n".join(lines) + "\n"

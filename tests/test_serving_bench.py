@@ -1,0 +1,106 @@
+"""serve-bench's own arithmetic, without engines: the transfer figures read from D's metrics, the
+ratios and goals, the plan's checks, the equal agent settings and the Llama-3-8B-KV model's size.
+The served run itself is `make serve-bench-kv` (minutes to hours on a 2-core machine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nixlkv.serving import bench, models
+from nixlkv.serving.bench import BenchPlan, goals, markdown, ratios, transfer_of
+from nixlkv.serving.ceiling import VLLM_AGENT, AgentSettings
+
+
+def test_the_timing_model_holds_llama_3_8b_kv_per_token_and_stays_out_of_the_matrix() -> None:
+    rec = models.recipe("tiny-llama-8b-kv")
+    assert models.kv_bytes_per_token(rec) == models.LLAMA3_8B_KV_BYTES_PER_TOKEN == 128 * 1024
+    assert rec.config["hidden_size"] < rec.config["num_attention_heads"] * rec.config["head_dim"]  # narrow
+    assert rec.max_model_len >= 8192 + 16
+    assert "tiny-llama-8b-kv" not in models.RECIPES  # no serving-matrix case, no captured scenario
+    assert models.kv_bytes_per_token(models.recipe("tiny-llama")) == 2 * 2 * 64 * 2 * 2  # the helper can differ
+    with pytest.raises(ValueError, match="tiny-llama-8b-kv"):
+        models.recipe("no-such-model")
+
+
+def test_transfer_per_request_and_per_read() -> None:
+    # vLLM at P2->D1: one recorded transfer per READ, two per request
+    d = {"vllm:nixl_xfer_time_seconds_count": 6.0, "vllm:nixl_xfer_time_seconds_sum": 1.2,
+         "vllm:nixl_bytes_transferred_sum": 3 * 2 ** 30}
+    t = transfer_of(d, "vllm", 3)
+    assert t["transfers_per_request"] == 2.0
+    assert t["xfer_ms_per_request"] == pytest.approx(400.0)
+    assert t["xfer_ms_per_transfer"] == pytest.approx(200.0)
+    assert t["bytes_per_request"] == 2 ** 30
+    # nixlkv's names are its own; vLLM's keys say nothing about it
+    n = transfer_of(d, "nixlkv", 3)
+    assert n["transfers"] == 0 and math.isnan(n["xfer_ms_per_request"])
+
+
+def test_ratios_and_goals_say_which_side_is_better() -> None:
+    n = {"ttft_ms_median": 900.0, "xfer_ms_per_request": 150.0, "requests_per_s": 2.0}
+    v = {"ttft_ms_median": 1000.0, "xfer_ms_per_request": 120.0, "requests_per_s": 1.0}
+    r = ratios(n, v, ceiling_s=0.125)
+    assert r["ttft"] == pytest.approx(0.9)
+    assert r["d_transfer_time"] == pytest.approx(1.25)
+    assert r["throughput_inverse"] == pytest.approx(0.5)
+    assert r["nixlkv_of_ceiling"] == pytest.approx(125 / 150)
+    assert r["vllm_of_ceiling"] == pytest.approx(125 / 120)
+    g = goals(r)
+    assert g == {"ttft": True, "d_transfer_time": False, "throughput_inverse": True,
+                 "nixlkv_at_90pct_of_ceiling": False}
+    assert goals(ratios(n, v, ceiling_s=0.140))["nixlkv_at_90pct_of_ceiling"] is True
+    unloaded = {k: x for k, x in n.items() if k != "requests_per_s"}  # a length without a load
+    assert "throughput_inverse" not in ratios(unloaded, v, None)
+
+
+def test_plan_refuses_what_it_cannot_measure() -> None:
+    assert BenchPlan(lengths=(128, 8192), load_lengths=(128,)).loaded == (128,)
+    assert BenchPlan(lengths=(128, 8192)).loaded == (128, 8192)
+    assert BenchPlan(lengths=(128,), load_lengths=()).loaded == ()
+    with pytest.raises(ValueError, match="load_lengths"):
+        BenchPlan(lengths=(128,), load_lengths=(8192,))
+    with pytest.raises(ValueError, match="lengths"):
+        BenchPlan(lengths=())
+    with pytest.raises(ValueError, match="concurrency"):
+        BenchPlan(concurrency=0)
+
+
+def test_both_connectors_get_vllms_own_agent_settings() -> None:
+    """The run's one setting, as each connector spells it: nixlkv's keys, vLLM's num_threads."""
+    assert VLLM_AGENT == AgentSettings(progress_delay_us=0, num_threads=4, telemetry=True)
+    assert VLLM_AGENT.nixlkv_config() == {"nixl_progress_delay_us": 0, "nixl_num_threads": 4, "nixl_telemetry": True}
+    assert VLLM_AGENT.vllm_config() == {"num_threads": 4}
+    from nixlkv.vllm.config import ConnectorConfig
+    cfg = ConnectorConfig.parse(VLLM_AGENT.nixlkv_config(), env={})
+    assert (cfg.nixl_progress_delay_us, cfg.nixl_num_threads, cfg.nixl_telemetry) == (0, 4, True)
+    # a pause vLLM's connector cannot be given is refused, not silently run unequal
+    with pytest.raises(ValueError, match="busy-polls"):
+        AgentSettings(progress_delay_us=1000, num_threads=4, telemetry=True).vllm_config()
+
+
+def test_the_engines_get_the_settings_over_launchs_defaults() -> None:
+    from nixlkv.serving.launch import EngineSpec
+    from pathlib import Path
+    spec = EngineSpec(Path("m"), "kv_consumer", 1, 2, "nixlkv", extra_config=VLLM_AGENT.nixlkv_config())
+    extra = spec.kv_transfer_config()["kv_connector_extra_config"]
+    assert extra["nixl_progress_delay_us"] == 0  # launch's CPU default (1000) overridden
+    v = EngineSpec(Path("m"), "kv_consumer", 1, 2, "vllm", extra_config=VLLM_AGENT.vllm_config())
+    assert v.kv_transfer_config()["kv_connector_extra_config"] == {"num_threads": 4}
+
+
+def test_markdown_has_a_row_per_length() -> None:
+    length = {"ttft_ms_median": 100.0, "ttft_ms": [99.0, 100.0, 101.0], "xfer_ms_per_request": 10.0,
+              "bytes_per_request": 1e7}
+    loaded = {**length, "requests_per_s": 2.0, "concurrency": 8}
+    row = {"model": "m", "shape": "m P1->D1 b32", "plan": {"lengths": [128, 8192]},
+           "nixlkv": {"lengths": {"128": loaded, "8192": length}}, "vllm": {"lengths": {"128": loaded, "8192": length}},
+           "ceiling": {"128": {"gbps": 2.0}, "8192": None},
+           "ratios": {"128": ratios(loaded, loaded, 0.005), "8192": ratios(length, length, None)}}
+    text = markdown([row])
+    lines = text.strip().splitlines()
+    assert len(lines) == 4
+    assert "| 128 |" in lines[2] and "0.50 / 0.50" in lines[2] and "(x8)" in lines[2]
+    assert "| 8192 |" in lines[3] and lines[3].count("| - |") >= 2
+    assert bench.GOAL_OF_CEILING == 0.9 and bench.GOAL_RATIO == 1.0
