@@ -351,7 +351,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
                    port=args.port, start_timeout_s=args.start_timeout, verify_bytes=False)
     lengths = tuple(args.prompt_len or [512])
     plan = BenchPlan(lengths=lengths, requests=args.requests, load_requests=args.load_requests,
-                     concurrency=args.concurrency, ceiling_reps=args.ceiling_reps,
+                     concurrency=args.concurrency, ceiling_reps=args.ceiling_reps, max_tokens=args.max_tokens,
+                     warm_each_length=args.warm_each_length,
                      load_lengths=None if args.load_len is None else tuple(args.load_len))
     rows = []
     for m in args.model or ["tiny-llama"]:
@@ -672,6 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these lengths get the load (repeatable; default every length)")
     p.add_argument("--no-load", dest="load_len", action="store_const", const=[], help="no load at any length")
     p.add_argument("--ceiling-reps", type=int, default=5, help="timed raw NIXL READs per length for the ceiling")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
+    p.add_argument("--warm-each-length", action="store_true", help="an untimed request before each length's")
     p.add_argument("--kv-cache-gib", type=int, default=None,
                    help="VLLM_CPU_KVCACHE_SPACE of every engine, GiB (default: the environment's, else 1)")
     _serving_args(p)

