@@ -73,7 +73,7 @@ KV_OUT ?= build/serve-bench-kv
 serve-bench-kv: serve-venv venv
 	$(SERVE_BIN)/nixlkv serve-bench --model tiny-llama-8b-kv --p-tp 1 --p-tp 2 \
 	  $(foreach n,$(KV_LENGTHS),--prompt-len $(n)) $(foreach n,$(KV_LOAD_LENGTHS),--load-len $(n)) \
-	  --requests 3 --load-requests 8 --concurrency 8 --max-tokens 2 --kv-cache-gib 3 \
+	  --requests 3 --load-requests 8 --concurrency 8 --max-tokens 2 --kv-cache-gib 2 \
 	  --json-out $(KV_OUT).json --markdown $(KV_OUT).md $(ARGS)
 	$(BIN)/nixlkv serve-bench-plot $(KV_OUT).json $(KV_OUT).png
 
