@@ -405,7 +405,9 @@ def publish(proc, parent) -> dict[str, dict]:
             parent.send("go")
         except (BrokenPipeError, OSError):
             pass  # it failed meanwhile: its message is in the pipe
-    deadline = time.monotonic() + 180
+    # A prefill engine of several (stage, TP rank) workers builds them all, with their NIXL agents,
+    # before it prefills: on the loaded 2-core machine that took over 180 s (PP 2 x TP 2, 2026-11-28).
+    deadline = time.monotonic() + 420
     while not parent.poll(0.2):
         assert proc.is_alive() and time.monotonic() < deadline, "the prefill process published nothing"
     params = parent.recv()
