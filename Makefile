@@ -49,6 +49,12 @@ $(SERVE_STAMP): pyproject.toml requirements/serve-lock.txt
 test: venv serve-venv
 	NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q
 
+# Pipeline-parallel engines through vLLM's real scheduler, every case (tests/test_connector_pipeline.py:
+# 1.5 to 6 min each on 2 cores; the default run takes one of them).
+.PHONY: test-pipeline
+test-pipeline: venv
+	NIXLKV_PIPELINE=all $(BIN)/python -m pytest -q tests/test_connector_pipeline.py
+
 rehearse: venv
 	$(BIN)/nixlkv rehearse
 

@@ -27,8 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .core.geometry import RankGeometry
+from .core.topology import Stage
 from .vllm.config import ConfigError, ConnectorConfig
-from .vllm.handshake import compat_hash
+from .vllm.handshake import compat_hash, global_rank
 from .vllm.liveness import engine_generation
 from .vllm.metadata import NixlkvMetadata, NixlkvStats
 from .vllm.model_heads import kv_heads_by_layer
@@ -55,7 +56,8 @@ def _log_like_vllm() -> None:
 
 _log_like_vllm()
 
-__all__ = ["ConfigError", "NixlkvConnector", "NixlkvHandshakeMetadata", "tp_rank_and_size", "vllm_compat_hash"]
+__all__ = ["ConfigError", "NixlkvConnector", "NixlkvHandshakeMetadata", "pp_rank_and_size", "tp_rank_and_size",
+           "vllm_compat_hash"]
 
 
 @dataclass
@@ -65,6 +67,7 @@ class NixlkvHandshakeMetadata(KVConnectorHandshakeMetadata):
     tp_rank: int
     agent_metadata: bytes
     geometry: dict[str, Any]  # RankGeometry.to_dict()
+    pp_rank: int = 0  # the worker's pipeline stage
 
 
 def vllm_compat_hash(vllm_config: Any) -> str:
@@ -119,6 +122,19 @@ def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     raise RuntimeError("nixlkv: TP size > 1 but vLLM's model-parallel state is not initialised")
 
 
+def pp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
+    """This worker's pipeline stage and the number of stages (from vLLM's initialised parallel state)."""
+    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_pp_group()
+        return group.rank_in_group, group.world_size
+    raise RuntimeError("nixlkv: pipeline_parallel_size > 1 but vLLM's model-parallel state is not initialised")
+
+
 class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -136,6 +152,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = NixlkvScheduler(vllm_config, self.engine_id, self.config, self.compat, kv_cache_config)
         else:
             tp_rank, tp_size = tp_rank_and_size(vllm_config)
+            pp_rank, pp_size = pp_rank_and_size(vllm_config)
             heads = kv_heads_by_layer(vllm_config.model_config)
             self._worker = NixlkvWorker(
                 self.engine_id, tp_rank, tp_size, kv_cache_config, self.config, self.compat, heads,
@@ -143,6 +160,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
                                     backend_hints(attention_layers(vllm_config))),
                 model_facts=model_facts(vllm_config) if self.config.capture_dir or self.config.dump_kv_dir else None,
                 compat_inputs=self.compat_inputs,
+                stage=Stage(pp_size, pp_rank),
             )
 
     # ================================================================ worker side
@@ -153,7 +171,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or self._worker.nixl is None:
             return None
         info = self._worker.handshake_info()
-        return NixlkvHandshakeMetadata(info.tp_rank, info.agent_metadata, info.geometry.to_dict())
+        return NixlkvHandshakeMetadata(info.tp_rank, info.agent_metadata, info.geometry.to_dict(), info.pp_rank)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -215,12 +233,19 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================ scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp_rank): meta for tp_rank, meta in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Every worker's advertisement, keyed by (pipeline stage, TP rank): the side channel
+        answers with all of them, so a decode rank handshakes every stage at once."""
+        tp_size, pp_size = self._scheduler.tp_size, self._scheduler.pp_size
         infos = {}
-        for tp_rank, meta in metadata.items():
+        for (pp_rank, tp_rank), meta in metadata.items():
             if not isinstance(meta, NixlkvHandshakeMetadata):
                 raise ValueError(f"NixlkvConnector expects NixlkvHandshakeMetadata, got {type(meta).__name__}")
-            infos[tp_rank] = HandshakeInfo(meta.tp_rank, meta.agent_metadata, RankGeometry.from_dict(meta.geometry))
-        reply = serve_reply(self.engine_id, self._scheduler.tp_size, infos, self.compat, self.compat_inputs)
+            infos[global_rank(pp_rank, tp_rank, tp_size)] = HandshakeInfo(
+                meta.tp_rank, meta.agent_metadata, RankGeometry.from_dict(meta.geometry), meta.pp_rank)
+        reply = serve_reply(self.engine_id, tp_size, infos, self.compat, self.compat_inputs, pp_size)
         self._scheduler.serve_handshake(reply, engine_generation({r: i.agent_metadata for r, i in infos.items()}))
 
     def on_new_request(self, request: Any) -> None:

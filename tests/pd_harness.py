@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 from nixlkv.testing import oracle  # noqa: E402
 from nixlkv.testing.engines import DATA, build_rank  # noqa: E402
 from nixlkv.testing.kinds import vllm_conv_state_layout  # noqa: E402
+from nixlkv.testing.pipeline import stage_layers  # noqa: E402
 from nixlkv.testing.scenario import parse  # noqa: E402
 
 EOS = 2
@@ -90,6 +91,12 @@ class PDCase:
     # Each engine's VLLM_SSM_CONV_STATE_LAYOUT (Mamba models): its caches and its connector see it.
     p_conv_layout: str = "DS"
     d_conv_layout: str = "DS"
+    # Pipeline stages of each engine: one worker per (stage, TP rank), each over its stage's layers.
+    p_pp: int = 1
+    d_pp: int = 1
+    # Negative control: the prefill engine's model leaves this stage's caches unwritten (its
+    # layers never computed), so what D reads from that stage is not the prompt's KV.
+    p_idle_stage: int | None = None
 
     def scenario(self):
         m = MODELS[self.model]
@@ -104,7 +111,8 @@ class PDCase:
         })
 
 
-def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict[str, Any], model: str = "llama"):
+def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict[str, Any], model: str = "llama",
+                pp: int = 1):
     from vllm.config import (
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
     )
@@ -117,7 +125,7 @@ def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=tiny.prefix_caching),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="NixlkvConnector", kv_connector_module_path="nixlkv.connector",
@@ -158,11 +166,16 @@ class PDEngine:
         self.case = case
         self.role = role
         self.tp = side.tp
-        self.ranks = [build_rank(sc, role, r) for r in range(side.tp)]
-        self.vc = vllm_config(kv_role, engine_id, side.tp, side.block_size, extra, case.model)
+        self.pp = case.p_pp if role == "prefill" else case.d_pp
+        # One rank per (stage, TP rank), stage-major as vLLM numbers them; each stage's over its
+        # layers (the whole model's KV groups narrowed to them), the scheduler's over every layer.
+        stages = stage_layers(len(sc.layer_kinds(role)), self.pp) if self.pp > 1 else [None]
+        self.stages = [s for s in range(len(stages)) for _ in range(side.tp)]
+        self.ranks = [build_rank(sc, role, r, stage_layers=layers) for layers in stages for r in range(side.tp)]
+        self.vc = vllm_config(kv_role, engine_id, side.tp, side.block_size, extra, case.model, self.pp)
         required = nc.NixlkvConnector.get_required_kvcache_layout(self.vc)
         assert required in (None, side.layout), (required, side.layout)
-        kcc = self.ranks[0].kv_cache_config
+        kcc = (self.ranks[0] if self.pp == 1 else build_rank(sc, role, 0)).kv_cache_config
         self.vc.cache_config.num_gpu_blocks = kcc.num_blocks
         # What vLLM's engine core does once the caches are sized: the block size is the smallest
         # prefix-cacheable group's, the scheduler steps in the LCM of the groups' block sizes.
@@ -178,17 +191,19 @@ class PDEngine:
         )
         assert isinstance(self.scheduler.connector, nc.NixlkvConnector)
         self.workers = []
-        for rank in self.ranks:
+        for rank, stage in zip(self.ranks, self.stages):
             with (mock.patch.object(nc, "tp_rank_and_size", return_value=(rank.tp_rank, side.tp)),
+                  mock.patch.object(nc, "pp_rank_and_size", return_value=(stage, self.pp)),
                   vllm_conv_state_layout(side.conv_layout)):  # what the engine's env would say
                 w = nc.NixlkvConnector(self.vc, KVConnectorRole.WORKER, rank.kv_cache_config)
             w.register_kv_caches(rank.kv_caches)
             self.workers.append(w)
-        # What vLLM's engine core does after the workers registered their caches.
-        self.scheduler.connector.set_xfer_handshake_metadata(
-            {w._worker.topology.tp_rank: w.get_handshake_metadata() for w in self.workers}
+        # What vLLM's engine core does after the workers registered their caches (0.32 and 0.33:
+        # keyed by (pipeline stage, TP rank)).
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
+            {(stage, w._worker.topology.tp_rank): w.get_handshake_metadata() for w, stage in zip(self.workers, self.stages)}
         )
-        self.aggregator = KVOutputAggregator(expected_finished_count=side.tp)
+        self.aggregator = KVOutputAggregator(expected_finished_count=side.tp * self.pp)
         self.recv_blocks: dict[str, tuple[list[int], ...]] = {}
         self.recv_tokens: dict[str, int] = {}  # tokens each loaded request's blocks hold once read
         # Prompt tokens the scheduler counted as computed when it first ran the model on a request:
@@ -221,7 +236,9 @@ class PDEngine:
     def fill(self, rid: str, block_ids: tuple[list[int], ...], num_tokens: int) -> None:
         """Play the prefill forward pass of ``num_tokens`` tokens: the request's blocks get its oracle
         pattern on every rank, a running state the pattern of the state after ``num_tokens``."""
-        for rank in self.ranks:
+        for rank, stage in zip(self.ranks, self.stages):
+            if self.role == "prefill" and stage == self.case.p_idle_stage:
+                continue
             gb = [oracle.GroupBlocks(np.asarray(g, dtype=np.int64), 0, np.ones(len(g), dtype=bool)) for g in block_ids]
             _write_split(rank, rank.buffer, gb, request_seed(rid), state_seed(rid, num_tokens))
 
@@ -388,7 +405,9 @@ def publish(proc, parent) -> dict[str, dict]:
             parent.send("go")
         except (BrokenPipeError, OSError):
             pass  # it failed meanwhile: its message is in the pipe
-    deadline = time.monotonic() + 180
+    # A prefill engine of several (stage, TP rank) workers builds them all, with their NIXL agents,
+    # before it prefills: on the loaded 2-core machine that took over 180 s (PP 2 x TP 2, 2026-11-28).
+    deadline = time.monotonic() + 420
     while not parent.poll(0.2):
         assert proc.is_alive() and time.monotonic() < deadline, "the prefill process published nothing"
     params = parent.recv()
@@ -475,7 +494,7 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         assert d.finished_recving == set(prompts) - set(local) and d.failed_recving == set(fail), \
             (d.finished_recving, d.failed_recving)
         loaded = {rid: b for rid, b in d.recv_blocks.items() if rid not in fail}
-        for r in range(case.d_tp):
+        for r in range(len(d.ranks)):  # every (stage, TP rank)
             mismatch = oracle.compare(d.ranks[r], d.expected(r, loaded, d.recv_tokens))
             assert mismatch is None, str(mismatch)
         assert_no_leaks(d.leaks(), "decode")

@@ -221,7 +221,6 @@ def _parallel(**sizes: int) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize(("config", "match"), [
-    (_parallel(pipeline_parallel_size=2), "--pipeline-parallel-size 2"),
     (_parallel(decode_context_parallel_size=2), "--decode-context-parallel-size 2"),
     (_parallel(prefill_context_parallel_size=4), "--prefill-context-parallel-size 4"),
     (SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_buffer_device="cpu"),
@@ -234,6 +233,7 @@ def test_unimplemented_settings_are_refused_at_start_naming_them(config, match):
 
 @pytest.mark.parametrize("config", [
     _parallel(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1),
+    _parallel(pipeline_parallel_size=2),  # planned per stage (tests/test_connector_pipeline.py)
     SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_buffer_device="cuda"),
                     device_config=SimpleNamespace(device_type="cuda")),
     SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_buffer_device="cpu"),

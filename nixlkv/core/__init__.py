@@ -21,9 +21,11 @@ from .plan import TransferPlan
 from .regions import LayerCache, PageLayout, PagePart, Region, Segment
 from .registry import StrategyRegistry, plugin_manager
 from .request_ids import IdScratch, ReadOp, ResolvedRequest
+from .stages import StagePlans
 from .strategy import OwnedTail, RunningState, Strategy, check_owned, tail_aligned
 from .topology import (
     HeadRun,
+    Stage,
     Topology,
     check_units_shardable,
     consumers_per_remote_rank,
@@ -31,6 +33,7 @@ from .topology import (
     head_sources,
     heads_held,
     heads_per_rank,
+    stage_sources,
     unit_sources,
     units_per_rank,
 )
@@ -38,8 +41,8 @@ from .topology import (
 __all__ = [
     "Dispatcher", "HandshakeError", "HeadRun", "IncompatibleGeometry", "IncompatibleTopology",
     "LayerCache", "MalformedRemoteFact", "NixlkvError", "NoStrategyError", "PageLayout", "PagePart", "PlanError", "PlanValidationError",
-    "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment",
+    "RankGeometry", "ReadOp", "Region", "RegistryError", "RequestError", "ResolvedRequest", "Segment", "Stage", "StagePlans",
     "IdScratch", "OwnedTail", "RunningState", "Strategy", "StrategyConflict", "StrategyRegistry", "Topology", "TransferPlan", "box_copy_runs",
     "check_owned", "check_units_shardable", "consumers_per_remote_rank", "covered_remote_ranks", "head_sources", "heads_held",
-    "heads_per_rank", "hookimpl", "hookspec", "plugin_manager", "tail_aligned", "unit_sources", "units_per_rank",
+    "heads_per_rank", "hookimpl", "stage_sources", "hookspec", "plugin_manager", "tail_aligned", "unit_sources", "units_per_rank",
 ]

@@ -11,7 +11,7 @@ import numpy as np
 import pluggy
 
 from .byte_runs import forget_copy_runs
-from .errors import IncompatibleGeometry, MalformedRemoteFact, PlanError, PlanValidationError
+from .errors import IncompatibleGeometry, IncompatibleTopology, MalformedRemoteFact, PlanError, PlanValidationError
 from .geometry import RankGeometry
 from .memo import remember
 from .plan import GroupPairing, TransferPlan, prepare_local
@@ -20,7 +20,8 @@ from .regions import COL_BLOCKS, COL_GROUP, LayerCache, Region, Segment, counted
 from .registry import StrategyRegistry, plugin_manager
 from .segment_table import SegmentTable
 from .strategy import Strategy, declared_pairing
-from .topology import Topology, consumers_per_remote_rank, covered_remote_ranks, head_sources
+from .stages import StagePlans
+from .topology import Stage, Topology, consumers_per_remote_rank, covered_remote_ranks, head_sources, stage_sources
 from .wire import forget_parsed
 
 Unwrap = Callable[[Any, str], Any]
@@ -66,6 +67,9 @@ class Dispatcher:
         # (local geometry's id, remote TP size) -> (the geometry, its topology, the remote ranks
         # it covers, those it reads): what every handshake with such an engine asks first.
         self._readers: dict[tuple[int, int], tuple[RankGeometry, Topology, range, tuple[int, ...]]] = {}
+        # (geometry's id, layers) -> (the geometry, it holding only those layers): a pipeline
+        # stage's share of a rank, one object per share (see plan_stages)
+        self._parts: dict[tuple[int, tuple[str, ...]], tuple[RankGeometry, RankGeometry]] = {}
 
     @classmethod
     def from_plugins(cls, pm: pluggy.PluginManager | None = None, **registry_options: Any) -> Dispatcher:
@@ -112,8 +116,10 @@ class Dispatcher:
         memory: Sequence[tuple[int, int]],
         device_id: int = 0,
         mem_type: str = "DRAM",
+        stage: Stage | None = None,
     ) -> RankGeometry:
-        """This rank's regions (one or more per layer), as its strategies describe them."""
+        """This rank's regions (one or more per layer), as its strategies describe them;
+        ``stage``: its pipeline stage, whose layers ``layers`` are."""
         regions = []
         for layer in layers:
             spec = self.layer_spec(layer.spec, layer.name)
@@ -142,6 +148,8 @@ class Dispatcher:
             memory=tuple((int(a), int(n)) for a, n in memory),
             device_id=device_id,
             mem_type=mem_type,
+            pp_size=1 if stage is None else stage.pp_size,
+            pp_rank=0 if stage is None else stage.pp_rank,
         )
         return prepare_local(geometry)  # what every handshake reads and checks of this rank alone, made now
 
@@ -191,7 +199,7 @@ class Dispatcher:
                 local=local,
                 remote={p: remote[p] for p in sources},
                 covered=covered,
-                consumers=consumers_per_remote_rank(local.tp_size, remote_tp),
+                consumers=consumers_per_remote_rank(local.tp_size, remote_tp, local.pp_size),
                 segments=table,
                 pairings=pairings,
                 sources=sources,
@@ -204,6 +212,65 @@ class Dispatcher:
             self._plans[key] = plan
             self._shapes.setdefault(shape, plan)
         return plan
+
+    def plan_stages(self, local: RankGeometry, remote: Mapping[int, Mapping[int, RankGeometry]]) -> StagePlans:
+        """Plans for ``local`` reading a remote engine of one or more pipeline stages:
+        ``remote[stage][tp_rank]`` is each stage's ranks' geometry (at least the ranks ``local``
+        covers). Each local layer is read from the stage that holds it
+        (:func:`stage_sources`), with one ordinary plan per such stage for those layers alone;
+        the other stages are only told."""
+        if not remote:
+            raise PlanError("no remote pipeline stage given")
+        sizes = {g.pp_size for ranks in remote.values() for g in ranks.values()}
+        if len(sizes) != 1:
+            raise IncompatibleTopology(f"remote ranks disagree on the pipeline size: {sorted(sizes)}")
+        pp = sizes.pop()
+        for stage, ranks in remote.items():
+            if not ranks:
+                raise PlanError(f"no rank geometry given for remote pipeline stage {stage}")
+            wrong = sorted({g.pp_rank for g in ranks.values()} - {stage})
+            if wrong:
+                raise IncompatibleTopology(f"remote geometry given as pipeline stage {stage} says it is stage {wrong[0]}")
+        if sorted(remote) != list(range(pp)):
+            raise IncompatibleTopology(
+                f"remote engine runs {pp} pipeline stages but geometry was given for stages {sorted(remote)}: "
+                "a decode rank needs every stage's handshake"
+            )
+        held = {s: next(iter(ranks.values())).layers for s, ranks in remote.items()}
+        for s, ranks in remote.items():
+            for rank, g in ranks.items():
+                if g.layers != held[s]:
+                    raise IncompatibleGeometry(
+                        f"remote stage {s}: rank {rank} holds other layers than the stage's first rank "
+                        "(the TP ranks of one stage hold the same layers)"
+                    )
+        sources = stage_sources(local.layers, held)
+        plans = {}
+        for s, layers in sources.items():
+            part = self._part(local, layers)
+            plans[s] = self.plan(part, {p: self._part(g, layers) for p, g in remote[s].items()})
+        remote_tp = next(iter(remote[0].values())).tp_size
+        covered = tuple(covered_remote_ranks(local.tp_rank, local.tp_size, remote_tp))
+        return StagePlans(
+            plans=plans,
+            told=tuple(s for s in range(pp) if s not in plans),
+            covered=covered,
+            consumers=consumers_per_remote_rank(local.tp_size, remote_tp, local.pp_size),
+            layers=sources,
+        )
+
+    def _part(self, geometry: RankGeometry, layers: tuple[str, ...]) -> RankGeometry:
+        """``geometry`` holding only ``layers``, the same object every time it is asked (plans
+        are remembered per local geometry object)."""
+        key = (id(geometry), layers)
+        known = self._parts.get(key)
+        if known is not None and known[0] is geometry:
+            return known[1]
+        part = geometry.restricted(layers)
+        if part is not geometry:
+            part = prepare_local(part)
+        remember(self._parts, key, (geometry, part), MEMO_PLANS)
+        return part
 
     def read_ranks(self, local: RankGeometry, remote_tp: int) -> tuple[int, ...]:
         """The remote ranks whose geometry a plan for ``local`` needs, reading an engine of

@@ -12,19 +12,19 @@ itself: regions inside registered memory, a KV group's pages apart.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
-from .errors import HandshakeError, IncompatibleGeometry, PlanValidationError
+from .errors import HandshakeError, IncompatibleGeometry, IncompatibleTopology, PlanValidationError
 from .regions import (ADDRESS_LIMIT, COL_BASE, COL_BLOCKS, COL_DEVICE, COL_END, COL_GROUP, COL_PAGE, COL_STRIDE,
                       LayerCache, PageLayout, PagePart, Region, Segment, counted_in, counted_out, geometry_key,
                       non_empty_str, non_negative_int)
-from .topology import MAX_TP_SIZE
+from .topology import MAX_PP_SIZE, MAX_TP_SIZE, Stage, layer_of
 from .wire import ColumnLayout, ColumnRegions, ParsedRegions, parse_columnar, parse_regions, shape_of_tail
 
 __all__ = [  # the regions' names too: where a geometry's parts were always imported from
@@ -46,8 +46,14 @@ class RankGeometry:
     memory: tuple[tuple[int, int], ...]  # registered (address, nbytes) ranges
     device_id: int = 0
     mem_type: str = "DRAM"
+    # the rank's pipeline stage (topology.Stage): with pipeline parallelism a stage holds some of
+    # the model's layers, which its regions name (:attr:`layers`)
+    pp_size: int = 1
+    pp_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.pp_size != 1 or self.pp_rank != 0:
+            Stage(self.pp_size, self.pp_rank)  # checked: IncompatibleTopology naming the field
         columnar = isinstance(self.regions, ColumnRegions)  # whose names were checked unique when parsed
         names = self.names
         if not columnar and len(set(names)) != len(names):
@@ -56,6 +62,21 @@ class RankGeometry:
 
     def region(self, name: str) -> Region | None:
         return self._by_name.get(name)
+
+    @cached_property
+    def layers(self) -> tuple[str, ...]:
+        """The model layers this rank holds, in region order (:func:`layer_of` of each region):
+        what a handshake says a pipeline stage holds."""
+        return tuple(dict.fromkeys(map(layer_of, self.names)))
+
+    def restricted(self, layers: Collection[str]) -> RankGeometry:
+        """This rank with only the regions of ``layers`` (a plan with one remote pipeline stage
+        reads those layers alone); itself where it holds no others."""
+        wanted = set(layers)
+        keep = [r for r in self.regions if layer_of(r.name) in wanted]
+        if len(keep) == len(self.regions):
+            return self
+        return replace(self, regions=tuple(keep))
 
     @cached_property
     def _by_name(self) -> dict[str, Region]:
@@ -268,6 +289,7 @@ class RankGeometry:
             "engine_id": self.engine_id,
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
+            **self._stage_fields(),
             "regions": [r.to_dict() for r in self.regions],
             "memory": [[a, n] for a, n in self.memory],
             "device_id": self.device_id,
@@ -292,6 +314,7 @@ class RankGeometry:
             "engine_id": self.engine_id,
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
+            **self._stage_fields(),
             "region_classes": [r.class_dict() for r in reps],
             "region_columns": {
                 "name": [r.name for r in self.regions],
@@ -304,6 +327,13 @@ class RankGeometry:
             "mem_type": self.mem_type,
         }
 
+    def _stage_fields(self) -> dict[str, Any]:
+        """The stage a handshake names, where the engine runs pipeline parallelism (a TP-only
+        engine's geometry stays as peers before pipeline stages read it)."""
+        if self.pp_size == 1:
+            return {}
+        return {"pp_size": self.pp_size, "pp_rank": self.pp_rank, "layers": list(self.layers)}
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankGeometry:
         """Parse and check a peer's geometry, in the columnar form (:meth:`to_wire`) or the
@@ -314,6 +344,10 @@ class RankGeometry:
                 raise HandshakeError(f"tp_size must be in [1, {MAX_TP_SIZE}] (no engine runs a larger TP group), got {tp_size}")
             if not 0 <= tp_rank < tp_size:
                 raise HandshakeError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+            pp_size, pp_rank = non_negative_int(d.get("pp_size", 1), "pp_size"), non_negative_int(d.get("pp_rank", 0), "pp_rank")
+            if not 1 <= pp_size <= MAX_PP_SIZE or not 0 <= pp_rank < pp_size:
+                raise HandshakeError(f"pp_size must be in [1, {MAX_PP_SIZE}] and pp_rank in [0, pp_size), got "
+                                     f"pp_size={pp_size}, pp_rank={pp_rank}")
             if "region_classes" in d or "region_columns" in d:
                 if "regions" in d:
                     raise HandshakeError("geometry holds both 'regions' and 'region_classes'/'region_columns': send one form")
@@ -328,10 +362,17 @@ class RankGeometry:
                 memory=tuple((non_negative_int(a, "memory address"), non_negative_int(n, "memory size")) for a, n in d["memory"]),
                 device_id=non_negative_int(d.get("device_id", 0), "device_id"),
                 mem_type=non_empty_str(d.get("mem_type", "DRAM"), "mem_type"),
+                pp_size=pp_size,
+                pp_rank=pp_rank,
             )
+            if "layers" in d and list(d["layers"]) != list(geometry.layers):
+                raise HandshakeError(
+                    f"'layers' {list(d['layers'])[:3]}... names other layers than the stage's regions "
+                    f"{list(geometry.layers)[:3]}...: a stage's handshake must name the layers it holds"
+                )
             # every region's base and span checked now (a columnar geometry's from its columns as they came)
             geometry.columns
-        except (KeyError, TypeError, ValueError, IncompatibleGeometry) as exc:
+        except (KeyError, TypeError, ValueError, IncompatibleGeometry, IncompatibleTopology) as exc:
             raise HandshakeError(f"malformed rank geometry: {exc}") from None
         return geometry
 

@@ -1,14 +1,15 @@
-"""Tensor-parallel math for a P/D pair: who holds which heads, who reads from whom, who frees when.
+"""Parallel math for a P/D pair: who holds which heads and layers, who reads from whom, who frees when.
 
 Pure functions of (rank, TP size, head count). Both directions (local TP larger or smaller than
-remote TP) and replication (TP larger than the number of KV heads) are covered. "Local" is the
+remote TP) and replication (TP larger than the number of KV heads) are covered. With pipeline
+parallelism, which remote stage each layer is read from (:func:`stage_sources`). "Local" is the
 reading side (the decode engine), "remote" the side read from (the prefill engine).
 """
 
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import IncompatibleTopology
@@ -97,10 +98,13 @@ def covered_remote_ranks(local_rank: int, local_tp: int, remote_tp: int) -> rang
     return range(local_rank // k, local_rank // k + 1)
 
 
-def consumers_per_remote_rank(local_tp: int, remote_tp: int) -> int:
-    """How many local ranks cover (read from or notify) each remote rank for one request."""
+def consumers_per_remote_rank(local_tp: int, remote_tp: int, local_pp: int = 1) -> int:
+    """How many local ranks cover (read from or notify) each remote rank for one request: the
+    TP ranks that cover it, on every local pipeline stage (each stage tells every remote stage,
+    whether it read layers there or not, so a remote rank knows the count without knowing how
+    the local engine split its layers)."""
     check_tp_pair(local_tp, remote_tp)
-    return max(1, local_tp // remote_tp)
+    return max(1, local_tp // remote_tp) * local_pp
 
 
 @functools.lru_cache(maxsize=4096)
@@ -167,3 +171,66 @@ def units_per_rank(tp: int, units: int, what: str, replicate_single: bool = Fals
     """Unit slots one rank holds: ``units / tp``, or 1 for a replicated single unit."""
     check_units_shardable(tp, units, what, replicate_single)
     return max(1, units // tp)
+
+
+# ---------------------------------------------------------------- pipeline stages
+#
+# With pipeline parallelism an engine's ranks are (stage, TP rank): every stage holds some of the
+# model's layers, and its TP ranks split those layers' heads as a TP-only engine would. Which
+# stage a layer is read from is decided here and nowhere else: a plan is then made per remote
+# stage, for the layers that stage holds, with the TP math above.
+
+MAX_PP_SIZE = 1024  # no engine runs more pipeline stages: a bound, as for TP
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One rank's pipeline stage: ``pp_rank`` of ``pp_size`` (1 and 0 without pipeline parallelism)."""
+
+    pp_size: int = 1
+    pp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pp_size, int) or isinstance(self.pp_size, bool) or not 1 <= self.pp_size <= MAX_PP_SIZE:
+            raise IncompatibleTopology(f"pp_size must be an integer in [1, {MAX_PP_SIZE}], got {self.pp_size!r}")
+        if not isinstance(self.pp_rank, int) or isinstance(self.pp_rank, bool) or not 0 <= self.pp_rank < self.pp_size:
+            raise IncompatibleTopology(f"pp_rank must be in [0, pp_size={self.pp_size}), got {self.pp_rank!r}")
+
+
+def layer_of(region_name: str) -> str:
+    """The model layer a region belongs to: a layer's regions are named ``<layer>`` or
+    ``<layer>:<part>`` (:meth:`Region.of_layer`), and a stage holds whole layers."""
+    return region_name.split(":", 1)[0]
+
+
+def stage_sources(local_layers: Sequence[str], remote_stages: Mapping[int, Collection[str]]) -> dict[int, tuple[str, ...]]:
+    """Per remote stage, the local layers read from it (in local order; stages with none left out).
+
+    Every local layer must be held by exactly one remote stage: a layer no stage holds is a
+    model the two engines do not share, and a layer two stages claim is a handshake that cannot
+    be true (vLLM gives each layer to one stage). Both are refused naming the layer.
+    """
+    holder: dict[str, int] = {}
+    for stage in sorted(remote_stages):
+        for layer in remote_stages[stage]:
+            other = holder.setdefault(layer, stage)
+            if other != stage:
+                raise IncompatibleTopology(
+                    f"layer {layer!r} is claimed by remote pipeline stages {other} and {stage}: each layer "
+                    "lives on one stage; the remote engine's handshakes disagree"
+                )
+    out: dict[int, list[str]] = {}
+    missing = []
+    for layer in local_layers:
+        stage = holder.get(layer)
+        if stage is None:
+            missing.append(layer)
+        else:
+            out.setdefault(stage, []).append(layer)
+    if missing:
+        raise IncompatibleTopology(
+            f"no remote pipeline stage holds layers {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+            f"(remote stages {sorted(remote_stages)} seen): P and D must serve the same model, and D must "
+            "handshake every stage of P"
+        )
+    return {stage: tuple(layers) for stage, layers in sorted(out.items())}

@@ -119,8 +119,13 @@ def _check_uniform_groups(scenario: Scenario, role: str, groups: list[Any]) -> N
             )
 
 
-def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+def build_rank(scenario: Scenario, role: str, rank: int, stage_layers: range | None = None) -> FabricatedRank:
+    """Rank ``rank`` of the scenario's ``role`` engine; with ``stage_layers``, of the pipeline
+    stage holding those model layers (by index): vLLM groups the whole model's layers and gives
+    each stage's worker its layers of every group (one scheduler, one block ID space), so the
+    groups are made from every layer and then narrowed to the stage's."""
+    from vllm.v1.core.kv_cache_planning import (_project_kv_cache_groups_to_worker, get_kv_cache_config_from_groups,
+                                                get_kv_cache_groups)
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -146,6 +151,9 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
     finally:
         vc.scheduler_config.disable_hybrid_kv_cache_manager = saved
     _check_uniform_groups(scenario, role, groups)
+    if stage_layers is not None:
+        mine = {layer_name(i): specs[layer_name(i)] for i in stage_layers}
+        groups = _project_kv_cache_groups_to_worker(groups, mine)
     # Every group's blocks come from one pool: room for each group's request plus spare blocks.
     state_groups = sum(_is_state(g.kv_cache_spec) for g in groups)
     num_blocks = side.num_blocks or (
@@ -166,7 +174,7 @@ def build_rank(scenario: Scenario, role: str, rank: int) -> FabricatedRank:
             for g in groups
         ]
     kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[side.layout], kernel_block_sizes=kernel_sizes)
-    if scenario.captured is not None:
+    if scenario.captured is not None and stage_layers is None:  # a stage's share: checked on whole-model ranks
         _check_captured(scenario, role, kcc, kv, kinds, side)
     first = next(iter(kv.values()))
     buffer = torch.empty(0, dtype=torch.int8).set_(first.untyped_storage())

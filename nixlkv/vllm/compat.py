@@ -123,8 +123,6 @@ def check_engine_config(vllm_config: Any) -> None:
         )
     parallel = getattr(vllm_config, "parallel_config", None)
     for attr, flag, why in (
-        ("pipeline_parallel_size", "--pipeline-parallel-size",
-         "a KV cache split across pipeline stages (each stage its own layers) is not planned"),
         ("decode_context_parallel_size", "--decode-context-parallel-size",
          "tokens interleaved across ranks within a block are not planned"),
         ("prefill_context_parallel_size", "--prefill-context-parallel-size",

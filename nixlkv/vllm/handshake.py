@@ -3,11 +3,16 @@
 Wire format (msgpack through msgspec, never pickle)::
 
     reply    = [schema_version: int, compat_hash: str, payload: bytes, [compat_inputs: map]]
-    payload  = [engine_id: str, tp_size: int, ranks: [[tp_rank: int, agent_metadata: bytes, geometry: map], ...]]
-    geometry = {engine_id, tp_size, tp_rank, memory: [[address, nbytes], ...], device_id, mem_type,
+    payload  = [engine_id: str, tp_size: int, ranks: [[tp_rank: int, agent_metadata: bytes, geometry: map,
+                [pp_rank: int]], ...], [pp_size: int]]
+    geometry = {engine_id, tp_size, tp_rank, [pp_size, pp_rank, layers], memory: [[address, nbytes], ...], device_id, mem_type,
                 region_classes: [{strategy, num_blocks, block_stride, page, [page_parts], facts}, ...],
                 region_columns: {name: [str], base: [int], group: [int], class: [int]}}
     request  = [schema_version: int]
+
+A pipeline-parallel engine lists ``tp_size`` ranks of each of its ``pp_size`` stages, each rank
+with its stage, and each rank's geometry names its stage and the layers it holds; a TP-only
+engine sends neither field (as before pipeline stages were read).
 
 The geometry is columnar (``RankGeometry.to_wire``): one description per distinct region
 geometry and the regions as parallel columns, so the reader parses each geometry once and
@@ -39,7 +44,7 @@ import msgspec
 
 from ..core.errors import HandshakeError
 from ..core.geometry import RankGeometry, first_outside_memory
-from ..core.topology import MAX_TP_SIZE
+from ..core.topology import MAX_PP_SIZE, MAX_TP_SIZE
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -67,12 +72,14 @@ class RankPayload(msgspec.Struct, array_like=True):
     tp_rank: int
     agent_metadata: bytes
     geometry: dict[str, Any]
+    pp_rank: int = 0  # the rank's pipeline stage (sent only by a pipeline-parallel engine)
 
 
 class EnginePayload(msgspec.Struct, array_like=True):
     engine_id: str
     tp_size: int
     ranks: list[RankPayload]
+    pp_size: int = 1  # pipeline stages: ``ranks`` lists tp_size ranks of each
 
 
 class Request(msgspec.Struct, array_like=True):
@@ -82,12 +89,29 @@ class Request(msgspec.Struct, array_like=True):
 @dataclass(frozen=True)
 class RemoteEngine:
     """A validated remote engine: every rank's NIXL agent metadata, and the geometry of the ranks
-    the reader asked for (every rank's by default; see :func:`decode_reply`)."""
+    the reader asked for (every rank's by default; see :func:`decode_reply`). Ranks are keyed by
+    :func:`global_rank` (the TP rank where the engine runs one pipeline stage)."""
 
     engine_id: str
     tp_size: int
     geometry: dict[int, RankGeometry]
     agent_metadata: dict[int, bytes]
+    pp_size: int = 1
+
+    def stage(self, pp_rank: int) -> dict[int, RankGeometry]:
+        """TP rank -> geometry of the ranks of one pipeline stage whose geometry was parsed."""
+        first = pp_rank * self.tp_size
+        return {g - first: geo for g, geo in self.geometry.items() if first <= g < first + self.tp_size}
+
+    def stage_agents(self, pp_rank: int) -> dict[int, bytes]:
+        """TP rank -> NIXL agent metadata of every rank of one pipeline stage."""
+        first = pp_rank * self.tp_size
+        return {g - first: m for g, m in self.agent_metadata.items() if first <= g < first + self.tp_size}
+
+
+def global_rank(pp_rank: int, tp_rank: int, tp_size: int) -> int:
+    """A rank's index in its engine, vLLM's order: stage-major, TP rank within the stage."""
+    return pp_rank * tp_size + tp_rank
 
 
 def compat_hash(inputs: Mapping[str, Any]) -> str:
@@ -132,14 +156,15 @@ def _short(value: Any) -> str:
 
 def encode_reply(
     engine_id: str, tp_size: int, ranks: Mapping[int, tuple[bytes, RankGeometry]], hash_: str,
-    inputs: Mapping[str, Any] | None = None,
+    inputs: Mapping[str, Any] | None = None, pp_size: int = 1,
 ) -> bytes:
-    """``inputs``: what ``hash_`` was made of (:func:`compat_hash`), sent so that a peer refusing
-    it can say which setting differs."""
+    """``ranks``: by :func:`global_rank`. ``inputs``: what ``hash_`` was made of
+    (:func:`compat_hash`), sent so that a peer refusing it can say which setting differs."""
     payload = EnginePayload(
         engine_id=engine_id,
         tp_size=tp_size,
-        ranks=[RankPayload(r, meta, geo.to_wire()) for r, (meta, geo) in sorted(ranks.items())],
+        ranks=[RankPayload(r % tp_size, meta, geo.to_wire(), r // tp_size) for r, (meta, geo) in sorted(ranks.items())],
+        pp_size=pp_size,
     )
     sent = None if inputs is None else wire_inputs(inputs)
     return msgspec.msgpack.encode(Reply(SCHEMA_VERSION, hash_, msgspec.msgpack.encode(payload), sent))
@@ -216,35 +241,47 @@ def _validate(
         )
     if not 1 <= payload.tp_size <= MAX_TP_SIZE:
         raise HandshakeError(f"handshake tp_size must be in [1, {MAX_TP_SIZE}], got {payload.tp_size}")
-    if len(payload.ranks) != payload.tp_size:
-        raise HandshakeError(f"handshake lists {len(payload.ranks)} ranks for tp_size={payload.tp_size}")
+    tp, pp = payload.tp_size, payload.pp_size
+    if not 1 <= pp <= MAX_PP_SIZE:
+        raise HandshakeError(f"handshake pp_size must be in [1, {MAX_PP_SIZE}], got {pp}")
+    if len(payload.ranks) != tp * pp:
+        raise HandshakeError(f"handshake lists {len(payload.ranks)} ranks for tp_size={tp} x pp_size={pp}")
     geometry: dict[int, RankGeometry] = {}
     agents: dict[int, bytes] = {}
-    wanted = None if ranks is None else frozenset(ranks(payload.tp_size))
+    wanted = None if ranks is None else frozenset(ranks(tp))
     for rp in payload.ranks:
-        if not 0 <= rp.tp_rank < payload.tp_size:
-            raise HandshakeError(f"handshake rank {rp.tp_rank} outside [0, {payload.tp_size})")
-        if rp.tp_rank in agents:
-            raise HandshakeError(f"handshake lists rank {rp.tp_rank} twice")
+        if not 0 <= rp.tp_rank < tp:
+            raise HandshakeError(f"handshake rank {rp.tp_rank} outside [0, {tp})")
+        if not 0 <= rp.pp_rank < pp:
+            raise HandshakeError(f"handshake rank {rp.tp_rank}: pipeline stage {rp.pp_rank} outside [0, pp_size={pp})")
+        where = f"rank {rp.tp_rank}" if pp == 1 else f"stage {rp.pp_rank} rank {rp.tp_rank}"
+        g = global_rank(rp.pp_rank, rp.tp_rank, tp)
+        if g in agents:
+            raise HandshakeError(f"handshake lists {where} twice")
         if not rp.agent_metadata:
-            raise HandshakeError(f"rank {rp.tp_rank}: empty NIXL agent metadata")
+            raise HandshakeError(f"{where}: empty NIXL agent metadata")
         if wanted is not None and rp.tp_rank not in wanted:  # never read: its agent is all we keep
-            agents[rp.tp_rank] = bytes(rp.agent_metadata)
+            agents[g] = bytes(rp.agent_metadata)
             continue
         _check_shape(rp.geometry, rp.tp_rank)
         geo = RankGeometry.from_dict(rp.geometry)
-        if geo.engine_id != payload.engine_id or geo.tp_size != payload.tp_size or geo.tp_rank != rp.tp_rank:
+        if geo.engine_id != payload.engine_id or geo.tp_size != tp or geo.tp_rank != rp.tp_rank:
             raise HandshakeError(
-                f"rank {rp.tp_rank}: geometry says engine {geo.engine_id!r} tp {geo.tp_size} rank "
-                f"{geo.tp_rank}, the envelope says engine {payload.engine_id!r} tp {payload.tp_size} rank {rp.tp_rank}"
+                f"{where}: geometry says engine {geo.engine_id!r} tp {geo.tp_size} rank "
+                f"{geo.tp_rank}, the envelope says engine {payload.engine_id!r} tp {tp} rank {rp.tp_rank}"
+            )
+        if geo.pp_size != pp or geo.pp_rank != rp.pp_rank:
+            raise HandshakeError(
+                f"{where}: geometry says pipeline stage {geo.pp_rank} of {geo.pp_size}, the envelope says "
+                f"stage {rp.pp_rank} of {pp}"
             )
         for a, n in geo.memory:
             if n == 0 or a + n > ADDRESS_LIMIT:
-                raise HandshakeError(f"rank {rp.tp_rank}: memory range ({a:#x}, {n}) is empty or past 2^64")
+                raise HandshakeError(f"{where}: memory range ({a:#x}, {n}) is empty or past 2^64")
         _check_regions_in_memory(geo, rp.tp_rank)
-        geometry[rp.tp_rank] = geo
-        agents[rp.tp_rank] = bytes(rp.agent_metadata)
-    return RemoteEngine(payload.engine_id, payload.tp_size, geometry, agents)
+        geometry[g] = geo
+        agents[g] = bytes(rp.agent_metadata)
+    return RemoteEngine(payload.engine_id, tp, geometry, agents, pp)
 
 
 def _check_regions_in_memory(geo: RankGeometry, rank: int) -> None:

@@ -114,6 +114,7 @@ class NixlkvScheduler:
                         "the prefill engine stops short of them", engine_id, self.recompute)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
         self.side_channel_host = config.side_channel_host
         self.side_channel_port = config.side_channel_port + int(getattr(parallel, "data_parallel_index", 0) or 0)
         self._recv: dict[str, RecvRequest] = {}

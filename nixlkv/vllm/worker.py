@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import Dispatcher, IdScratch, NixlkvError, Topology, TransferPlan
+from ..core import Dispatcher, IdScratch, NixlkvError, Stage, StagePlans, Topology, TransferPlan
 from ..transport.reader import Reader, ReaderPlan, StagedFlight, memory_tensors
-from ..transport.nixl_rank import InFlight, NixlRank, TransferError, parse_notification
+from ..transport.nixl_rank import InFlight, NixlRank, TransferError, notification, parse_notification
 from .kv_views import layer_caches, memory_device, registered_memory
 from .capture import engine_capture, write_capture
 from . import damage
@@ -53,6 +53,7 @@ class HandshakeInfo:
     tp_rank: int
     agent_metadata: bytes
     geometry: Any  # RankGeometry
+    pp_rank: int = 0
 
 
 @dataclass
@@ -60,7 +61,12 @@ class _Remote:
     key: RemoteKey
     future: concurrent.futures.Future | None = None
     prepared: ReaderPlan | None = None
-    agents: dict[int, str] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)  # by global rank (stage-major): every agent told
+    # with pipeline stages on either side: the plans per remote stage, each stage's prepared lists
+    # (stages read from) and its covered ranks' agents (every stage, to tell those read nothing)
+    stages: StagePlans | None = None
+    stage_prepared: dict[int, ReaderPlan] = field(default_factory=dict)
+    stage_agents: dict[int, dict[int, str]] = field(default_factory=dict)
     generation: str | None = None
     pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
     nixl_seconds: float = 0.0  # adding its agents and preparing its lists, on the handshake thread
@@ -72,18 +78,49 @@ class _Handshaken:
     """A remote ready to read from, made on the handshake thread."""
 
     engine: handshake.RemoteEngine
-    plan: TransferPlan
-    agents: dict[int, str]  # remote rank -> NIXL agent name
+    plan: TransferPlan  # with pipeline stages: the first stage's read (what the log line names)
+    agents: dict[int, str]  # remote global rank -> NIXL agent name
     prepared: ReaderPlan
     nixl_seconds: float  # adding the agents and preparing the lists (an engine step's stall before)
     prepare_seconds: float  # of which preparing the lists
+    stages: StagePlans | None = None
+    stage_prepared: dict[int, ReaderPlan] = field(default_factory=dict)
+    stage_agents: dict[int, dict[int, str]] = field(default_factory=dict)
+
+
+@dataclass
+class _StageFlights:
+    """One request's READs from a pipeline-parallel remote: a flight per stage read (each its
+    own READs in the reader), done when all are; what the worker reads of a flight, summed."""
+
+    flights: tuple[InFlight | StagedFlight, ...]
+
+    @property
+    def posted_at(self) -> float:
+        return min((f.posted_at for f in self.flights), default=time.perf_counter())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.flights)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(f.descriptors for f in self.flights)
+
+    @property
+    def post_seconds(self) -> float:
+        return sum(f.post_seconds for f in self.flights)
+
+    @property
+    def mode(self) -> str:
+        return "staged" if any(f.mode == "staged" for f in self.flights) else "direct"
 
 
 @dataclass
 class _Flight:
     request: RecvRequest
     owner: _Remote  # the handshake whose lists the READs use
-    flight: InFlight | StagedFlight
+    flight: InFlight | StagedFlight | _StageFlights
 
 
 @dataclass
@@ -123,9 +160,11 @@ class NixlkvWorker:
         model_hints: Callable[[str], Mapping[str, Any]] | None = None,
         model_facts: Mapping[str, Any] | None = None,
         compat_inputs: Mapping[str, Any] | None = None,
+        stage: Stage | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.topology = Topology(tp_size, tp_rank)
+        self.stage = stage or Stage()  # this rank's pipeline stage: its layers are the caches it registers
         self.kv_cache_config = kv_cache_config
         self.config = config
         self.compat = compat
@@ -168,7 +207,7 @@ class NixlkvWorker:
         mem_type, device_id = memory_device(kv_caches)
         layers = layer_caches(self.kv_cache_config, kv_caches, self.total_kv_heads, self.model_hints)
         self.geometry = self.dispatcher.local_geometry(
-            self.engine_id, self.topology, layers, memory, device_id=device_id, mem_type=mem_type
+            self.engine_id, self.topology, layers, memory, device_id=device_id, mem_type=mem_type, stage=self.stage
         )
         # before NIXL: a directory that cannot be written stops the engine with nothing to tear down
         dirs = {key: d for key in ("capture_dir", "dump_kv_dir") if (d := getattr(self.config, key))}
@@ -181,7 +220,7 @@ class NixlkvWorker:
             except OSError as exc:
                 raise ConfigError(f"{key} {directory!r} cannot be written ({exc}); give a writable directory") from exc
         self.nixl = NixlRank(
-            f"{self.engine_id}-tp{self.topology.tp_rank}",
+            f"{self.engine_id}-tp{self.topology.tp_rank}" + (f"-pp{self.stage.pp_rank}" if self.stage.pp_size > 1 else ""),
             memory,
             mem_type=mem_type,
             device_id=device_id,
@@ -203,7 +242,7 @@ class NixlkvWorker:
     def handshake_info(self) -> HandshakeInfo:
         if self.nixl is None:
             raise NixlkvError("register_kv_caches must run before the handshake metadata is asked for")
-        return HandshakeInfo(self.topology.tp_rank, self.nixl.metadata(), self.geometry)
+        return HandshakeInfo(self.topology.tp_rank, self.nixl.metadata(), self.geometry, self.stage.pp_rank)
 
     # ------------------------------------------------------------------ per step
     def start_load_kv(self, meta: NixlkvMetadata | None) -> None:
@@ -328,6 +367,8 @@ class NixlkvWorker:
             ranks=lambda remote_tp: self.dispatcher.read_ranks(self.geometry, remote_tp),  # the others are only told
             expected_inputs=self.compat_inputs,
         )
+        if engine.pp_size > 1 or self.stage.pp_size > 1:
+            return self._handshake_stages(engine)
         plan = self.dispatcher.plan(self.geometry, engine.geometry)
         t0 = time.perf_counter()
         agents: dict[int, str] = {}
@@ -342,6 +383,32 @@ class NixlkvWorker:
         t2 = time.perf_counter()
         return _Handshaken(engine, plan, agents, prepared, t2 - t0, t2 - t1)
 
+    def _handshake_stages(self, engine: handshake.RemoteEngine) -> _Handshaken:
+        """:meth:`_handshake` where either engine runs pipeline stages: a plan per remote stage
+        this rank reads layers from (:meth:`Dispatcher.plan_stages`), each stage's covered ranks'
+        agents added (every stage is told of every request), each plan's lists prepared."""
+        stages = self.dispatcher.plan_stages(self.geometry, {s: engine.stage(s) for s in range(engine.pp_size)})
+        t0 = time.perf_counter()
+        agents: dict[int, str] = {}
+        by_stage: dict[int, dict[int, str]] = {}
+        prepared: dict[int, ReaderPlan] = {}
+        try:
+            for s in stages.stages:
+                metadata = engine.stage_agents(s)
+                mine = by_stage[s] = {}
+                for r in stages.covered:
+                    mine[r] = agents[handshake.global_rank(s, r, engine.tp_size)] = self.nixl.add_remote(metadata[r])
+            t1 = time.perf_counter()
+            for s, plan in stages.plans.items():
+                prepared[s] = self.reader.prepare(plan, by_stage[s])
+        except Exception as exc:
+            exc.added_agents = set(agents.values())  # forgotten on the engine thread (see _progress)
+            raise
+        t2 = time.perf_counter()
+        first = min(stages.plans)
+        return _Handshaken(engine, stages.plans[first], agents, prepared[first], t2 - t0, t2 - t1,
+                           stages, prepared, by_stage)
+
     def _live_agents(self) -> set[str]:
         return {name for r in self._remotes.values() for name in r.agents.values()}
 
@@ -355,6 +422,7 @@ class NixlkvWorker:
                 done: _Handshaken = remote.future.result()
                 engine, plan = done.engine, done.plan
                 remote.agents, remote.prepared = done.agents, done.prepared
+                remote.stages, remote.stage_prepared, remote.stage_agents = done.stages, done.stage_prepared, done.stage_agents
                 remote.nixl_seconds, remote.prepare_seconds = done.nixl_seconds, done.prepare_seconds
                 remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
@@ -372,6 +440,10 @@ class NixlkvWorker:
                     self._fail(rid, self._waiting.pop(rid), f"handshake failed: {exc}")
                 continue
             self.stats.count(f"handshakes_{plan.origin}")
+            if remote.stages is not None:
+                logger.info("nixlkv pipeline stages engine=%s remote_pp=%d local_stage=%d/%d layers_from=%s told=%s",
+                            key[0], engine.pp_size, self.stage.pp_rank, self.stage.pp_size,
+                            {s: len(layers) for s, layers in remote.stages.layers.items()}, list(remote.stages.told))
             logger.info(
                 "nixlkv handshake done engine=%s remote_tp=%d plan=%s covered=%s read_ranks=%s descriptors=%s "
                 "nixl_ms=%.1f (lists %.1f) local_lists=%d",
@@ -445,7 +517,7 @@ class NixlkvWorker:
         return time.monotonic() > self._held(req.key, req.remote_request_id, received + req.held_for_s)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
-        plan = remote.prepared.plan
+        plan = remote.prepared.plan if remote.stages is None else remote.stages
         if any(req.local_block_ids) and self._lease_lapsed(req):
             self.stats.count("lapsed_holds")
             self._fail(rid, req, lapsed_hold_reason(req.lease_s))
@@ -457,8 +529,11 @@ class NixlkvWorker:
             if not reads:  # nothing to read (prefix hit, abort, D computes the prompt): only free P's blocks
                 remote_ids = [[] for _ in remote_ids]
             # Token counts pair blocks; with nothing to read D's count (its own prefix) need not be P's.
-            resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair() if reads else None,
-                                    scratch=self._ids)
+            if remote.stages is None:
+                resolved = plan.resolve(local, remote_ids, num_tokens=req.tokens_to_pair() if reads else None,
+                                        scratch=self._ids)
+            else:  # every stage resolved before any is posted: no shared scratch
+                resolved = remote.stages.resolve(local, remote_ids, num_tokens=req.tokens_to_pair() if reads else None)
         except (NixlkvError, ValueError) as exc:
             self._fail(rid, req, f"{type(exc).__name__}: {exc}")
             return
@@ -466,24 +541,63 @@ class NixlkvWorker:
             logger.exception("nixlkv req=%s: planning its reads raised", rid)
             self._fail(rid, req, f"{type(exc).__name__} while planning its reads (a strategy's bug?): {exc}")
             return
+        posted: list[InFlight | StagedFlight] = []
         try:
-            flight = self.reader.post(remote.prepared, resolved, req.remote_request_id)
+            if remote.stages is None:
+                flight = self.reader.post(remote.prepared, resolved, req.remote_request_id)
+            else:
+                for stage, stage_resolved in resolved.items():
+                    prepared = remote.stage_prepared.get(stage)
+                    if prepared is None:  # nothing read there: its covered ranks are told, so they free the request
+                        self._tell(remote.stage_agents[stage].values(), req.remote_request_id, remote.stages.consumers)
+                    else:
+                        posted.append(self.reader.post(prepared, stage_resolved, req.remote_request_id))
+                flight = _StageFlights(tuple(posted))
         except (NixlkvError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
+            unreleased = exc.flight if isinstance(exc, TransferError) else None
+            if posted:  # READs of earlier stages run: released before the request fails
+                self._invalidate(remote.key)
+                flights = (*posted, unreleased) if unreleased is not None else tuple(posted)
+                self._give_up(rid, _Flight(req, remote, _StageFlights(flights)), why)
+                return
             if isinstance(exc, TransferError):
                 self._invalidate(remote.key)
-                if exc.flight is not None:  # READs posted that NIXL would not release
-                    self._give_up(rid, _Flight(req, remote, exc.flight), why)
+                if unreleased is not None:  # READs posted that NIXL would not release
+                    self._give_up(rid, _Flight(req, remote, unreleased), why)
                     return
             self._fail(rid, req, why)
             return
         self._flights[rid] = _Flight(req, remote, flight)
 
+    def _tell(self, agents: Any, remote_request_id: str, consumers: int) -> None:
+        """A notification alone to each of ``agents`` (a stage read nothing from frees the request)."""
+        msg = notification(remote_request_id, consumers)
+        try:
+            for agent in agents:
+                self.nixl.notify(agent, msg)
+        except Exception as exc:  # nixl raises its own types
+            raise TransferError(f"sending a notification failed: {type(exc).__name__}: {exc}") from exc
+
+    def _poll(self, flight: InFlight | StagedFlight | _StageFlights) -> bool:
+        """Whether a request's READs are done (every stage's, where it read several)."""
+        if isinstance(flight, _StageFlights):
+            done = [self.reader.poll(f) for f in flight.flights]  # each polled: a staged flight advances so
+            return all(done)
+        return self.reader.poll(flight)
+
+    def _release(self, flight: InFlight | StagedFlight | _StageFlights) -> bool:
+        """Release a request's READs (every stage's); True once none can write any more."""
+        if isinstance(flight, _StageFlights):
+            released = [self.reader.release(f) for f in flight.flights]
+            return all(released)
+        return self.reader.release(flight)
+
     def _poll_flights(self) -> None:
         now = time.perf_counter()
         for rid, f in list(self._flights.items()):
             try:
-                done = self.reader.poll(f.flight)
+                done = self._poll(f.flight)
             except TransferError as exc:
                 del self._flights[rid]
                 self._invalidate(f.owner.key)
@@ -517,7 +631,7 @@ class NixlkvWorker:
         """Fail a request whose READs errored or timed out, but only once NIXL released every one
         of them: until then a READ may still write, and reporting the request (failed or done)
         would let vLLM free its blocks and give them to another request."""
-        if self.reader.release(f.flight):
+        if self._release(f.flight):
             self._fail(rid, f.request, why)
             return
         self.stats.count("unreleased_transfers")
@@ -531,7 +645,7 @@ class NixlkvWorker:
         """Retry releasing the READs of requests given up on; fail each once nothing can write."""
         for rid, (f, why) in list(self._draining.items()):
             self.stats.count("release_retries")
-            if self.reader.release(f.flight):
+            if self._release(f.flight):
                 del self._draining[rid]
                 logger.warning("nixlkv released the READs of req=%s at last: reporting it failed", rid)
                 self._fail(rid, f.request, why)
@@ -557,7 +671,8 @@ class NixlkvWorker:
             if id(remote) in busy:
                 keep.append(remote)
                 continue
-            self.reader.forget(remote.prepared)
+            for prepared in {id(p): p for p in (remote.prepared, *remote.stage_prepared.values())}.values():
+                self.reader.forget(prepared)
             for name in set(remote.agents.values()) - live:  # a re-handshake of the same P reuses its name
                 self.nixl.remove_remote(name)
             self.stats.count("remotes_released")
@@ -675,7 +790,7 @@ class NixlkvWorker:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.nixl is not None:
             for f in self._flights.values():
-                self.reader.release(f.flight)
+                self._release(f.flight)
             self._flights.clear()
             self.reader.close()
             self.nixl.close()
@@ -684,11 +799,12 @@ class NixlkvWorker:
 
 def serve_reply(
     engine_id: str, tp_size: int, infos: Mapping[int, HandshakeInfo], compat: str,
-    compat_inputs: Mapping[str, Any] | None = None,
+    compat_inputs: Mapping[str, Any] | None = None, pp_size: int = 1,
 ) -> bytes:
-    """The side channel's answer for an engine whose ranks advertised ``infos`` (``compat_inputs``:
-    what ``compat`` hashes, sent so that a refusing peer can name what differs)."""
-    if sorted(infos) != list(range(tp_size)):
-        raise NixlkvError(f"handshake metadata of ranks {sorted(infos)} for tp_size={tp_size}")
+    """The side channel's answer for an engine whose ranks advertised ``infos``, keyed by
+    :func:`handshake.global_rank` (``compat_inputs``: what ``compat`` hashes, sent so that a
+    refusing peer can name what differs)."""
+    if sorted(infos) != list(range(tp_size * pp_size)):
+        raise NixlkvError(f"handshake metadata of ranks {sorted(infos)} for tp_size={tp_size} x pp_size={pp_size}")
     return handshake.encode_reply(engine_id, tp_size, {r: (i.agent_metadata, i.geometry) for r, i in infos.items()},
-                                  compat, compat_inputs)
+                                  compat, compat_inputs, pp_size)
