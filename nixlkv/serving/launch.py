@@ -24,6 +24,11 @@ from typing import Any
 
 from . import cpu_isa
 
+# The served engines' log level. Not VLLM_LOGGING_LEVEL: the nixlkv CLI and the tests set that to ERROR
+# for their own process (quiet output), and an engine that inherits it prints nixlkv's errors only,
+# never its warnings (a READ it could not release, a failed heartbeat) nor vLLM's INFO lines.
+ENGINE_LOG_LEVEL_ENV = "NIXLKV_ENGINE_LOG_LEVEL"
+ENGINE_LOG_LEVEL = "INFO"
 CONNECTORS = ("nixlkv", "vllm")  # NixlkvConnector, or vLLM's own NixlConnector (the baseline)
 LOOPBACK = "127.0.0.1"
 
@@ -84,7 +89,7 @@ class EngineSpec:
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            "VLLM_LOGGING_LEVEL": env.get(ENGINE_LOG_LEVEL_ENV) or ENGINE_LOG_LEVEL,
             "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         })
         env.setdefault(cpu_isa.ENV, "0")  # vllm-cpu's AMX attention dies on short first batches (cpu_isa)
