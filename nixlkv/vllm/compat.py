@@ -149,6 +149,41 @@ def check_engine_config(vllm_config: Any) -> None:
         )
 
 
+def check_mamba_prefix_caching(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse Mamba prefix caching with hits finer than a state entry (ValueError naming the setting).
+
+    In ``mamba_cache_mode`` "align" a request's state list holds one entry per Mamba block, and
+    nixlkv moves the running state into the entry vLLM allocated for it (docs/vllm.md, "Mamba
+    prefix caching"). Where prefix-cache keys are finer than that block (``prefix_match_unit``, or
+    groups whose block sizes have a smaller common divisor), vLLM 0.33 hits prefixes that end
+    inside a state entry and copies the hit entry into the request's own (copy-on-write) on the
+    worker, around the step that starts the load: the order of that copy and nixlkv's READ into
+    the same entry is not proven, so the configuration is refused rather than served unproven."""
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is None or getattr(cache, "mamba_cache_mode", "none") != "align" or kv_cache_config is None:
+        return
+    try:
+        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled, resolve_kv_cache_block_sizes
+    except ImportError:  # a vLLM without fine-grained hits: every hit ends on an entry
+        return
+    _, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if not partial_hash_hits_enabled(kv_cache_config.kv_cache_groups, hash_block):
+        return
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba_block = max(
+        (g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)),
+        default=hash_block,
+    )
+    raise ValueError(
+        f"NixlkvConnector does not support Mamba prefix caching (mamba_cache_mode 'align') with prefix-cache "
+        f"keys every {hash_block} tokens, finer than the Mamba state entry of {mamba_block} tokens "
+        f"(prefix_match_unit={getattr(cache, 'prefix_match_unit', None)}): a hit ending inside a state entry is "
+        f"copied into the entry the load writes, in an order not proven; unset --prefix-match-unit or set it to "
+        f"{mamba_block}, or switch prefix caching off (--no-enable-prefix-caching)"
+    )
+
+
 def _kv_device(vllm_config: Any) -> str | None:
     """The device type the engine keeps its KV cache on (``cuda``, ``cpu``, ...), if known."""
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
