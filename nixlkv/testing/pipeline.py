@@ -14,7 +14,6 @@ holds bytes it never computed; the rehearsal must then report the mismatch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -23,12 +22,12 @@ import numpy as np
 from ..core import Dispatcher, NixlkvError, RankGeometry
 from ..core.stages import StagePlans
 from ..core.topology import Stage, Topology
-from ..transport.nixl_rank import NixlRank, TransferError, notification, parse_notification
+from ..transport.nixl_rank import NixlRank, TransferError, notification
 from ..transport.reader import Reader, memory_tensors
 from ..vllm.kv_views import layer_caches, registered_memory
 from . import oracle
 from .engines import FabricatedRank, build_rank, layer_name
-from .rehearsal import NOTIFICATION_TIMEOUT, PROGRESS_DELAY_US, REHEARSAL_STAGING_BYTES, REQUEST_ID, choose_blocks
+from .rehearsal import PROGRESS_DELAY_US, REHEARSAL_STAGING_BYTES, REQUEST_ID, choose_blocks, collect_notifications
 from .scenario import Scenario
 
 
@@ -224,21 +223,7 @@ def _transfer(prefill: Sequence[_StageRank], decode: Sequence[_StageRank], plans
 
 
 def _count_notifications(p_nixl: Mapping[str, NixlRank], consumers: int) -> dict[str, int]:
-    """Notifications for the request per prefill agent, until each has ``consumers`` (then a
-    short grace, so duplicates are counted too)."""
-    counts = {a: 0 for a in p_nixl}
-    deadline = time.perf_counter() + NOTIFICATION_TIMEOUT
-    grace_until = None
-    while time.perf_counter() < deadline:
-        for a, n in p_nixl.items():
-            for msgs in n.notifications().values():
-                for msg in msgs:
-                    parsed = parse_notification(msg)
-                    if parsed is not None and parsed == (REQUEST_ID, consumers):
-                        counts[a] += 1
-        if all(c >= consumers for c in counts.values()):
-            grace_until = grace_until or time.perf_counter() + 0.05
-            if time.perf_counter() >= grace_until:
-                break
-        time.sleep(0.001)
-    return counts
+    """Per prefill agent, the notifications of the request that name ``consumers`` (every one,
+    duplicates included: :func:`~nixlkv.testing.rehearsal.collect_notifications`)."""
+    log = collect_notifications(p_nixl, consumers)
+    return {agent: sum(1 for parsed in msgs if parsed == (REQUEST_ID, consumers)) for agent, msgs in log.items()}

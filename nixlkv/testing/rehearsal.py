@@ -8,9 +8,9 @@ or ``failed`` (an unexpected error, or an expected rejection that did not happen
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,7 @@ def rehearsal_staging_bytes(engines: Engines) -> int:
 # (one core each) would take the cores the copies need (see nixlkv.transport.agents), so they pause 1 ms.
 PROGRESS_DELAY_US = 1000
 REQUEST_ID = "rehearsal-req-0"  # the request's id on the prefill (remote) engine
+K = TypeVar("K")  # how a caller names its prefill agents
 NOTIFICATION_TIMEOUT = 10.0  # seconds every prefill rank may take to hear from all its readers
 Fault = Callable[[int, ResolvedRequest], ResolvedRequest]
 
@@ -323,7 +324,7 @@ def _transfer_and_check(
             result.posted_descriptors += flight.posted_descriptors or 0
         result.transfer_seconds = time.perf_counter() - t_start
         consumers = engines.plans[0].consumers
-        result.notification_log = _collect_notifications(p_nixl, consumers)
+        result.notification_log = {f"P{rank}": log for rank, log in collect_notifications(p_nixl, consumers).items()}
         result.notifications = {
             rank: sum(1 for rid, _ in log if rid == REQUEST_ID) for rank, log in result.notification_log.items()
         }
@@ -367,19 +368,19 @@ def _notification_errors(log: dict[str, list[tuple[str, int]]], consumers: int) 
     return errors
 
 
-def _collect_notifications(p_nixl: dict[int, NixlRank], consumers: int) -> dict[str, list[tuple[str, int]]]:
-    """Every nixlkv notification per prefill rank, until each has ``consumers`` of them (then a
+def collect_notifications(agents: Mapping[K, NixlRank], consumers: int) -> dict[K, list[tuple[str, int]]]:
+    """Every nixlkv notification per prefill agent, until each has ``consumers`` of them (then a
     short grace period, so duplicates are seen too)."""
-    log: dict[str, list[tuple[str, int]]] = {f"P{r}": [] for r in p_nixl}
+    log: dict[K, list[tuple[str, int]]] = {key: [] for key in agents}
     deadline = time.perf_counter() + NOTIFICATION_TIMEOUT
     grace_until = None
     while time.perf_counter() < deadline:
-        for rank, n in p_nixl.items():
+        for key, n in agents.items():
             for msgs in n.notifications().values():
                 for msg in msgs:
                     parsed = parse_notification(msg)
                     if parsed is not None:
-                        log[f"P{rank}"].append(parsed)
+                        log[key].append(parsed)
         if all(len(m) >= consumers for m in log.values()):
             grace_until = grace_until or time.perf_counter() + 0.05
             if time.perf_counter() >= grace_until:
