@@ -58,7 +58,7 @@ NEMOTRON_H_8B = HybridShape(
     {"num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16", "head_size_v": None},
     {"mamba_type": "mamba2", "num_heads": 128, "head_dim": 64, "n_groups": 8, "d_state": 128, "conv_kernel": 4,
      "intermediate_size": None, "dtype": "bfloat16", "ssm_dtype": "float32", "conv_layout": "DS",
-     "tp_replicated": False, "num_spec": None},
+     "tp_replicated": False, "num_spec": None, "cache_mode": "none"},
     1040,
 )
 
