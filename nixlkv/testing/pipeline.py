@@ -27,7 +27,8 @@ from ..transport.reader import Reader, memory_tensors
 from ..vllm.kv_views import layer_caches, registered_memory
 from . import oracle
 from .engines import FabricatedRank, build_rank, layer_name
-from .rehearsal import PROGRESS_DELAY_US, REHEARSAL_STAGING_BYTES, REQUEST_ID, choose_blocks, collect_notifications
+from .rehearsal import (PROGRESS_DELAY_US, REHEARSAL_STAGING_BYTES, REQUEST_ID, choose_blocks, collect_notifications,
+                        record_verdict)
 from .scenario import Scenario
 
 
@@ -157,12 +158,7 @@ def rehearse_pipeline(
             mismatches.append(f"{d.agent}: {m}")
     consumers = plans[0].consumers
     wrong = [f"{a}: {n} notifications, expected {consumers}" for a, n in result.notifications.items() if n != consumers]
-    if mismatches:
-        result.outcome, result.message = "mismatch", "; ".join(mismatches)
-    elif wrong:
-        result.outcome, result.message = "failed", "; ".join(wrong)
-    else:
-        result.outcome, result.message = "byte-exact", f"{result.bytes_checked} decode bytes checked"
+    record_verdict(result, mismatches, wrong)
     return result
 
 

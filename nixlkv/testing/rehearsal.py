@@ -345,6 +345,12 @@ def _transfer_and_check(
         m = oracle.compare(d, expected)
         if m is not None:
             mismatches.append(str(m))
+    record_verdict(result, mismatches, wrong)
+
+
+def record_verdict(result: Any, mismatches: Sequence[str], wrong: Sequence[str]) -> None:
+    """A rehearsal's outcome and message: a wrong byte first, then wrong notifications, else
+    byte-exact (``result`` has ``outcome``, ``message`` and ``bytes_checked``)."""
     if mismatches:
         result.outcome, result.message = "mismatch", "; ".join(mismatches)
     elif wrong:
