@@ -70,14 +70,15 @@ class NixlkvHandshakeMetadata(KVConnectorHandshakeMetadata):
     pp_rank: int = 0  # the worker's pipeline stage
 
 
-def vllm_compat_hash(vllm_config: Any) -> str:
+def vllm_compat_hash(vllm_config: Any, transfer_mode: str = "pull") -> str:
     """The hash of :func:`vllm_compat_inputs`."""
-    return compat_hash(vllm_compat_inputs(vllm_config))
+    return compat_hash(vllm_compat_inputs(vllm_config, transfer_mode))
 
 
-def vllm_compat_inputs(vllm_config: Any) -> dict[str, Any]:
-    """What P and D must share exactly. TP sizes, block sizes and layouts are not in it: the
-    handshake advertises them and the plan checks them pairing by pairing."""
+def vllm_compat_inputs(vllm_config: Any, transfer_mode: str = "pull") -> dict[str, Any]:
+    """What P and D must share exactly, the transfer mode included (a reader and a writer would
+    each wait for the other). TP sizes, block sizes and layouts are not in it: the handshake
+    advertises them and the plan checks them pairing by pairing."""
     import vllm
 
     model = vllm_config.model_config
@@ -86,7 +87,7 @@ def vllm_compat_inputs(vllm_config: Any) -> dict[str, Any]:
         "model": getattr(model, "model", None),
         "dtype": str(getattr(model, "dtype", None)),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
-        "transfer": "pull-read",
+        "transfer": "push-write" if transfer_mode == "push" else "pull-read",
         **_speculative(getattr(vllm_config, "speculative_config", None)),
     }
 
@@ -142,7 +143,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)
-        self.compat_inputs = vllm_compat_inputs(vllm_config)
+        self.compat_inputs = vllm_compat_inputs(vllm_config, self.config.transfer_mode)
         self.compat = compat_hash(self.compat_inputs)
         self._scheduler: NixlkvScheduler | None = None
         self._worker: NixlkvWorker | None = None
@@ -182,7 +183,7 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # pull mode: the decode engine reads; nothing is pushed
+        return None  # push mode writes a finished request's blocks when D orders them (nixlkv.vllm.push)
 
     def wait_for_save(self) -> None:
         return None
@@ -253,7 +254,12 @@ class NixlkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler.update_connector_output(connector_output.finished_recving)
+        self._scheduler.update_connector_output(connector_output.finished_recving, connector_output.finished_sending)
+
+    def has_pending_push_work(self) -> bool:
+        """Asked by vLLM's scheduler whether to keep stepping with no request to run: in push mode a
+        prefill engine writes when a decode engine's order arrives, so it steps while it holds blocks."""
+        return self._scheduler is not None and self._scheduler.holds_for_push()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,13 +323,15 @@ class PDEngine:
         }
 
     def expected(self, rank_index: int, seeds: dict[str, tuple[list[int], ...]],
-                 num_tokens: dict[str, int] | None = None) -> torch.Tensor:
+                 num_tokens: dict[str, int] | None = None, computes_from: dict[str, int] | None = None) -> torch.Tensor:
         """Sentinel everywhere but in what each request's load must write (oracle.decode_receives):
         with ``num_tokens`` the token slots the prefill engine's blocks hold (its block size may
         differ), and for a sliding-window group only the window's last cdiv(window, block_size) + 1
         blocks, never a null block; without it, whole blocks. A state (Mamba) group: its running
-        state after the prompt tokens this engine counted as computed when it went on from there."""
+        state after the prompt tokens this engine counted as computed when it went on from there
+        (``computes_from``: those counts where they are not known yet)."""
         rank = self.ranks[rank_index]
+        computes_from = self.computes_from if computes_from is None else computes_from
         target = torch.full_like(rank.buffer, oracle.SENTINEL)
         for rid, block_ids in seeds.items():
             gb = []
@@ -346,7 +349,7 @@ class PDEngine:
                     holds = holds[:, None] & receives
                 gb.append(oracle.GroupBlocks(ids, first, holds))
             has_state = any(rank.is_state_group(g) for g in range(rank.num_groups))
-            after = state_seed(rid, self.computes_from[rid]) if has_state else request_seed(rid)
+            after = state_seed(rid, computes_from[rid]) if has_state else request_seed(rid)
             _write_split(rank, target, gb, request_seed(rid), after)
         return target
 
@@ -405,7 +408,9 @@ def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30
                 if conn.recv() == "stop":
                     break
         expired = sum(s.reduce()["expired_leases"] for s in engine.stats)
-        conn.send({"finished_sending": sorted(engine.finished_sending), "expired_leases": expired, **engine.leaks()})
+        writes = sum(s.reduce()["push_writes"] for s in engine.stats)
+        conn.send({"finished_sending": sorted(engine.finished_sending), "expired_leases": expired,
+                   "push_writes": writes, **engine.leaks()})
         conn.recv()  # wait for the parent to say goodbye before tearing NIXL down
     finally:
         engine.close()
@@ -455,13 +460,43 @@ def stop(proc, parent) -> None:
         proc.join(5)
 
 
-def run_decode(d: PDEngine, params: dict[str, dict], prompts: dict[str, int], timeout: float = 60) -> None:
+def run_decode(d: PDEngine, params: dict[str, dict], prompts: dict[str, int], timeout: float = 60,
+               on_report: Callable[[set[str]], None] | None = None) -> None:
+    """Step D until every prompt's request finished; ``on_report`` is given the requests each step
+    newly reported loaded (finished_recving), before the next step."""
     for i, (rid, n) in enumerate(prompts.items()):
         d.add(rid, prompt(i, n), 2, dict(params[rid]))
     deadline = time.monotonic() + timeout
+    reported: set[str] = set()
     while not set(prompts) <= set(d.outputs) and time.monotonic() < deadline:
         d.step()
+        new = d.finished_recving - d.failed_recving - reported
+        if new and on_report is not None:
+            on_report(new)
+        reported |= new
         time.sleep(0.001)
+
+
+def judge_when_reported(d: PDEngine) -> Callable[[set[str]], None]:
+    """An ``on_report`` for :func:`run_decode`: the moment D reports requests loaded, every byte of
+    every request reported so far is P's on every rank (a load reported before its bytes all
+    landed fails here, though they land later); blocks of requests not reported yet are taken as
+    they stand."""
+    reported: set[str] = set()
+
+    def check(new: set[str]) -> None:
+        reported.update(new)
+        loaded = {rid: b for rid, b in d.recv_blocks.items() if rid in reported}
+        pending = {b for rid, groups in d.recv_blocks.items() if rid not in reported for g in groups for b in g}
+        # D has not computed a reported request yet: its state must be the state after what it loaded
+        computed = {**d.recv_tokens, **d.computes_from}
+        for r in range(len(d.ranks)):
+            expected = d.expected(r, loaded, d.recv_tokens, computed)
+            keep_blocks(expected, d.ranks[r], pending)
+            mismatch = oracle.compare(d.ranks[r], expected)
+            assert mismatch is None, f"reported {sorted(new)} loaded before its bytes landed: {mismatch}"
+
+    return check
 
 
 def assert_no_leaks(leaks: dict[str, Any], side: str) -> None:
@@ -486,7 +521,8 @@ class PDRun:
 
 
 def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), lease_s: float = 30.0,
-           local: set[str] = frozenset(), d_warm: dict[int, int] | None = None, extra: dict[str, Any] | None = None) -> PDRun:
+           local: set[str] = frozenset(), d_warm: dict[int, int] | None = None, extra: dict[str, Any] | None = None,
+           judge_on_report: bool = False) -> PDRun:
     """P (separate process) prefills ``prompts``, D loads them through the connector. Checked here:
     every byte of every D rank against the oracle (requests in ``fail`` must fail and write
     nothing; requests in ``local`` D computes itself, loading nothing), the others received, every
@@ -494,7 +530,8 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
     ``d_warm``: prompt index -> tokens D computes itself first (``prompt(index, tokens)``, the start
     of the P/D prompt of that index), so that vLLM's prefix cache on D holds their whole blocks; the
     model is played on P only, so the oracle expects those blocks untouched. ``extra``: further
-    ``kv_connector_extra_config`` keys for both engines."""
+    ``kv_connector_extra_config`` keys for both engines. ``judge_on_report``: also judge the bytes
+    the moment each load is reported (:func:`judge_when_reported`)."""
     # P builds itself while D does, and prefills only once D is built and warm: P's hold (lease_s)
     # then covers what it covers in serving (the decode leg on its way, D queueing and reading it),
     # not the seconds a loaded machine takes to build a decode engine.
@@ -513,7 +550,7 @@ def run_pd(case: PDCase, prompts: dict[str, int], fail: set[str] = frozenset(), 
         assert set(warm) <= set(d.outputs), sorted(d.outputs)
         params = publish(proc, parent)
         assert set(params) == set(prompts), params
-        run_decode(d, params, prompts)
+        run_decode(d, params, prompts, on_report=judge_when_reported(d) if judge_on_report else None)
         assert set(d.outputs) - set(warm) == set(prompts), sorted(d.outputs)
         assert d.finished_recving == set(prompts) - set(local) and d.failed_recving == set(fail), \
             (d.finished_recving, d.failed_recving)

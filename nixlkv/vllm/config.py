@@ -37,6 +37,9 @@ MAX_SECONDS = MAX_LEASE_S
 # them are typos, and a value beyond 64 bits fails inside NIXL with no name for the setting.
 MAX_NIXL_THREADS = 1024
 MAX_PROGRESS_DELAY_US = 1_000_000  # a second between polls of each agent's progress thread
+# pull: the decode engine READs from the prefill engine; push: the prefill engine WRITEs into the
+# decode engine's blocks (nixlkv.vllm.push). Both engines must name the same one.
+TRANSFER_MODES = ("pull", "push")
 
 # vLLM NixlConnector's kv_connector_extra_config keys a user may carry over: the same setting under
 # nixlkv's name (``backends`` is spelled alike) ...
@@ -52,7 +55,8 @@ VLLM_UNSUPPORTED: Mapping[str, str] = {
                               "disaggregated); remove it",
     "bidirectional_kv_xfer": "nixlkv only pulls P's KV into D; remove it",
     "decoder_kv_blocks_ttl": "nixlkv only pulls P's KV into D (no D blocks are held for P); remove it",
-    "push_registration_timeout": "nixlkv pulls (D reads from P), it never pushes; remove it",
+    "push_registration_timeout": "nixlkv's push mode (transfer_mode 'push') waits transfer_timeout_s for a write; "
+                                 "remove it",
 }
 
 
@@ -97,6 +101,7 @@ class ConnectorConfig:
     # where each worker writes the bytes of every request's blocks it hands over or loads, and its
     # capture record (nixlkv.vllm.kvdump; serve-check --verify-bytes judges them); None: nothing
     dump_kv_dir: str | None = None
+    transfer_mode: str = "pull"  # see TRANSFER_MODES
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -161,6 +166,16 @@ class ConnectorConfig:
                     f"measured costs), got {value!r}"
                 )
             out["descriptor_mode"] = value
+        if "transfer_mode" in extra:
+            value = extra["transfer_mode"]
+            if value not in TRANSFER_MODES:
+                raise ConfigError(f"transfer_mode must be one of {list(TRANSFER_MODES)} (pull: the decode engine reads; "
+                                  f"push: the prefill engine writes), got {value!r}")
+            out["transfer_mode"] = value
+        if out.get("transfer_mode") == "push" and out.get("descriptor_mode", "direct") != "direct":
+            raise ConfigError(f"descriptor_mode {out['descriptor_mode']!r} stages READs on the decode engine; with "
+                              "transfer_mode 'push' the prefill engine writes each descriptor directly: use "
+                              "descriptor_mode 'direct'")
         for key, lo, hi in (("nixl_num_threads", 0, MAX_NIXL_THREADS), ("nixl_progress_delay_us", 0, MAX_PROGRESS_DELAY_US),
                             ("max_handshake_bytes", 1024, MAX_HANDSHAKE_BYTES),
                             ("staging_bytes", MIN_STAGING_BYTES, MAX_STAGING_BYTES)):

@@ -424,18 +424,31 @@ def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """What a plain TCP connection to ``host:port`` meets, said for the deployer: ZMQ retries a
     refused connection in silence, so an unanswered handshake alone cannot tell a closed port from
     a host that is unreachable."""
+    seen = tcp_connect(host, port, timeout_s)
+    if seen == "open":
+        return (f"{host}:{port} accepts TCP connections but sent no handshake answer (another service on that "
+                "port, or the prefill engine stuck)")
+    if seen == "refused":
+        return f"connection refused: nothing listens on {host}:{port}"
+    if seen == "timeout":
+        return f"{host}:{port} did not accept a TCP connection within {timeout_s:g} s (host down or unreachable, or a firewall drops it)"
+    return f"a TCP connection to {host}:{port} failed: {seen}"
+
+
+def tcp_connect(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """What a plain TCP connection to ``host:port`` meets: "open", "refused" (the host answered:
+    nothing listens), "timeout", or the error's text."""
     import socket
 
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
-            return (f"{host}:{port} accepts TCP connections but sent no handshake answer (another service on that "
-                    "port, or the prefill engine stuck)")
+            return "open"
     except ConnectionRefusedError:
-        return f"connection refused: nothing listens on {host}:{port}"
+        return "refused"
     except TimeoutError:
-        return f"{host}:{port} did not accept a TCP connection within {timeout_s:g} s (host down or unreachable, or a firewall drops it)"
+        return "timeout"
     except OSError as exc:
-        return f"a TCP connection to {host}:{port} failed: {exc.strerror or exc}"
+        return str(exc.strerror or exc)
 
 
 def unanswered(host: str, port: int, timeout_s: float, seen: str | None = None) -> str:

@@ -158,10 +158,13 @@ class NixlkvStats(KVConnectorStats):
     # published, a late decode leg or the hosts' clocks apart);
     # P: expired_leases, ignored_notifications (not nixlkv's or malformed), lease_extensions (a
     # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held).
+    # Push mode: push_writes (P: WRITEs that ended done), push_abandoned (D: requests whose orders
+    # were not written within transfer_timeout_s), stale_push_answers (D: an answer for no order out).
     COUNTERS = ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications",
                 "heartbeats_sent", "lease_extensions", "stale_heartbeats", "remotes_released",
                 "unreleased_transfers", "release_retries", "staged_loads",
-                "handshakes_planned", "handshakes_rebased", "handshakes_recounted", "lapsed_holds")
+                "handshakes_planned", "handshakes_rebased", "handshakes_recounted", "lapsed_holds",
+                "push_writes", "push_abandoned", "stale_push_answers")
 
     def reset(self) -> None:
         self.data = {"bytes": [], "descriptors": [], "transfer_s": [], "post_s": [], **dict.fromkeys(self.COUNTERS, 0)}

@@ -46,6 +46,9 @@ COUNTERS = {
     "handshakes_recounted": "Handshakes given another engine's segments with their own block counts (decode side).",
     "lapsed_holds": "Loads not read because the prefill engine's hold may have ended: queued past its lease, or "
                     "arrived after the end it published (a late decode leg, or the hosts' clocks apart) (decode side).",
+    "push_writes": "WRITEs that ended done in push mode (prefill side).",
+    "push_abandoned": "Push-mode loads not written within transfer_timeout_s: abandoned, blocks held until answered (decode side).",
+    "stale_push_answers": "Push-mode answers for no order out (decode side).",
 }
 
 

@@ -141,6 +141,7 @@ class NixlkvScheduler:
         self._share_loads = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
         self._loading: set[str] = set()
         self._invalid: set[str] = set()  # requests whose kv_transfer_params were refused (logged once)
+        self._held: set[str] = set()  # P in push mode: requests whose blocks are held until sent
 
     # ------------------------------------------------------------------ side channel
     def serve_handshake(self, reply: bytes, generation: str | None = None) -> None:
@@ -197,10 +198,16 @@ class NixlkvScheduler:
             self._read_by.popitem(last=False)
         return reader
 
-    def update_connector_output(self, finished_recving: Any) -> None:
+    def update_connector_output(self, finished_recving: Any, finished_sending: Any = ()) -> None:
         for rid in finished_recving or ():  # loaded or failed
             self._awaiting.pop(rid, None)
             self._loading.discard(rid)
+        for rid in finished_sending or ():
+            self._held.discard(rid)
+
+    def holds_for_push(self) -> bool:
+        """P in push mode: blocks held for a decode engine to order written (the engine keeps stepping)."""
+        return bool(self._held)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -349,6 +356,8 @@ class NixlkvScheduler:
         hold = any(len(g) for g in groups)
         if hold:
             self._send[rid] = self.config.lease_s
+            if self.config.transfer_mode == "push":
+                self._held.add(rid)
             if self.config.dump_kv_dir:
                 self._dump[rid] = DumpOrder("prefill", rid, tuple(groups), int(request.num_computed_tokens))
         return hold, {

@@ -34,6 +34,7 @@ from .kvdump import DumpOrder, dump_request, write_failure
 from . import handshake
 from .config import ConfigError, ConnectorConfig
 from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
+from . import push
 from .metadata import LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, RemoteKey
 
 # A LeaseView read on this worker's clock: (lease_s, held at least until).
@@ -69,6 +70,8 @@ class _Remote:
     stage_agents: dict[int, dict[int, str]] = field(default_factory=dict)
     generation: str | None = None
     pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
+    push_plan: int = 0  # push mode: this handshake's plan number (each prefill rank prepares it once)
+    push_hello: set[int] = field(default_factory=set)  # push mode: remote ranks said hello to
     nixl_seconds: float = 0.0  # adding its agents and preparing its lists, on the handshake thread
     prepare_seconds: float = 0.0  # of which preparing the lists
 
@@ -192,6 +195,18 @@ class NixlkvWorker:
         self._holds: dict[str, _Hold] = {}
         self._early: dict[str, tuple[int, int, float]] = {}  # notifications before the hold: count, consumers, seen
         self._done_send: set[str] = set()
+        # push mode (nixlkv.vllm.push): D's requests whose orders are out, P's WRITEs and early orders
+        self.push_mode = config.transfer_mode == "push"
+        if self.push_mode and self.stage.pp_size > 1:
+            raise ConfigError(
+                "transfer_mode 'push' with pipeline_parallel_size > 1 is not supported yet (each stage would write "
+                "its layers by its own plan, not built); use transfer_mode 'pull' with pipeline parallelism")
+        self._pushes: dict[str, tuple[RecvRequest, _Remote, push.PushWait]] = {}
+        self._writer: push.PushWriter | None = None
+        self._early_orders: dict[str, list[tuple[str, push.Order, float]]] = {}  # by D agent: not postable yet
+        self._writing: dict[str, int] = {}  # P request -> its WRITEs in flight
+        self._probes: dict[RemoteKey, tuple[concurrent.futures.Future, float]] = {}  # D: is a silent P gone?
+        self._push_plans = 0
         self.stats = NixlkvStats()
         self._ids = IdScratch()  # descriptor ids of the request being posted (NIXL copies them)
         # kept only to dump requests (dump_kv_dir) or damage them (the graded controls' test hook)
@@ -232,6 +247,8 @@ class NixlkvWorker:
         self.reader = Reader(
             self.nixl, self.config.descriptor_mode, self.config.staging_bytes, memory_tensors(kv_caches)
         )
+        if self.push_mode:
+            self._writer = push.PushWriter(self.nixl, memory)
         if self.config.dump_kv_dir or self._damage:
             self._kv_caches, self._capture = dict(kv_caches), record
         logger.info(
@@ -275,6 +292,9 @@ class NixlkvWorker:
         self._drain()
         self._reap()
         self._read_notifications()
+        if self.push_mode:
+            self._poll_writes()
+            self._poll_pushes()
         self._expire_holds()
         sending, self._done_send = self._done_send, set()
         recving, self._done_recv = self._done_recv, set()
@@ -296,7 +316,7 @@ class NixlkvWorker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._flights or self._draining)
+        return bool(self._waiting or self._flights or self._draining or self._pushes)
 
     def _dump(self, rid: str, order: DumpOrder) -> None:
         """Write a request's blocks (dump_kv_dir), or why they are not worth judging (its load failed);
@@ -517,6 +537,10 @@ class NixlkvWorker:
         return time.monotonic() > self._held(req.key, req.remote_request_id, received + req.held_for_s)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
+        if self.push_mode and remote.stages is not None:
+            self._fail(rid, req, "transfer_mode 'push' with a pipeline-parallel engine on either side is not supported "
+                                 "yet; run both engines with transfer_mode 'pull'")
+            return
         plan = remote.prepared.plan if remote.stages is None else remote.stages
         if any(req.local_block_ids) and self._lease_lapsed(req):
             self.stats.count("lapsed_holds")
@@ -540,6 +564,9 @@ class NixlkvWorker:
         except Exception as exc:  # noqa: BLE001 - a strategy's bug fails its request, not the engine: nothing is posted yet
             logger.exception("nixlkv req=%s: planning its reads raised", rid)
             self._fail(rid, req, f"{type(exc).__name__} while planning its reads (a strategy's bug?): {exc}")
+            return
+        if self.push_mode:
+            self._order(rid, req, remote, resolved)
             return
         posted: list[InFlight | StagedFlight] = []
         try:
@@ -605,27 +632,31 @@ class NixlkvWorker:
                 continue
             if done:
                 del self._flights[rid]
-                elapsed = now - f.flight.posted_at
-                self.stats.record(f.flight.nbytes, f.flight.descriptors, elapsed, f.flight.post_seconds)
-                if f.flight.mode == "staged":
-                    self.stats.count("staged_loads")
-                if self._damage and f.request.damage:
-                    self._apply_control(rid, f.request)
-                order = self._dumps_on_load.pop(rid, None)
-                if order is not None:
-                    self._dump(rid, order)
-                if f.request.report:
-                    self._done_recv.add(rid)
-                logger.debug(
-                    "nixlkv recv done req=%s engine=%s mode=%s bytes=%d descriptors=%d transfer_ms=%.2f",
-                    rid, f.owner.key[0], f.flight.mode, f.flight.nbytes, f.flight.descriptors, 1e3 * elapsed,
-                )
+                self._loaded(rid, f.request, f.owner.key[0], f.flight.nbytes, f.flight.descriptors,
+                             now - f.flight.posted_at, f.flight.post_seconds, f.flight.mode)
             elif now - f.flight.posted_at > self.config.transfer_timeout_s:
                 del self._flights[rid]
                 self._invalidate(f.owner.key)
                 self._give_up(rid, f, f"READs from {f.owner.key[1]} not done after transfer_timeout_s="
                                       f"{self.config.transfer_timeout_s:g} s: the prefill engine is unreachable "
                                       f"from here or too slow (its link, or UCX's listener on it, closed?)")
+
+    def _loaded(self, rid: str, req: RecvRequest, engine_id: str, nbytes: int, descriptors: int, elapsed: float,
+                post_seconds: float, mode: str) -> None:
+        """A request whose bytes all landed (read, or written by P in push mode): counted, its
+        control applied and its dump written (tests and checks), reported to the scheduler."""
+        self.stats.record(nbytes, descriptors, elapsed, post_seconds)
+        if mode == "staged":
+            self.stats.count("staged_loads")
+        if self._damage and req.damage:
+            self._apply_control(rid, req)
+        order = self._dumps_on_load.pop(rid, None)
+        if order is not None:
+            self._dump(rid, order)
+        if req.report:
+            self._done_recv.add(rid)
+        logger.debug("nixlkv recv done req=%s engine=%s mode=%s bytes=%d descriptors=%d transfer_ms=%.2f",
+                     rid, engine_id, mode, nbytes, descriptors, 1e3 * elapsed)
 
     def _give_up(self, rid: str, f: _Flight, why: str) -> None:
         """Fail a request whose READs errored or timed out, but only once NIXL released every one
@@ -708,10 +739,15 @@ class NixlkvWorker:
         if self.nixl is None:
             return
         now = time.monotonic()
-        for _agent, msgs in self.nixl.notifications().items():
+        for agent, msgs in self.nixl.notifications().items():
+            agent = agent.decode() if isinstance(agent, bytes) else str(agent)
             for msg in msgs:
                 if is_heartbeat(msg):
                     self._on_heartbeat(msg, now)
+                    continue
+                kind = push.kind(msg)
+                if kind is not None:
+                    self._on_push(agent, kind, msg, now)
                     continue
                 parsed = parse_notification(msg)
                 if parsed is None:
@@ -731,11 +767,7 @@ class NixlkvWorker:
                         rid, self.config.lease_s,
                     )
                     continue
-                hold.count += 1
-                hold.consumers = consumers
-                if hold.count >= consumers:
-                    del self._holds[rid]
-                    self._done_send.add(rid)
+                self._consumed(rid, consumers)
 
     def _forget_oldest_early(self) -> None:
         """Make room in the bounded map of early notifications: its oldest request is forgotten
@@ -767,7 +799,7 @@ class NixlkvWorker:
     def _expire_holds(self) -> None:
         now = time.monotonic()
         for rid, hold in list(self._holds.items()):
-            if now >= hold.deadline:
+            if now >= hold.deadline and rid not in self._writing:  # a WRITE reads the blocks: held until it ends
                 del self._holds[rid]
                 self._done_send.add(rid)
                 self.stats.count("expired_leases")
@@ -785,6 +817,227 @@ class NixlkvWorker:
                 self.stats.count("ignored_notifications", count)
                 logger.warning("nixlkv dropped %d notification(s) for unknown request %s", count, rid)
 
+    def _consumed(self, rid: str, consumers: int) -> None:
+        """One decode rank is done with held request ``rid`` (notified, or its WRITE ended): the
+        blocks are free once ``consumers`` are, and no WRITE of the request still runs."""
+        hold = self._holds.get(rid)
+        if hold is None:
+            return
+        hold.count += 1
+        hold.consumers = consumers
+        if hold.count >= consumers and rid not in self._writing:
+            del self._holds[rid]
+            self._done_send.add(rid)
+
+    # ------------------------------------------------------------------ push mode (nixlkv.vllm.push)
+    def _order(self, rid: str, req: RecvRequest, remote: _Remote, resolved: Any) -> None:
+        """D: the request's READs, sent to the prefill ranks they name as orders to WRITE them (a
+        hello first, once per plan and rank); the ranks read nothing from are told as in pull mode."""
+        plan = remote.prepared.plan
+        if not remote.push_plan:
+            self._push_plans += 1
+            remote.push_plan = self._push_plans
+        wait = push.PushWait({}, time.perf_counter(), sum(plan.read_bytes(r) for r in resolved.reads),
+                             resolved.num_descriptors, remote.generation)
+        try:
+            for read in resolved.reads:
+                agent = remote.agents[read.remote_rank]
+                if read.remote_rank not in remote.push_hello:
+                    hello = push.Hello(remote.push_plan, self.nixl.metadata(), plan.local.mem_type, plan.local_descs,
+                                       plan.remote_descs[read.remote_rank])
+                    self.nixl.notify(agent, hello.encode())
+                    remote.push_hello.add(read.remote_rank)
+                order = push.Order(remote.push_plan, req.remote_request_id, rid, resolved.consumers,
+                                   read.local_ids, read.remote_ids)
+                self.nixl.notify(agent, order.encode())
+                wait.pending[agent] = read.remote_rank
+            self._tell([remote.agents[r] for r in resolved.notify_only], req.remote_request_id, resolved.consumers)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own types; the remote is handshaken again
+            why = f"sending the push orders failed: {type(exc).__name__}: {exc}"
+            self._invalidate(remote.key)
+            if not wait.pending:
+                self._fail(rid, req, why)
+                return
+            wait.errors.append(why)  # an order is out: its rank may write; failed once it answers
+            self._abandon(rid, wait)
+        self._pushes[rid] = (req, remote, wait)
+
+    def _abandon(self, rid: str, wait: push.PushWait) -> None:
+        wait.abandoned = True
+        self.stats.count("push_abandoned")
+        for agent in wait.pending:
+            try:
+                self.nixl.notify(agent, push.abandon(rid))
+            except Exception as exc:  # noqa: BLE001 - the rank answers when it can; its blocks stay held
+                logger.warning("nixlkv could not tell %s to abandon req=%s: %s: %s", agent, rid, type(exc).__name__, exc)
+
+    def _poll_pushes(self) -> None:
+        """D: report requests every ordered rank answered; abandon those waited on too long (their
+        blocks stay held until each rank answers: a WRITE may still land)."""
+        now = time.perf_counter()
+        for rid, (req, remote, wait) in list(self._pushes.items()):
+            if not wait.pending:
+                del self._pushes[rid]
+                if wait.errors:
+                    self._fail(rid, req, "; ".join(wait.errors))
+                else:
+                    self._loaded(rid, req, remote.key[0], wait.nbytes, wait.descriptors, now - wait.posted_at, 0.0, "push")
+            elif not wait.abandoned and now - wait.posted_at > self.config.transfer_timeout_s:
+                wait.errors.append(f"the prefill engine {remote.key[1]} did not write within transfer_timeout_s="
+                                   f"{self.config.transfer_timeout_s:g} s (ranks {sorted(wait.pending.values())})")
+                logger.warning("nixlkv push of req=%s not written after transfer_timeout_s=%g s: abandoned; its blocks stay "
+                               "held until every prefill rank answers or the engine is gone", rid,
+                               self.config.transfer_timeout_s)
+                self._abandon(rid, wait)
+            elif wait.abandoned:
+                self._probe(remote.key, wait.generation)
+
+    def _probe(self, key: RemoteKey, generation: str | None) -> None:
+        """D: ask (on the handshake thread, at most once per handshake_timeout_s) whether the silent
+        prefill engine ``key`` is gone; if so, fail every push still waiting on it."""
+        now = time.monotonic()
+        probe = self._probes.get(key)
+        if probe is None or (probe[0].done() and now - probe[1] > self.config.handshake_timeout_s):
+            if probe is not None and probe[0].done():
+                self._settle(key, probe[0])
+            self._probes[key] = (self._executor.submit(self._gone, key, generation), now)
+        elif probe[0].done():
+            self._settle(key, probe[0])
+
+    def _settle(self, key: RemoteKey, probe: concurrent.futures.Future) -> None:
+        reason = probe.result() if probe.exception() is None else None
+        if reason is None:
+            return
+        self._invalidate(key)
+        for rid, (req, remote, wait) in self._pushes.items():
+            if remote.key == key and wait.pending:
+                logger.warning("nixlkv push of req=%s: %s; nothing more can be written, failing it", rid, reason)
+                wait.errors.append(reason)
+                wait.pending.clear()
+
+    def _gone(self, key: RemoteKey, generation: str | None) -> str | None:
+        """On the handshake thread: why the prefill engine ``key`` that took an order can no longer
+        write, or None while it may. Gone: its side channel refuses connections (its host answers, so
+        the link works and anything its dead process sent has landed), or another incarnation answers.
+        Not gone: it answers as itself (it will answer the order), or its host is silent (a link down
+        may still deliver a WRITE when it comes back)."""
+        engine_id, host, port = key
+        seen = handshake.tcp_connect(host, port, self.config.handshake_timeout_s)
+        if seen == "refused":
+            return f"the prefill engine is gone (nothing listens on its side channel {host}:{port})"
+        if seen != "open":
+            return None
+        try:
+            raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
+        except NixlkvError:
+            return None
+        try:
+            engine = handshake.decode_reply(
+                raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id,
+                ranks=lambda remote_tp: self.dispatcher.read_ranks(self.geometry, remote_tp),
+                expected_inputs=self.compat_inputs,
+            )
+        except NixlkvError as exc:
+            return f"another engine answers on {host}:{port} ({exc})"
+        now = engine_generation(engine.agent_metadata)
+        return None if now == generation else f"the prefill engine restarted (generation {generation} -> {now})"
+
+    def _on_push(self, agent: str, kind: bytes, msg: bytes, now: float) -> None:
+        try:
+            if kind == push.PUSHED:
+                self._answered(agent, push.parse_pushed(msg), None)
+            elif kind == push.FAILED:
+                rid, why = push.parse_failed(msg)
+                self._answered(agent, rid, f"the prefill engine did not write: {why}")
+            elif self._writer is None:
+                raise push.PushWireError("this engine runs transfer_mode 'pull': it writes nothing")
+            elif kind == push.HELLO:
+                self._writer.hello(agent, push.Hello.decode(msg))
+            elif kind == push.ORDER:
+                self._early_orders.setdefault(agent, []).append((agent, push.Order.decode(msg), now))
+            elif kind == push.ABANDON:
+                self._drop_order(agent, push.parse_abandon(msg))
+        except (NixlkvError, ValueError) as exc:
+            self.stats.count("ignored_notifications")
+            logger.warning("nixlkv ignored a push message from %s (%s): %r", agent, exc, bytes(msg[:64]))
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own types (adding the agent, preparing lists)
+            self.stats.count("ignored_notifications")
+            logger.warning("nixlkv could not take a push message from %s: %s: %s", agent, type(exc).__name__, exc)
+
+    def _answered(self, agent: str, rid: str, error: str | None) -> None:
+        entry = self._pushes.get(rid)
+        if entry is None or entry[2].pending.pop(agent, None) is None:
+            self.stats.count("stale_push_answers")
+            logger.debug("nixlkv push answer for req=%s from %s not waited for", rid, agent)
+            return
+        if error is not None:
+            entry[2].errors.append(error)
+
+    def _drop_order(self, agent: str, rid: str) -> None:
+        """P: D gave up on an order: dropped if not posted (answered failed), else answered when it ends."""
+        queued = self._early_orders.get(agent, [])
+        for i, (_, order, _seen) in enumerate(queued):
+            if order.decode_request_id == rid:
+                del queued[i]
+                self._refuse(agent, order, "abandoned by the decode engine before it was written")
+                return
+        write = self._writer.writes.get((agent, rid))
+        if write is not None:
+            write.abandoned = True
+
+    def _refuse(self, agent: str, order: push.Order, why: str) -> None:
+        """P: answer an order that is not (or no longer) written; its decode rank counts as done."""
+        try:
+            self.nixl.notify(agent, push.failed(order.decode_request_id, why))
+        except Exception as exc:  # noqa: BLE001 - the decode rank is gone
+            logger.warning("nixlkv could not answer %s for req=%s: %s", agent, order.decode_request_id, exc)
+        logger.warning("nixlkv did not write req=%s for %s: %s", order.prefill_request_id, agent, why)
+        self._consumed(order.prefill_request_id, order.consumers)
+
+    def _poll_writes(self) -> None:
+        """P: post the orders whose plan and hold are known, count the WRITEs that ended."""
+        now = time.monotonic()
+        for agent, queued in list(self._early_orders.items()):
+            keep = []
+            for entry in queued:
+                _, order, seen = entry
+                if order.prefill_request_id in self._holds and self._writer.knows(agent, order.plan):
+                    self._write(agent, order)
+                elif now - seen > self.config.lease_s:
+                    self._refuse(agent, order, f"not held here (freed, or never handed over) within lease_s={self.config.lease_s:g} s")
+                elif not self._writer.knows(agent, order.plan) and now - seen > self.config.handshake_timeout_s:
+                    self._refuse(agent, order, "no hello for its plan arrived")
+                else:
+                    keep.append(entry)
+            if keep:
+                self._early_orders[agent] = keep[-MAX_EARLY_REQUESTS:]
+                for _, order, _ in keep[:-MAX_EARLY_REQUESTS]:
+                    self._refuse(agent, order, "too many orders waiting for their requests")
+            else:
+                del self._early_orders[agent]
+        for key, write in list(self._writer.writes.items()):
+            state = self._writer.state(write)
+            if state == "PROC" or not self._writer.release(write):
+                continue
+            del self._writer.writes[key]
+            rid = write.order.prefill_request_id
+            self._writing[rid] -= 1
+            if not self._writing[rid]:
+                del self._writing[rid]
+            if state == "DONE":
+                self.stats.count("push_writes")
+                self._consumed(rid, write.order.consumers)
+            else:
+                self._refuse(write.sender, write.order, "the WRITE ended in error (the decode engine gone?)")
+
+    def _write(self, agent: str, order: push.Order) -> None:
+        try:
+            self._writer.post(agent, order)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own types: nothing was posted
+            self._refuse(agent, order, f"{type(exc).__name__}: {exc}")
+            return
+        self._writing[order.prefill_request_id] = self._writing.get(order.prefill_request_id, 0) + 1
+
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -792,6 +1045,9 @@ class NixlkvWorker:
             for f in self._flights.values():
                 self._release(f.flight)
             self._flights.clear()
+            if self._writer is not None:
+                for write in self._writer.writes.values():
+                    self._writer.release(write)
             self.reader.close()
             self.nixl.close()
             self.nixl = None
