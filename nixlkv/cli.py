@@ -341,7 +341,7 @@ def cmd_serve_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
-    from .serving.bench import BenchPlan, markdown, run
+    from .serving.bench import BenchPlan, markdown, push_markdown, run
     from .serving.check import Case, Options
 
     extra_env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)} if args.kv_cache_gib else {}
@@ -352,7 +352,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     lengths = tuple(args.prompt_len or [512])
     plan = BenchPlan(lengths=lengths, requests=args.requests, load_requests=args.load_requests,
                      concurrency=args.concurrency, ceiling_reps=args.ceiling_reps, max_tokens=args.max_tokens,
-                     warm_each_length=args.warm_each_length,
+                     warm_each_length=args.warm_each_length, push=args.push,
                      load_lengths=None if args.load_len is None else tuple(args.load_len))
     rows = []
     for m in args.model or ["tiny-llama"]:
@@ -362,7 +362,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         if args.json_out:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_out).write_text(json.dumps(rows, indent=1, default=float) + "\n")
-    table = markdown(rows)
+    table = markdown(rows) + (push_markdown(rows) if args.push else "")
     if args.markdown:
         Path(args.markdown).write_text(table)
     print(json.dumps(rows, indent=1, default=float) if args.json else table)
@@ -575,8 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_settings)
     p = _command(sub, "serve-check")
     p.add_argument("--model", default="tiny-llama", help="a tiny model recipe (nixlkv.serving.models.RECIPES)")
-    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"),
-                   help="nixlkv's NixlkvConnector or vLLM's NixlConnector (repeatable; default nixlkv)")
+    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm", "vllm-push"),
+                   help="nixlkv's NixlkvConnector, vLLM's NixlConnector or vLLM's NixlPushConnector (repeatable; "
+                        "default nixlkv; nixlkv's push mode: --connector-config transfer_mode=push)")
     p.add_argument("--p-tp", type=int, default=1)
     p.add_argument("--d-tp", type=int, default=1)
     p.add_argument("--p-block", type=int, help="P's --block-size (default: the model's)")
@@ -618,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve_check)
     p = _command(sub, "serve-drill")
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm"), help="default: nixlkv")
+    p.add_argument("--connector", action="append", choices=("nixlkv", "vllm", "vllm-push"), help="default: nixlkv")
     p.add_argument("--policy", action="append", choices=("recompute", "fail"),
                    help="D's kv_load_failure_policy (repeatable; default both)")
     p.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_false",
@@ -675,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling-reps", type=int, default=5, help="timed raw NIXL READs per length for the ceiling")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
     p.add_argument("--warm-each-length", action="store_true", help="an untimed request before each length's")
+    p.add_argument("--push", action="store_true",
+                   help="also measure push mode: nixlkv's transfer_mode push and vLLM's NixlPushConnector (TTFT "
+                        "against pull, in the same run)")
     p.add_argument("--kv-cache-gib", type=int, default=None,
                    help="VLLM_CPU_KVCACHE_SPACE of every engine, GiB (default: the environment's, else 1)")
     _serving_args(p)

@@ -105,3 +105,31 @@ def test_markdown_has_a_row_per_length() -> None:
     assert "| 8192 |" in lines[3] and lines[3].count("| - |") >= 2
     assert bench.GOAL_OF_CEILING == 0.9 and bench.GOAL_RATIO == 1.0
 
+
+
+def test_push_variants_get_their_connector_and_the_same_agent_settings() -> None:
+    """With ``push``, four variants on one set of agent settings: nixlkv's push mode is its
+    transfer_mode, vLLM's is its NixlPushConnector; TTFT ratios say push against pull and against vLLM."""
+    from nixlkv.serving.check import Case
+    from nixlkv.serving.launch import EngineSpec
+    from pathlib import Path
+
+    assert BenchPlan().variants == ("nixlkv", "vllm")
+    assert BenchPlan(push=True).variants == ("nixlkv", "vllm", "nixlkv-push", "vllm-push")
+    case = Case(model="tiny-llama")
+    push = dict(bench.variant_case(case, "nixlkv-push", VLLM_AGENT).connector_config)
+    assert push == {**VLLM_AGENT.nixlkv_config(), "transfer_mode": "push"}
+    assert "transfer_mode" not in dict(bench.variant_case(case, "nixlkv", VLLM_AGENT).connector_config)
+    vp = bench.variant_case(case, "vllm-push", VLLM_AGENT)
+    assert vp.connector == "vllm-push" and dict(vp.connector_config) == VLLM_AGENT.vllm_config()
+    spec = EngineSpec(Path("m"), "kv_consumer", 1, 2, vp.connector, extra_config=VLLM_AGENT.vllm_config())
+    assert spec.kv_transfer_config()["kv_connector"] == "NixlPushConnector"
+    r = bench.push_ratios({"nixlkv": {"ttft_ms_median": 200.0}, "nixlkv-push": {"ttft_ms_median": 150.0},
+                           "vllm": {"ttft_ms_median": 250.0}, "vllm-push": {"ttft_ms_median": 300.0}})
+    assert r == {"ttft_push_over_pull": pytest.approx(0.75), "ttft_push_over_vllm_push": pytest.approx(0.5)}
+    length = {"ttft_ms_median": 100.0, "ttft_ms": [99.0, 101.0]}
+    row = {"model": "m", "shape": "m P1->D1 b32", "plan": {"lengths": [128]},
+           **{k: {"lengths": {"128": length}} for k in BenchPlan(push=True).variants},
+           "ratios": {"128": {"ttft_push_over_pull": 1.0, "ttft_push_over_vllm_push": 1.0}}}
+    lines = bench.push_markdown([row]).strip().splitlines()
+    assert len(lines) == 3 and lines[2].count("100 (99-101)") == 4

@@ -31,7 +31,9 @@ from .check import FIRST_ID, Case, Options, Servers
 from .client import complete, delta, scrape
 
 CONNECTORS = ("nixlkv", "vllm")
-METRIC_PREFIX = {"nixlkv": "vllm:nixlkv_", "vllm": "vllm:nixl_"}
+# with ``push``, each connector's push mode too: nixlkv's transfer_mode push, vLLM's NixlPushConnector
+PUSH_VARIANTS = ("nixlkv-push", "vllm-push")
+METRIC_PREFIX = {"nixlkv": "vllm:nixlkv_", "vllm": "vllm:nixl_", "nixlkv-push": "vllm:nixlkv_", "vllm-push": "vllm:nixl_"}
 GOAL_RATIO = 1.0  # nixlkv / vLLM, times: at most this at every length
 GOAL_OF_CEILING = 0.9  # the served transfer's rate against the same run's ceiling: at least this
 LOAD_TIMEOUT_S = 3600.0  # a request of the load may queue behind seven long prefills on two cores
@@ -54,6 +56,7 @@ class BenchPlan:
     # every NIXL agent of the run, both connectors' and the ceiling's: vLLM's NixlConnector's own
     # (the only one it can be given), so that a ratio measures the connector, not a setting
     agent: AgentSettings = VLLM_AGENT
+    push: bool = False  # also measure both connectors in push mode (PUSH_VARIANTS)
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) < 1:
@@ -67,6 +70,19 @@ class BenchPlan:
     @property
     def loaded(self) -> tuple[int, ...]:
         return self.lengths if self.load_lengths is None else self.load_lengths
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return CONNECTORS + (PUSH_VARIANTS if self.push else ())
+
+
+def variant_case(case: Case, variant: str, agent: AgentSettings) -> Case:
+    """``case`` with one measured variant's connector and its NIXL agent settings (push mode: nixlkv's
+    ``transfer_mode`` push, vLLM's NixlPushConnector)."""
+    if variant.startswith("nixlkv"):
+        cfg = {**agent.nixlkv_config(), **({"transfer_mode": "push"} if variant == "nixlkv-push" else {})}
+        return replace(case, connector="nixlkv", connector_config=tuple(cfg.items()))
+    return replace(case, connector=variant, connector_config=tuple(agent.vllm_config().items()))
 
 
 def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
@@ -120,6 +136,7 @@ def _one_length(srv: Servers, connector: str, model: str, rng: np.random.Generat
 def measure(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
     """One connector: its servers started once, every length measured on them."""
     rng = np.random.default_rng(case.seed + 11)
+    variant = case.connector + ("-push" if dict(case.connector_config).get("transfer_mode") == "push" else "")
     with Servers(case, opts, tag="-bench", references=False) as srv:
         ready = srv.start()
         model = str(srv.model_dir)
@@ -127,9 +144,9 @@ def measure(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) ->
             complete(srv.proxy_url, model, p, plan.max_tokens, stream=True, timeout_s=LOAD_TIMEOUT_S)
         by_length = {}
         for length in plan.lengths:
-            by_length[str(length)] = _one_length(srv, case.connector, model, rng, plan, length)
+            by_length[str(length)] = _one_length(srv, variant, model, rng, plan, length)
             if progress:
-                progress(f"{case.connector} {length} tokens: {by_length[str(length)]}")
+                progress(f"{variant} {length} tokens: {by_length[str(length)]}")
         return {"ready_s": ready, "log_dir": str(srv.log_dir), "lengths": by_length}
 
 
@@ -161,9 +178,8 @@ def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dic
     """Both connectors, then the ceiling at each length's byte count, then the ratios."""
     out: dict[str, Any] = {"model": case.model, "shape": case.label.rsplit(" ", 1)[0], "plan": asdict(plan),
                            "kv_bytes_per_token": models.kv_bytes_per_token(models.recipe(case.model))}
-    for conn in CONNECTORS:
-        cfg = plan.agent.nixlkv_config() if conn == "nixlkv" else plan.agent.vllm_config()
-        out[conn] = measure(replace(case, connector=conn, connector_config=tuple(cfg.items())), opts, plan, progress)
+    for variant in plan.variants:
+        out[variant] = measure(variant_case(case, variant, plan.agent), opts, plan, progress)
     out["ceiling"] = {}
     out["ratios"] = {}
     out["goals"] = {}
@@ -179,8 +195,36 @@ def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dic
                 progress(f"ceiling {length} tokens: {ceiling}")
         out["ceiling"][length] = ceiling
         out["ratios"][length] = ratios(n, v, ceiling["ms_p50"] / 1000 if ceiling else None)
+        if plan.push:
+            out["ratios"][length].update(push_ratios({k: out[k]["lengths"][length] for k in plan.variants}))
         out["goals"][length] = goals(out["ratios"][length])
     return out
+
+
+def push_ratios(by_variant: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """One length's TTFT in push mode: nixlkv's against its own pull mode and against vLLM's push
+    connector (<= 1: as fast or faster)."""
+    ttft = {k: v["ttft_ms_median"] for k, v in by_variant.items()}
+    return {"ttft_push_over_pull": ttft["nixlkv-push"] / ttft["nixlkv"],
+            "ttft_push_over_vllm_push": ttft["nixlkv-push"] / ttft["vllm-push"]}
+
+
+def push_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per run and length with push measured: TTFT median (spread) of every variant, and the ratios."""
+    lines = ["| model | P/D | prompt | TTFT median ms (spread): nixlkv pull | nixlkv push | vLLM pull | vLLM push "
+             "| nixlkv push / pull | nixlkv push / vLLM push |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "nixlkv-push" not in r:
+            continue
+        for length in map(str, r["plan"]["lengths"]):
+            cells = []
+            for k in ("nixlkv", "nixlkv-push", "vllm", "vllm-push"):
+                m = r[k]["lengths"][length]
+                cells.append(f"{m['ttft_ms_median']:.0f} ({_spread(m['ttft_ms'])})")
+            q = r["ratios"][length]
+            lines.append(f"| {r['model']} | {r['shape'].split(' ', 1)[-1]} | {length} | {' | '.join(cells)} | "
+                         f"{q['ttft_push_over_pull']:.2f} | {q['ttft_push_over_vllm_push']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _spread(values: list[float]) -> str:

@@ -248,7 +248,7 @@ class Servers:
         self.model_dir = build_model(case.model, opts.models_dir, opts.python)
         self.log_dir = (opts.work_dir / f"{case.model}-p{case.p_tp}d{case.d_tp}-{case.connector}{tag}-"
                                         f"{int(time.time())}").resolve()
-        env = {**rec.env, **(rec.vllm_connector_env if case.connector == "vllm" else {}), **opts.extra_env}
+        env = {**rec.env, **(rec.vllm_connector_env if case.connector != "nixlkv" else {}), **opts.extra_env}
         base = opts.port
         cached = case.prefix_caching
         # with verify_bytes, every engine dumps the blocks it hands over or loads here (nixlkv.vllm.kvdump)

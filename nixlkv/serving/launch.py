@@ -29,7 +29,9 @@ from . import cpu_isa
 # never its warnings (a READ it could not release, a failed heartbeat) nor vLLM's INFO lines.
 ENGINE_LOG_LEVEL_ENV = "NIXLKV_ENGINE_LOG_LEVEL"
 ENGINE_LOG_LEVEL = "INFO"
-CONNECTORS = ("nixlkv", "vllm")  # NixlkvConnector, or vLLM's own NixlConnector (the baseline)
+# NixlkvConnector, vLLM's own NixlConnector (the baseline), or vLLM's NixlPushConnector (P writes)
+CONNECTORS = ("nixlkv", "vllm", "vllm-push")
+VLLM_CONNECTOR_CLASS = {"vllm": "NixlConnector", "vllm-push": "NixlPushConnector"}
 LOOPBACK = "127.0.0.1"
 
 
@@ -63,8 +65,8 @@ class EngineSpec:
                      "nixl_progress_delay_us": 1000, **self.extra_config}
             cfg: dict[str, Any] = {"kv_connector": "NixlkvConnector", "kv_connector_module_path": "nixlkv.connector",
                                    "kv_role": self.role, "kv_connector_extra_config": extra}
-        elif self.connector == "vllm":
-            cfg = {"kv_connector": "NixlConnector", "kv_role": self.role,
+        elif self.connector in VLLM_CONNECTOR_CLASS:
+            cfg = {"kv_connector": VLLM_CONNECTOR_CLASS[self.connector], "kv_role": self.role,
                    "kv_connector_extra_config": dict(self.extra_config)}
         else:
             raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
