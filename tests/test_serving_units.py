@@ -1003,6 +1003,23 @@ def test_connector_config_reaches_every_engine_and_staged_loads_are_judged(monke
     assert not check.staged_loads([row(0, 0)])["ok"]  # nothing loaded: nothing shown
 
 
+def test_a_push_case_passes_only_if_the_prefill_engines_wrote_every_load() -> None:
+    """With ``transfer_mode`` push the case requires the prefill engines' WRITE counter to cover D's
+    loads (P's ``vllm:nixlkv_push_writes_total`` against D's transfers), so a pull that passed
+    under a push label fails."""
+    ok = check.pushed_loads({"vllm:nixlkv_push_writes_total": 13.0}, {"vllm:nixlkv_xfer_time_seconds_count": 13.0})
+    assert ok == {"ok": True, "writes": 13, "loads": 13}
+    assert check.pushed_loads({"vllm:nixlkv_push_writes_total": 26.0}, {"vllm:nixlkv_xfer_time_seconds_count": 13.0})["ok"]
+    assert not check.pushed_loads({}, {"vllm:nixlkv_xfer_time_seconds_count": 13.0})["ok"]  # read, not written
+    assert not check.pushed_loads({"vllm:nixlkv_push_writes_total": 12.0},
+                                  {"vllm:nixlkv_xfer_time_seconds_count": 13.0})["ok"]
+    assert not check.pushed_loads({}, {})["ok"]  # nothing loaded: nothing shown
+    res = check.Result({}, "x", "exact", [check.Row("r", 40, {"ok": True}, {}, True, 0.1)], {"ok": True}, None, {})
+    assert res.ok
+    res.push = {"ok": False}
+    assert not res.ok
+
+
 def test_engines_log_at_info_whatever_level_quiets_the_checking_process(tmp_path, monkeypatch) -> None:
     """The CLI and the tests set VLLM_LOGGING_LEVEL=ERROR for their own output; an engine that
     inherited it printed nixlkv's errors only, never its warnings (a READ it could not release, a

@@ -212,6 +212,8 @@ class Result:
     notes: list[str] = field(default_factory=list)  # what the case did not run, and why
     # hosts netns: where each engine ran, and D's interface counter against the KV bytes D loaded
     network: dict[str, Any] | None = None
+    # transfer_mode push: the prefill engines' WRITEs against D's loads (each load written, none read)
+    push: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -224,8 +226,9 @@ class Result:
         staged_ok = self.staged is None or self.staged.get("ok", False)
         controls_ok = self.controls is None or (bool(self.controls) and all(c["bytes_rejected"] for c in self.controls))
         network_ok = self.network is None or self.network.get("ok", False)
+        push_ok = self.push is None or self.push.get("ok", False)
         return all(r.ok for r in self.rows) and self.concurrent.get("ok", False) and control_ok and parallel_ok \
-            and engines_ok and bytes_ok and staged_ok and controls_ok and network_ok
+            and engines_ok and bytes_ok and staged_ok and controls_ok and network_ok and push_ok
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -313,6 +316,14 @@ class Servers:
     def d_urls(self) -> list[str]:
         """Every decode engine's URL, D first (references are D's own; the proxy takes them in turn)."""
         return [_url(spec) for spec in (self.d_spec, *self.more_d_specs)]
+
+    def prefill_metrics(self) -> dict[str, float]:
+        """Every prefill engine's metrics, summed."""
+        out: dict[str, float] = {}
+        for url in self.p_urls:
+            for k, v in scrape(url).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     def decode_metrics(self) -> dict[str, float]:
         """Every decode engine's metrics, summed: what a request through the proxy did, wherever it went."""
@@ -828,6 +839,8 @@ def run_case(case: Case, opts: Options) -> Result:
             # several engines of a kind behind the proxy: what each serves is counted from here on
             several = {kind: urls for kind, urls in (("prefill", srv.p_urls), ("decode", srv.d_urls)) if len(urls) > 1}
             served_before = {kind: [scrape(url) for url in urls] for kind, urls in several.items()}
+            pushing = case.connector == "nixlkv" and dict(case.connector_config).get("transfer_mode") == "push"
+            push_before = (srv.prefill_metrics(), srv.decode_metrics()) if pushing else None
             prompts = make_prompts(case, block, rec.max_model_len, opts.quick)
             result.rows = run_prompts(srv, case, rule, prompts)
             result.rows.append(run_chat(srv, case, rule))
@@ -854,6 +867,9 @@ def run_case(case: Case, opts: Options) -> Result:
                 result.controls = run_graded_controls(srv, case, rule, block, rec.max_model_len)
             if srv.network is not None:
                 result.network = crossed_the_network(srv, srv.network)
+            if push_before is not None:
+                result.push = pushed_loads(delta(srv.prefill_metrics(), push_before[0]),
+                                           delta(srv.decode_metrics(), push_before[1]))
         if srv.dump_dir is not None:  # every engine stopped: every dump written
             verdict = judge_dir(srv.dump_dir)
             result.bytes = verdict.summary()
@@ -957,6 +973,15 @@ def attach_bytes(result: Result, verdict: ByteVerdict) -> None:
         entry["damaged"] = (v.control if v is not None else None)
         entry["bytes_rejected"] = v is not None and not v.ok and not (v.control or {}).get("skipped")
         entry["bytes_reason"] = (v.shown or [""])[0] if v is not None else "no dump of this load"
+
+
+def pushed_loads(p: dict[str, float], d: dict[str, float]) -> dict[str, Any]:
+    """With ``transfer_mode`` push, from the prefill and decode engines' metrics over the case: D
+    loaded requests and the prefill engines wrote them (at least one WRITE per load: a decode rank
+    reading from several prefill ranks orders each), so a case that passed proves the push path."""
+    writes = int(p.get("vllm:nixlkv_push_writes_total", 0))
+    loads = int(d.get("vllm:nixlkv_xfer_time_seconds_count", 0))
+    return {"ok": loads > 0 and writes >= loads, "writes": writes, "loads": loads}
 
 
 def staged_loads(rows: list[Row]) -> dict[str, Any]:
@@ -1066,6 +1091,10 @@ def format_table(results: list[Result]) -> str:
             st = res.staged
             lines.append(f"   staged: {'ok' if st.get('ok') else 'FAIL'} ({st.get('staged_loads', 0):.0f} of "
                          f"{st.get('transfers', 0):.0f} loads of the rows through the staging buffer)")
+        if res.push is not None:
+            pu = res.push
+            lines.append(f"   push: {'ok' if pu.get('ok') else 'FAIL'} ({pu.get('writes', 0)} WRITEs by the prefill "
+                         f"engines for {pu.get('loads', 0)} loads by the decode engines)")
         if res.network is not None:
             nw = res.network
             lines.append(f"   separate hosts {nw.get('hosts')}: {'ok' if nw.get('ok') else 'FAIL'} (D's interface received "
