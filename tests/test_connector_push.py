@@ -126,3 +126,19 @@ def test_push_to_a_dead_prefill_engine_fails_the_request_and_decode_keeps_servin
             if e is not None:
                 e.close()
         stop(proc, parent)
+
+
+@pytest.mark.parametrize(("p_pp", "p_tp", "d_pp", "d_tp"), [
+    pytest.param(2, 2, 1, 1, id="p-pp2tp2-d-tp1"),  # each P stage's ranks write the layers they hold
+    pytest.param(1, 1, 2, 1, id="p-pp1-d-pp2"),  # each D stage orders its layers from P's one stage
+])
+def test_push_across_pipeline_stages_is_byte_exact(p_pp: int, p_tp: int, d_pp: int, d_tp: int) -> None:
+    """Pipeline stages on either engine: D resolves per remote stage as in pull mode (one plan per
+    stage), orders each stage's ranks by that stage's plan and tells the stages it reads nothing from."""
+    prompts = {"k-0": 150, "k-1": 40, "k-2": 17}
+    run = run_pd(PDCase("llama", p_tp, d_tp, p_pp=p_pp, d_pp=d_pp), prompts, extra=PUSH, judge_on_report=True)
+    assert run.transfers["failed_transfers"] == 0
+    assert run.transfers["transfers"] == len(prompts) * d_tp * d_pp, run.transfers
+    blocks = sum(-(-n // 16) for n in prompts.values())
+    assert run.transfers["bytes"] == blocks * 4 * 16 * 8 * 32 * 2 * 2, run.transfers  # every layer's bytes once
+    assert orders(run) >= len(prompts) * p_pp

@@ -70,8 +70,10 @@ class _Remote:
     stage_agents: dict[int, dict[int, str]] = field(default_factory=dict)
     generation: str | None = None
     pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
-    push_plan: int = 0  # push mode: this handshake's plan number (each prefill rank prepares it once)
-    push_hello: set[int] = field(default_factory=set)  # push mode: remote ranks said hello to
+    # push mode: this handshake's plan numbers (one per remote stage read; each prefill rank prepares
+    # its plan once), and the (stage, remote rank) pairs said hello to
+    push_plans: dict[int, int] = field(default_factory=dict)
+    push_hello: set[tuple[int, int]] = field(default_factory=set)
     nixl_seconds: float = 0.0  # adding its agents and preparing its lists, on the handshake thread
     prepare_seconds: float = 0.0  # of which preparing the lists
 
@@ -197,10 +199,6 @@ class NixlkvWorker:
         self._done_send: set[str] = set()
         # push mode (nixlkv.vllm.push): D's requests whose orders are out, P's WRITEs and early orders
         self.push_mode = config.transfer_mode == "push"
-        if self.push_mode and self.stage.pp_size > 1:
-            raise ConfigError(
-                "transfer_mode 'push' with pipeline_parallel_size > 1 is not supported yet (each stage would write "
-                "its layers by its own plan, not built); use transfer_mode 'pull' with pipeline parallelism")
         self._pushes: dict[str, tuple[RecvRequest, _Remote, push.PushWait]] = {}
         self._writer: push.PushWriter | None = None
         self._early_orders: dict[str, list[tuple[str, push.Order, float]]] = {}  # by D agent: not postable yet
@@ -537,10 +535,6 @@ class NixlkvWorker:
         return time.monotonic() > self._held(req.key, req.remote_request_id, received + req.held_for_s)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
-        if self.push_mode and remote.stages is not None:
-            self._fail(rid, req, "transfer_mode 'push' with a pipeline-parallel engine on either side is not supported "
-                                 "yet; run both engines with transfer_mode 'pull'")
-            return
         plan = remote.prepared.plan if remote.stages is None else remote.stages
         if any(req.local_block_ids) and self._lease_lapsed(req):
             self.stats.count("lapsed_holds")
@@ -832,26 +826,35 @@ class NixlkvWorker:
     # ------------------------------------------------------------------ push mode (nixlkv.vllm.push)
     def _order(self, rid: str, req: RecvRequest, remote: _Remote, resolved: Any) -> None:
         """D: the request's READs, sent to the prefill ranks they name as orders to WRITE them (a
-        hello first, once per plan and rank); the ranks read nothing from are told as in pull mode."""
-        plan = remote.prepared.plan
-        if not remote.push_plan:
-            self._push_plans += 1
-            remote.push_plan = self._push_plans
-        wait = push.PushWait({}, time.perf_counter(), sum(plan.read_bytes(r) for r in resolved.reads),
-                             resolved.num_descriptors, remote.generation)
+        hello first, once per plan and rank); the ranks read nothing from are told as in pull mode.
+        With pipeline stages, each remote stage read by its own plan, the others told."""
+        if remote.stages is None:
+            parts = [(0, remote.prepared.plan, remote.agents, resolved)]
+        else:
+            parts = [(s, remote.stages.plans.get(s), remote.stage_agents[s], r) for s, r in resolved.items()]
+        wait = push.PushWait({}, time.perf_counter(), 0, 0, remote.generation)
         try:
-            for read in resolved.reads:
-                agent = remote.agents[read.remote_rank]
-                if read.remote_rank not in remote.push_hello:
-                    hello = push.Hello(remote.push_plan, self.nixl.metadata(), plan.local.mem_type, plan.local_descs,
-                                       plan.remote_descs[read.remote_rank])
-                    self.nixl.notify(agent, hello.encode())
-                    remote.push_hello.add(read.remote_rank)
-                order = push.Order(remote.push_plan, req.remote_request_id, rid, resolved.consumers,
-                                   read.local_ids, read.remote_ids)
-                self.nixl.notify(agent, order.encode())
-                wait.pending[agent] = read.remote_rank
-            self._tell([remote.agents[r] for r in resolved.notify_only], req.remote_request_id, resolved.consumers)
+            for stage, plan, agents, part in parts:
+                if plan is None:  # a stage this rank reads nothing from: told, so it frees the request
+                    self._tell(agents.values(), req.remote_request_id, remote.stages.consumers)
+                    continue
+                if stage not in remote.push_plans:
+                    self._push_plans += 1
+                    remote.push_plans[stage] = self._push_plans
+                number = remote.push_plans[stage]
+                wait.nbytes += sum(plan.read_bytes(r) for r in part.reads)
+                wait.descriptors += part.num_descriptors
+                for read in part.reads:
+                    agent = agents[read.remote_rank]
+                    if (stage, read.remote_rank) not in remote.push_hello:
+                        hello = push.Hello(number, self.nixl.metadata(), plan.local.mem_type, plan.local_descs,
+                                           plan.remote_descs[read.remote_rank])
+                        self.nixl.notify(agent, hello.encode())
+                        remote.push_hello.add((stage, read.remote_rank))
+                    order = push.Order(number, req.remote_request_id, rid, part.consumers, read.local_ids, read.remote_ids)
+                    self.nixl.notify(agent, order.encode())
+                    wait.pending[agent] = read.remote_rank
+                self._tell([agents[r] for r in part.notify_only], req.remote_request_id, part.consumers)
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; the remote is handshaken again
             why = f"sending the push orders failed: {type(exc).__name__}: {exc}"
             self._invalidate(remote.key)
