@@ -689,7 +689,8 @@ class NixlkvWorker:
             return
         if any(r.prepared is None for r in self._remotes.values()):
             return  # a handshake in progress may have re-added a retiring remote's agent name
-        busy = {id(f.owner) for f in self._flights.values()} | {id(f.owner) for f, _ in self._draining.values()}
+        busy = {id(f.owner) for f in self._flights.values()} | {id(f.owner) for f, _ in self._draining.values()} \
+            | {id(remote) for _, remote, _ in self._pushes.values()}  # its agents still answer our orders
         live = self._live_agents()
         keep = []
         for remote in self._retiring:
