@@ -499,6 +499,44 @@ def judge_when_reported(d: PDEngine) -> Callable[[set[str]], None]:
     return check
 
 
+def assert_failed_not_hung(d: PDEngine, rid: str, timeout_s: float = 30.0) -> None:
+    """Step D until ``rid`` finishes: it must, within ``timeout_s``, as a failed load whose blocks
+    were reported invalid (its prefill engine is dead)."""
+    deadline = time.monotonic() + timeout_s
+    while rid not in d.outputs and time.monotonic() < deadline:
+        d.step()
+        time.sleep(0.002)
+    assert rid in d.outputs, "the decode engine hung on a dead prefill engine"
+    assert d.failed_recving == {rid}
+    assert d.invalid_blocks == set(d.recv_blocks[rid][0])
+
+
+def load_from_a_healthy_prefill(d: PDEngine, failed: str, extra: dict[str, Any] | None = None) -> None:
+    """After D's request "a" loaded and ``failed`` failed: a fresh prefill engine prefills "c" and D
+    loads it byte-exact; "a" is intact, the failed request's blocks hold whatever they hold (vLLM
+    treats them as invalid), and neither engine holds a request or block afterwards."""
+    healthy = PDEngine(PDCase(), "prefill", "P2",
+                       {"side_channel_host": "127.0.0.1", "side_channel_port": 0, **(extra or {})})
+    try:
+        healthy.add("c", prompt(2, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        while "c" not in healthy.outputs:
+            healthy.step()
+        d.add("c", prompt(2, 40), 2, dict(healthy.outputs["c"].kv_transfer_params))
+        deadline = time.monotonic() + 30
+        while ("c" not in d.outputs or "c" not in healthy.finished_sending) and time.monotonic() < deadline:
+            d.step()
+            healthy.step()
+        assert "c" in d.finished_recving and "c" not in d.failed_recving
+        assert healthy.finished_sending == {"c"}
+        expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
+        keep_blocks(expected, d.ranks[0], set(d.recv_blocks[failed][0]) - set(d.recv_blocks["c"][0]))
+        assert oracle.compare(d.ranks[0], expected) is None
+        for engine in (d, healthy):
+            assert_no_leaks(engine.leaks(), engine.role)
+    finally:
+        healthy.close()
+
+
 def assert_no_leaks(leaks: dict[str, Any], side: str) -> None:
     assert leaks["requests"] == leaks["waiting"] == leaks["running"] == leaks["nonzero_refs"] == 0, (side, leaks)
     assert leaks["free_blocks"] == leaks["expected_free"], (side, leaks)

@@ -13,7 +13,8 @@ import pytest
 from nixlkv.testing import oracle
 from nixlkv.vllm import push
 from nixlkv.vllm.worker import NixlkvWorker
-from pd_harness import PDCase, PDEngine, prompt, run_decode, run_pd, start_prefill, stop
+from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, load_from_a_healthy_prefill, prompt, run_decode,
+                        run_pd, start_prefill, stop)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -73,10 +74,8 @@ def test_push_to_a_dead_prefill_engine_fails_the_request_and_decode_keeps_servin
     import os
     import signal
 
-    from pd_harness import assert_no_leaks, keep_blocks
-
     proc, parent, params = start_prefill(PDCase(), {"a": 40, "b": 40}, extra=PUSH)
-    d = healthy = None
+    d = None
     try:
         d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
                                                "transfer_timeout_s": 3.0, "handshake_timeout_s": 2.0, **PUSH})
@@ -96,35 +95,11 @@ def test_push_to_a_dead_prefill_engine_fails_the_request_and_decode_keeps_servin
         proc.join(10)
         if not stall_first:
             d.add("b", prompt(1, 40), 2, dict(params["b"]))
-        deadline = time.monotonic() + 30
-        while "b" not in d.outputs and time.monotonic() < deadline:
-            d.step()
-            time.sleep(0.002)
-        assert "b" in d.outputs, "the decode engine hung on a dead prefill engine"
-        assert d.failed_recving == {"b"}
-        b_blocks = set(d.recv_blocks["b"][0])
-        assert d.invalid_blocks == b_blocks
-
-        healthy = PDEngine(PDCase(), "prefill", "P2", {"side_channel_host": "127.0.0.1", "side_channel_port": 0, **PUSH})
-        healthy.add("c", prompt(2, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
-        while "c" not in healthy.outputs:
-            healthy.step()
-        d.add("c", prompt(2, 40), 2, dict(healthy.outputs["c"].kv_transfer_params))
-        deadline = time.monotonic() + 30
-        while ("c" not in d.outputs or "c" not in healthy.finished_sending) and time.monotonic() < deadline:
-            d.step()
-            healthy.step()
-        assert "c" in d.finished_recving and "c" not in d.failed_recving
-        assert healthy.finished_sending == {"c"}
-        expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})
-        keep_blocks(expected, d.ranks[0], b_blocks - set(d.recv_blocks["c"][0]))
-        assert oracle.compare(d.ranks[0], expected) is None
-        for engine in (d, healthy):
-            assert_no_leaks(engine.leaks(), engine.role)
+        assert_failed_not_hung(d, "b")
+        load_from_a_healthy_prefill(d, "b", PUSH)
     finally:
-        for e in (d, healthy):
-            if e is not None:
-                e.close()
+        if d is not None:
+            d.close()
         stop(proc, parent)
 
 

@@ -319,19 +319,11 @@ class Servers:
 
     def prefill_metrics(self) -> dict[str, float]:
         """Every prefill engine's metrics, summed."""
-        out: dict[str, float] = {}
-        for url in self.p_urls:
-            for k, v in scrape(url).items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+        return summed_metrics(self.p_urls)
 
     def decode_metrics(self) -> dict[str, float]:
         """Every decode engine's metrics, summed: what a request through the proxy did, wherever it went."""
-        out: dict[str, float] = {}
-        for url in self.d_urls:
-            for k, v in scrape(url).items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+        return summed_metrics(self.d_urls)
 
     @property
     def d_url(self) -> str:
@@ -973,6 +965,15 @@ def attach_bytes(result: Result, verdict: ByteVerdict) -> None:
         entry["damaged"] = (v.control if v is not None else None)
         entry["bytes_rejected"] = v is not None and not v.ok and not (v.control or {}).get("skipped")
         entry["bytes_reason"] = (v.shown or [""])[0] if v is not None else "no dump of this load"
+
+
+def summed_metrics(urls: list[str]) -> dict[str, float]:
+    """The engines' metrics at ``urls``, each name summed over them."""
+    out: dict[str, float] = {}
+    for url in urls:
+        for k, v in scrape(url).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def pushed_loads(p: dict[str, float], d: dict[str, float]) -> dict[str, Any]:
