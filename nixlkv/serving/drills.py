@@ -181,10 +181,11 @@ def run_drills(case: Case, opts: Options, policy: str = "recompute") -> list[Dri
         facts["p_kv_usage_after"] = settled_kv_usage(srv.p_url)
         drills.append(Drill("the same params sent twice", ok, facts, why))
 
-        drills.append(_hang_ups(srv, case, rng))
-        drills.append(_short_prefill(srv, case, rng))
-        drills.append(_short_decode(srv, case, rng))
-        drills.append(_other_cache_dtype(srv, case, rng, policy))
+        drills.append(attempt("clients that hang up", lambda: _hang_ups(srv, case, rng)))
+        drills.append(attempt("P short of KV blocks", lambda: _short_prefill(srv, case, rng)))
+        drills.append(attempt("D short of KV blocks", lambda: _short_decode(srv, case, rng)))
+        drills.append(attempt(f"P with another --kv-cache-dtype ({OTHER_CACHE_DTYPE})",
+                              lambda: _other_cache_dtype(srv, case, rng, policy)))
     if srv.dump_dir is not None:  # --verify-bytes: every load of every drill, the engines stopped
         # loads the drills fail on purpose (P killed, a lapsed hold) are listed, not judged; every load
         # that completed must be exact, and a dump that could not be written fails the drill
@@ -221,6 +222,15 @@ def hang_up(url: str, body: dict[str, Any], after_s: float) -> str:
     finally:
         conn.close()
     return "during" if got else "before"
+
+
+def attempt(name: str, drill: Callable[[], Drill]) -> Drill:
+    """Run one drill; a server that cannot be (re)started for it or a request that breaks fails that
+    drill, naming why, and the drills before it keep their verdicts (the report says both)."""
+    try:
+        return drill()
+    except (ServeError, CompletionError, OSError) as exc:
+        return Drill(name, False, why=f"could not be run: {type(exc).__name__}: {str(exc)[:600]}")
 
 
 def _hang_ups(srv: Servers, case: Case, rng: np.random.Generator) -> Drill:
