@@ -411,12 +411,13 @@ def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30
         engine.close()
 
 
-def spawn_prefill(case: PDCase, prompts: dict[str, int], **kw):
+def spawn_prefill(case: PDCase, prompts: dict[str, int], new_image: bool = False, **kw):
     """The prefill engine in a separate process (forked from the warm engine-process server:
     vLLM and torch already imported, nothing built), building itself; it prefills when
-    :func:`publish` says go. Returns the process and its pipe."""
+    :func:`publish` says go. ``new_image``: a spawned interpreter instead, with addresses of its
+    own (a restarted engine: see ``engine_process``). Returns the process and its pipe."""
     parent, child = engine_context().Pipe()
-    proc = engine_process(run_prefill, (child, case, prompts), {**kw, "wait_for_go": True})
+    proc = engine_process(run_prefill, (child, case, prompts), {**kw, "wait_for_go": True}, new_image=new_image)
     proc.start()
     return proc, parent
 

@@ -49,7 +49,9 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
             (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
             old.kill()
             old.join(10)
-            new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10)
+            # A new process image, as a restart is (a fork of the engine-process server would reuse
+            # the old P's addresses, and the rebased plan below must point elsewhere).
+            new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10, new_image=True)
             c = new_params["c"]
             assert (c["remote_port"], c["remote_engine_id"]) == (port, old_params["a"]["remote_engine_id"])
             assert c["remote_generation"] != old_params["b"]["remote_generation"]
@@ -110,7 +112,8 @@ def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_
         (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
         old.kill()
         old.join(10)
-        new, new_pipe, new_params = start_prefill(PDCase(model, num_blocks=72), {"c": 40}, port=port, first_prompt=10)
+        new, new_pipe, new_params = start_prefill(PDCase(model, num_blocks=72), {"c": 40}, port=port, first_prompt=10,
+                                                  new_image=True)  # a new process image, as a restart is
         d.add("c", prompt(10, 40), 2, dict(new_params["c"]))  # another prompt: nothing of it cached on D
         deadline = time.monotonic() + 60
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):

@@ -59,10 +59,15 @@ def engine_context() -> Any:
 
 
 def engine_process(target: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None,
-                   daemon: bool = True) -> Any:
-    """An unstarted engine process of :func:`engine_context` running ``target(*args, **kwargs)``."""
-    return engine_context().Process(target=_run_fresh, args=(dict(os.environ), target, args, kwargs or {}),
-                                    daemon=daemon)
+                   daemon: bool = True, new_image: bool = False) -> Any:
+    """An unstarted engine process of :func:`engine_context` running ``target(*args, **kwargs)``.
+
+    ``new_image``: a spawned interpreter instead, paying the import. Forks of one server share its
+    address-space layout, so the same allocations land at the same addresses in each; an engine
+    restarted in production is a new process image with a layout of its own (ASLR), which a test
+    of a restart needs when it checks that D reads the new engine's addresses."""
+    ctx = mp.get_context("spawn") if new_image else engine_context()
+    return ctx.Process(target=_run_fresh, args=(dict(os.environ), target, args, kwargs or {}), daemon=daemon)
 
 
 def ucx_libraries() -> list[str]:
