@@ -12,6 +12,9 @@ builds an agent, not when it is imported: :class:`ForkedStateError`), and hands 
 parent's environment as it is at start (a spawned child's), not the server's from its own start.
 Settings vLLM reads once at import come from the environment the server started in: the first
 engine process's parent's, which is set by then (``tests/conftest.py`` sets it at collection).
+What forks share that spawned processes do not: the server's address-space layout (see
+``new_image``) and its numpy and torch global random state (Python's ``random`` is reseeded at
+fork); the engines here draw nothing from either (their fills are seeded per request).
 """
 
 from __future__ import annotations
