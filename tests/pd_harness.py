@@ -8,7 +8,6 @@ Used by the P/D acceptance tests: P runs in a separate process (``run_prefill``)
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
 import time
 import zlib
@@ -30,6 +29,7 @@ from nixlkv.testing import oracle  # noqa: E402
 from nixlkv.testing.engines import DATA, build_rank  # noqa: E402
 from nixlkv.testing.kinds import vllm_conv_state_layout  # noqa: E402
 from nixlkv.testing.pipeline import stage_layers  # noqa: E402
+from nixlkv.testing.processes import engine_context, engine_process  # noqa: E402
 from nixlkv.testing.scenario import parse  # noqa: E402
 
 EOS = 2
@@ -416,18 +416,19 @@ def run_prefill(conn, case: PDCase, prompts: dict[str, int], lease_s: float = 30
         engine.close()
 
 
-def spawn_prefill(case: PDCase, prompts: dict[str, int], **kw):
-    """The prefill engine in a separate process (spawned), building itself; it prefills when
-    :func:`publish` says go. Returns the process and its pipe."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_prefill, args=(child, case, prompts), kwargs={**kw, "wait_for_go": True}, daemon=True)
+def spawn_prefill(case: PDCase, prompts: dict[str, int], new_image: bool = False, **kw):
+    """The prefill engine in a separate process (forked from the warm engine-process server:
+    vLLM and torch already imported, nothing built), building itself; it prefills when
+    :func:`publish` says go. ``new_image``: a spawned interpreter instead, with addresses of its
+    own (a restarted engine: see ``engine_process``). Returns the process and its pipe."""
+    parent, child = engine_context().Pipe()
+    proc = engine_process(run_prefill, (child, case, prompts), {**kw, "wait_for_go": True}, new_image=new_image)
     proc.start()
     return proc, parent
 
 
 def publish(proc, parent) -> dict[str, dict]:
-    """Let a spawned prefill engine prefill; returns the kv_transfer_params it published."""
+    """Let a started prefill engine prefill; returns the kv_transfer_params it published."""
     if not parent.poll(0):  # an engine that failed to build has said so already
         try:
             parent.send("go")
@@ -444,7 +445,7 @@ def publish(proc, parent) -> dict[str, dict]:
 
 
 def start_prefill(case: PDCase, prompts: dict[str, int], **kw):
-    """The prefill engine in a separate process (spawned); returns it, its pipe and what it published."""
+    """The prefill engine in a separate process (:func:`spawn_prefill`); returns it, its pipe and what it published."""
     proc, parent = spawn_prefill(case, prompts, **kw)
     return proc, parent, publish(proc, parent)
 

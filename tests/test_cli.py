@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,8 +17,14 @@ def nixlkv(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nixlkv.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@functools.cache
+def strategies_json() -> subprocess.CompletedProcess:
+    """`nixlkv strategies --json`, run once for the tests that read its rows (a CLI start imports vLLM)."""
+    return nixlkv("strategies", "--json")
+
+
 def test_strategies_lists_builtins_with_origin() -> None:
-    out = nixlkv("strategies", "--json")
+    out = strategies_json()
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert "vllm.v1.kv_cache_interface.AttentionSpec" in rows["full_attention"]["spec_types"]
@@ -34,7 +41,7 @@ def test_strategies_lists_builtins_with_origin() -> None:
 
 def test_strategies_lists_the_installed_example_plugin() -> None:
     """`make venv` installs examples/nixlkv-example-plugin; its entry point must show up."""
-    out = nixlkv("strategies", "--json")
+    out = strategies_json()
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert "example_attention" in rows, "install it: pip install --no-deps -e examples/nixlkv-example-plugin"
     assert "nixlkv-example-plugin" in rows["example_attention"]["origin"]

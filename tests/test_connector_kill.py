@@ -6,7 +6,6 @@ which both of its kv_load_failure_policy values handle."""
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from nixlkv.testing import oracle
+from nixlkv.testing.processes import engine_context, engine_process
 from nixlkv.vllm.config import ConnectorConfig
 from nixlkv.vllm.metadata import NixlkvMetadata, RecvRequest
 
@@ -38,9 +38,8 @@ def _read(port: int, rid: str, local: list[int], remote: list[int]) -> RecvReque
 
 
 def test_prefill_killed_mid_read(monkeypatch, caplog) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_prefill, args=(child, BIG, P_IDS, ["warm", "victim"], 3), daemon=True)
+    parent, child = engine_context().Pipe()
+    proc = engine_process(serve_prefill, (child, BIG, P_IDS, ["warm", "victim"], 3))
     proc.start()
     sc = fa_scenario(**BIG)
     d = Engine(sc, "decode", "D", config=ConnectorConfig(transfer_timeout_s=10.0, handshake_timeout_s=10.0))

@@ -8,8 +8,8 @@ import pytest
 
 from nixlkv.testing import oracle
 
-from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, load_from_a_healthy_prefill, prompt, run_decode,
-                        run_pd, start_prefill, stop)
+from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, load_from_a_healthy_prefill, prompt, publish,
+                        run_decode, run_pd, spawn_prefill, stop)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -57,11 +57,12 @@ def test_prefill_killed_fails_its_requests_and_decode_keeps_serving() -> None:
     """P dies after D's handshake with a request of D outstanding: D's READ fails (error or
     transfer_timeout_s), the request is reported failed with its blocks invalid, vLLM's scheduler
     finishes it, and the next request from a healthy P loads byte-exact; nothing leaks."""
-    proc, parent, params = start_prefill(PDCase(), {"a": 40, "b": 40})
+    proc, parent = spawn_prefill(PDCase(), {"a": 40, "b": 40})
     d = None
     try:
         d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
                                                "transfer_timeout_s": 3.0, "handshake_timeout_s": 2.0})
+        params = publish(proc, parent)  # P built alongside D, its hold starting once D is ready
         oracle.fill_decode(d.ranks[0])
         run_decode(d, params, {"a": 40})
         assert d.finished_recving == {"a"} and not d.failed_recving

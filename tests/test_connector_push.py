@@ -13,8 +13,8 @@ import pytest
 from nixlkv.testing import oracle
 from nixlkv.vllm import push
 from nixlkv.vllm.worker import NixlkvWorker
-from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, load_from_a_healthy_prefill, prompt, run_decode,
-                        run_pd, start_prefill, stop)
+from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, load_from_a_healthy_prefill, prompt, publish,
+                        run_decode, run_pd, spawn_prefill, stop)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -74,11 +74,12 @@ def test_push_to_a_dead_prefill_engine_fails_the_request_and_decode_keeps_servin
     import os
     import signal
 
-    proc, parent, params = start_prefill(PDCase(), {"a": 40, "b": 40}, extra=PUSH)
+    proc, parent = spawn_prefill(PDCase(), {"a": 40, "b": 40}, extra=PUSH)
     d = None
     try:
         d = PDEngine(PDCase(), "decode", "D", {"side_channel_host": "127.0.0.1", "side_channel_port": 0,
                                                "transfer_timeout_s": 3.0, "handshake_timeout_s": 2.0, **PUSH})
+        params = publish(proc, parent)  # P built alongside D, its hold starting once D is ready
         oracle.fill_decode(d.ranks[0])
         run_decode(d, params, {"a": 40})
         assert d.finished_recving == {"a"} and not d.failed_recving

@@ -13,7 +13,7 @@ import pytest
 
 from nixlkv.testing import oracle
 
-from pd_harness import PDCase, PDEngine, prompt, run_decode, start_prefill, stop
+from pd_harness import PDCase, PDEngine, prompt, publish, run_decode, spawn_prefill, start_prefill, stop
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -36,11 +36,12 @@ def decode_engine(case: PDCase = PDCase()) -> PDEngine:
 
 
 def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
-    old, old_pipe, old_params = start_prefill(PDCase(), {"a": 40, "b": 40})
+    old, old_pipe = spawn_prefill(PDCase(), {"a": 40, "b": 40})
     new = new_pipe = d = None
     try:
+        d = decode_engine()  # while P builds: P prefills, and its hold starts, once D is ready
+        old_params = publish(old, old_pipe)
         port = old_params["a"]["remote_port"]
-        d = decode_engine()
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):
             run_decode(d, old_params, {"a": 40})
             assert d.finished_recving == {"a"} and not d.failed_recving
@@ -48,7 +49,9 @@ def test_prefill_restart_on_the_same_port_is_handshaken_again(caplog) -> None:
             (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
             old.kill()
             old.join(10)
-            new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10)
+            # A new process image, as a restart is (a fork of the engine-process server would reuse
+            # the old P's addresses, and the rebased plan below must point elsewhere).
+            new, new_pipe, new_params = start_prefill(PDCase(), {"c": 40}, port=port, first_prompt=10, new_image=True)
             c = new_params["c"]
             assert (c["remote_port"], c["remote_engine_id"]) == (port, old_params["a"]["remote_engine_id"])
             assert c["remote_generation"] != old_params["b"]["remote_generation"]
@@ -98,17 +101,19 @@ def test_a_prefill_engine_restarted_with_fewer_blocks_is_planned_from_the_first_
     D plans it from the segments it already has (the shape memo: no strategy asked again) with
     rows and bounds of the new block count, only its remote side made anew (the hybrid's groups
     alias one tensor on both engines alike), and loads byte-exact through real NIXL."""
-    old, old_pipe, old_params = start_prefill(PDCase(model), {"a": 40})
+    old, old_pipe = spawn_prefill(PDCase(model), {"a": 40})
     new = new_pipe = d = None
     try:
+        d = decode_engine(PDCase(model))  # while P builds: P prefills, and its hold starts, once D is ready
+        old_params = publish(old, old_pipe)
         port = old_params["a"]["remote_port"]
-        d = decode_engine(PDCase(model))
         run_decode(d, old_params, {"a": 40})
         assert d.finished_recving == {"a"} and not d.failed_recving
         (first_plan,) = [r.prepared.plan for r in d.workers[0]._worker._remotes.values()]
         old.kill()
         old.join(10)
-        new, new_pipe, new_params = start_prefill(PDCase(model, num_blocks=72), {"c": 40}, port=port, first_prompt=10)
+        new, new_pipe, new_params = start_prefill(PDCase(model, num_blocks=72), {"c": 40}, port=port, first_prompt=10,
+                                                  new_image=True)  # a new process image, as a restart is
         d.add("c", prompt(10, 40), 2, dict(new_params["c"]))  # another prompt: nothing of it cached on D
         deadline = time.monotonic() + 60
         with caplog.at_level(logging.INFO, logger="nixlkv.connector"):

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import math
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -43,6 +42,7 @@ from unittest import mock
 from ..core.errors import IncompatibleTopology, NixlkvError
 from . import oracle
 from .kinds import KINDS, known_kind
+from .processes import engine_context, engine_process
 from .scenario import Scenario, Side
 
 SUPPORTED_VLLM = "0.33."
@@ -204,8 +204,7 @@ def run_baseline(
     p_parent, p_child = ctx.Pipe()
     d_parent, d_child = ctx.Pipe()
     args = (scenario, requests, corrupt, timeout)
-    procs = [ctx.Process(target=_prefill_main, args=(p_child, *args), daemon=True),
-             ctx.Process(target=_decode_main, args=(d_child, *args), daemon=True)]
+    procs = [engine_process(_prefill_main, (p_child, *args)), engine_process(_decode_main, (d_child, *args))]
     for p in procs:
         p.start()
     try:  # set-up (process start, caches, vLLM's workers) is not the transfer: its own allowance
@@ -262,19 +261,11 @@ def _from_failure(result: BaselineResult, msg: dict[str, Any]) -> BaselineResult
     return result
 
 
-_CTX: Any = None
-PRELOAD = ["vllm.config", "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector", "vllm.v1.request",
-           "vllm.v1.core.kv_cache_manager", "nixlkv.testing.rehearsal", "nixlkv.testing.vllm_baseline"]
-
-
 def _context():
-    """Forkserver with vLLM preloaded: each scenario's processes skip the ~10 s import."""
-    global _CTX
-    if _CTX is None:
-        _environment()
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(PRELOAD)
-    return _CTX
+    """Forkserver with vLLM preloaded (``nixlkv.testing.processes``): each scenario's processes
+    skip the ~10 s import."""
+    _environment()
+    return engine_context()
 
 
 def _stdout_to_stderr() -> None:
