@@ -46,6 +46,11 @@ COUNTERS = {
     "handshakes_recounted": "Handshakes given another engine's segments with their own block counts (decode side).",
     "lapsed_holds": "Loads not read because the prefill engine's hold may have ended: queued past its lease, or "
                     "arrived after the end it published (a late decode leg, or the hosts' clocks apart) (decode side).",
+    "lapsed_reads": "Loads whose READs ended after the prefill engine's hold this engine could prove (its "
+                    "heartbeats unacknowledged, e.g. the link down): not taken as loaded (decode side).",
+    "hold_acks": "Holds the prefill engine acknowledged extending, per request id and rank (decode side).",
+    "ignored_acks": "Heartbeat acknowledgements ignored: malformed, unknown or from another agent (decode side).",
+    "failed_acks": "Heartbeat acknowledgements that could not be sent to the decode engine (prefill side).",
 }
 
 
