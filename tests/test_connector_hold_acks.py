@@ -70,15 +70,16 @@ def test_ack_wire_format_round_trips_and_refuses_garbage() -> None:
 
 
 # ------------------------------------------------------------------ fault injection
-def drop_heartbeats(worker) -> list[bytes]:  # noqa: ANN001 - a NixlkvWorker
-    """Heartbeats from ``worker`` never reach P (a link that is down for them): D's real NIXL agent
-    sends everything else. Returns the list the dropped ones are appended to."""
-    dropped: list[bytes] = []
+def drop_heartbeats(worker, to: str = "") -> list[str]:  # noqa: ANN001 - a NixlkvWorker
+    """Heartbeats from ``worker`` to the P agents whose name holds ``to`` (every one by default)
+    never reach P (a link that is down for them): D's real NIXL agent sends everything else.
+    Returns the list each dropped heartbeat's agent is appended to."""
+    dropped: list[str] = []
     real = worker.nixl.notify
 
     def notify(agent: str, msg: bytes) -> None:
-        if is_heartbeat(msg):
-            dropped.append(msg)
+        if is_heartbeat(msg) and to in agent:
+            dropped.append(agent)
             return
         real(agent, msg)
 
@@ -200,7 +201,8 @@ def test_a_read_that_ends_after_the_proven_hold_is_not_taken_as_loaded(monkeypat
 
 # ------------------------------------------------------------------ vLLM's real schedulers
 @pytest.mark.vllm
-@pytest.mark.parametrize("case", ["acknowledged", "dropped", "control-dropped-counted-when-sent"])
+@pytest.mark.parametrize("case", ["acknowledged", "dropped", "control-dropped-counted-when-sent",
+                                  "pp2-acknowledged", "pp2-stage1-dropped"])
 def test_heartbeats_that_never_reach_p_fail_the_load(monkeypatch, case: str) -> None:
     """vLLM's real Schedulers: D has no free blocks for the request for 2.5 of P's leases (a local
     request occupies them; the lease is 1 s or six of this machine's steps now) and names it in a
@@ -208,19 +210,23 @@ def test_heartbeats_that_never_reach_p_fail_the_load(monkeypatch, case: str) -> 
     before). Dropped on the way: P's lease expires and P gives the blocks to its next prefill; D,
     which has no acknowledgement, fails the load and reads nothing. Control, the same with
     heartbeats counted when sent: D reads the reused blocks and reports the load good, and its
-    bytes are the other prefill's."""
+    bytes are the other prefill's. With P in two pipeline stages: both acknowledge and D loads
+    byte-exact; heartbeats to stage 1 alone dropped, stage 1's hold is unproven and D fails the
+    load (stage 0's acknowledgements do not vouch for stage 1's layers)."""
     from vllm.v1.request import RequestStatus
 
     if case.startswith("control"):
         as_earlier_prefill(monkeypatch)
+    pp = 2 if case.startswith("pp2") else 1
     d = PDEngine(PDCase(num_blocks=8), "decode", "D", {**SIDE, "heartbeat_interval_s": 0.05})
     p = None
     try:
         oracle.fill_decode(d.ranks[0])
-        dropped = drop_heartbeats(d.workers[0]._worker) if case != "acknowledged" else []
+        to = "-pp1-" if case == "pp2-stage1-dropped" else ""  # P's agents are named <engine>-tp<r>-pp<stage>-...
+        dropped = drop_heartbeats(d.workers[0]._worker, to) if "dropped" in case else []
         d.add("hog", prompt(9, 70), 200, None)  # local prefill: 5 blocks, growing
         lease_s = lease_from_steps(d)
-        p = PDEngine(PDCase(num_blocks=8), "prefill", "P", {**SIDE, "lease_s": lease_s})
+        p = PDEngine(PDCase(num_blocks=8, p_pp=pp), "prefill", "P", {**SIDE, "lease_s": lease_s})
         params = prefill(p, "r", 40)  # 3 of P's 7 usable blocks
         d.add("r", prompt(1, 40), 2, params)
         t0 = time.monotonic()
@@ -229,7 +235,7 @@ def test_heartbeats_that_never_reach_p_fail_the_load(monkeypatch, case: str) -> 
             p.step()
             time.sleep(lease_s / 10)
         assert "r" not in d.recv_blocks, "the request was not queued behind the local one"
-        if case != "acknowledged":
+        if case in ("dropped", "control-dropped-counted-when-sent"):
             assert p.finished_sending == {"r"} and dropped  # freed by its lease: no heartbeat reached P
             prefill(p, "x", 100)  # 7 blocks: P's next prefill takes r's freed blocks
         d.scheduler.finish_requests("hog", RequestStatus.FINISHED_ABORTED)
@@ -242,10 +248,19 @@ def test_heartbeats_that_never_reach_p_fail_the_load(monkeypatch, case: str) -> 
         d_stats = _stats(d, "hold_acks", "lapsed_holds", "lapsed_reads")
         loaded = d.finished_recving == {"r"} and not d.failed_recving
         exact = loaded and oracle.compare(d.ranks[0], d.expected(0, {"r": d.recv_blocks["r"]})) is None
-        if case == "acknowledged":
+        if case.endswith("acknowledged"):
             assert loaded and exact, (p_stats, d_stats, lease_s)
             assert p_stats["expired_leases"] == 0 and p_stats["lease_extensions"] > 0, p_stats
             assert d_stats["hold_acks"] > 0 and d_stats["lapsed_holds"] == d_stats["lapsed_reads"] == 0, d_stats
+            if pp == 2:  # D's worker heard from both stages' agents
+                remote = next(iter(d.workers[0]._worker._remotes.values()))
+                assert len(remote.agents) == 2 and {a.split("-")[2] for a in remote.agents.values()} == {"pp0", "pp1"}
+        elif case == "pp2-stage1-dropped":
+            assert dropped and all("-pp1-" in a for a in dropped), set(dropped)
+            assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0]), (d_stats, lease_s)
+            assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
+            assert d_stats["hold_acks"] > 0 and d_stats["lapsed_holds"] == 1, d_stats  # stage 0 did answer
+            assert p_stats["expired_leases"] >= 1, p_stats  # stage 1's
         elif case == "dropped":
             assert d.failed_recving == {"r"} and d.invalid_blocks == set(d.recv_blocks["r"][0]), (d_stats, lease_s)
             assert (d.ranks[0].buffer.numpy().view("uint8") == oracle.SENTINEL).all()  # nothing read
