@@ -777,7 +777,7 @@ class NixlkvWorker:
         if any(r.prepared is None for r in self._remotes.values()):
             return  # a handshake in progress may have re-added a retiring remote's agent name
         busy = {id(f.owner) for f in self._flights.values()} | {id(f.owner) for f, _ in self._draining.values()}
-        live = self._live_agents()
+        live = self._live_agents() | set(self._ack_peers)  # a decode agent this worker also acknowledges
         keep = []
         for remote in self._retiring:
             if id(remote) in busy:
