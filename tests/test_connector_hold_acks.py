@@ -21,8 +21,7 @@ import pytest
 from nixlkv.testing import oracle
 from nixlkv.vllm import handshake
 from nixlkv.vllm.liveness import (
-    ACK_PREFIX, ACKED_HEARTBEAT_PREFIX, HEARTBEAT_PREFIX, MAX_IDS_PER_HEARTBEAT, AckedHeartbeat,
-    acked_heartbeat_messages, encode_ack, encode_acked_heartbeat, heartbeat_messages, is_ack, is_heartbeat,
+    ACK_PREFIX, ACKED_HEARTBEAT_PREFIX, MAX_IDS_PER_HEARTBEAT, acked_heartbeat_messages, encode_ack, encode_acked_heartbeat, heartbeat_messages, is_ack, is_heartbeat,
     parse_ack, parse_acked_heartbeat, parse_heartbeat,
 )
 from nixlkv.vllm.metadata import LeaseView, NixlkvMetadata, NixlkvStats
