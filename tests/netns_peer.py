@@ -4,7 +4,8 @@
 ``prefill SPEC``: its workers hold requests on blocks filled with the oracle pattern and answer
 handshakes on its address; prints ``port N``, serves until its stdin closes.
 ``decode SPEC``: reads one command a line from stdin (``release-as-nixl-offers``: the negative
-control, READs released whatever NIXL's state; ``load RID LOCAL_IDS [HOST:PORT]``: load a
+control, READs released whatever NIXL's state; ``beat RID``: one heartbeat naming RID, and P's
+acknowledgement across the link awaited; ``load RID LOCAL_IDS [HOST:PORT]``: load a
 request of P's blocks into these blocks, from P's side channel or the one named, and print how it
 ended as one JSON line: done, failed, seconds, the connector's warnings and errors, and whether
 every block loaded so far is P's and nothing else was written); ends when stdin closes."""
@@ -66,6 +67,22 @@ def release_as_nixl_offers(nixl):  # noqa: ANN001, ANN201 - a NixlRank
     return release_handle
 
 
+def beat_once(w, rid: str, wait_s: float = 5.0) -> dict:  # noqa: ANN001 - a NixlkvWorker
+    """Name ``rid`` (lease 600 s) in one heartbeat to every handshaken remote and wait up to
+    ``wait_s`` for P's acknowledgement: what D's acknowledged-hold count gained, and whether the
+    remote said it acknowledges."""
+    before = w.stats.data.get("hold_acks", 0)
+    remotes = [r for r in w._remotes.values() if r.prepared is not None]
+    for remote in remotes:
+        w._beat(remote, {rid: (600.0, time.monotonic())})
+    t0 = time.monotonic()
+    while w.stats.data.get("hold_acks", 0) == before and time.monotonic() - t0 < wait_s:
+        w.get_finished(set())
+        time.sleep(0.01)
+    return {"remotes": len(remotes), "acks": all(r.acks for r in remotes),
+            "hold_acks": w.stats.data.get("hold_acks", 0) - before, "seconds": round(time.monotonic() - t0, 3)}
+
+
 def decode(spec: dict) -> None:
     log = LogLines()
     logging.getLogger("nixlkv.connector").addHandler(log)
@@ -84,6 +101,9 @@ def decode(spec: dict) -> None:
             if cmd[0] == "release-as-nixl-offers":  # the negative control: release READs NIXL still runs
                 w.nixl.release_handle = release_as_nixl_offers(w.nixl)
                 print("result {}", flush=True)
+                continue
+            if cmd[0] == "beat":  # one heartbeat naming RID to every handshaken P; P's acknowledgement awaited
+                print("result " + json.dumps(beat_once(w, cmd[1])), flush=True)
                 continue
             rid, local = cmd[1], [int(b) for b in cmd[2].split(",")]
             host, port = spec["remote_host"], spec["remote_port"]

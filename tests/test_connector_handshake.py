@@ -49,6 +49,25 @@ def rewrap(payload, version=hs.SCHEMA_VERSION, hash_=HASH) -> bytes:
     return msgspec.msgpack.encode([version, hash_, msgspec.msgpack.encode(payload)])
 
 
+def test_heartbeat_acks_are_offered_and_an_earlier_reader_ignores_the_field() -> None:
+    """This nixlkv says it acknowledges heartbeats; an earlier peer's payload (no such field) reads
+    as one that does not (D then sends it plain heartbeats); an earlier reader's payload struct
+    (no such field) decodes this nixlkv's payload, the field ignored."""
+    assert hs.decode_reply(valid(), HASH).heartbeat_acks
+    earlier = payload_dict()
+    assert earlier[-1] is True and len(earlier) == 5
+    assert not hs.decode_reply(rewrap(earlier[:4]), HASH).heartbeat_acks
+
+    class EarlierPayload(msgspec.Struct, array_like=True):  # EnginePayload before heartbeat_acks
+        engine_id: str
+        tp_size: int
+        ranks: list
+        pp_size: int = 1
+
+    got = msgspec.msgpack.decode(msgspec.msgpack.decode(valid())[2], type=EarlierPayload)
+    assert got.engine_id == "P" and got.tp_size == 2 and len(got.ranks) == 2 and got.pp_size == 1
+
+
 def test_round_trip() -> None:
     engine = hs.decode_reply(valid(), HASH, expected_engine_id="P")
     assert engine.tp_size == 2 and engine.geometry[1] == geometry(1) and engine.agent_metadata[0] == b"agent-0"

@@ -50,6 +50,11 @@ class Peer:
         self.proc.stdin.flush()
         return json.loads(self.line("result "))
 
+    def command(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.line("result "))
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -128,6 +133,16 @@ def test_a_read_cut_by_a_link_down_is_given_up_only_once_nothing_can_land(pair) 
     last = d.load("r6", [25, 26, 27])
     # every block of every load is as it was when D reported it: no late write into the cut READ's blocks
     assert last["done"] and not last["failed"] and last["bytes_exact"], last
+
+
+def test_p_acknowledges_heartbeats_across_the_link(pair) -> None:
+    """P answers D's heartbeat over NIXL to D's own agent, on the other host: the path D's proof of
+    P's hold rests on (docs/vllm.md, "Failure semantics")."""
+    _, _, d, _ = pair
+    ok = d.load("r9", [34, 35, 36])  # a handshake to P (again, after the cut) and a load
+    assert ok["done"] and not ok["failed"] and ok["bytes_exact"], ok
+    acked = d.command("beat r10")  # r10: held by P, not read yet
+    assert acked["remotes"] == 1 and acked["acks"] and acked["hold_acks"] == 1, acked
 
 
 def test_control_a_read_released_as_nixl_offers_lands_after_it_was_reported(pair) -> None:

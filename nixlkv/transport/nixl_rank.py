@@ -112,9 +112,24 @@ class NixlRank:
         # of one layout, a restarted one) share one prepped list, as vLLM keeps its local handles.
         self._local_lists: list[_SharedList] = []
         self._lists_lock = threading.Lock()  # handshakes prepare on their thread; the engine releases
+        self._connection_md: bytes | None = None
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
+
+    def connection_metadata(self) -> bytes:
+        """What a peer needs to send this agent notifications, and nothing of its memory: a few
+        hundred bytes, where the full metadata describes every registered region (kilobytes).
+        The full metadata where this NIXL cannot make the partial one."""
+        if self._connection_md is None:
+            try:
+                from nixl._api import nixlBind
+
+                no_memory = nixlBind.nixlRegDList(self.agent.nixl_mems[self.mem_type], np.zeros((0, 3), np.uint64))
+                self._connection_md = bytes(self.agent.get_partial_agent_metadata(no_memory, True, []))
+            except Exception:  # noqa: BLE001 - another NIXL's wrapper: the full metadata serves too
+                self._connection_md = bytes(self.metadata())
+        return self._connection_md
 
     def add_remote(self, metadata: bytes) -> str:
         name = self.agent.add_remote_agent(metadata)

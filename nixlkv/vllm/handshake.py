@@ -4,11 +4,14 @@ Wire format (msgpack through msgspec, never pickle)::
 
     reply    = [schema_version: int, compat_hash: str, payload: bytes, [compat_inputs: map]]
     payload  = [engine_id: str, tp_size: int, ranks: [[tp_rank: int, agent_metadata: bytes, geometry: map,
-                [pp_rank: int]], ...], [pp_size: int]]
+                [pp_rank: int]], ...], [pp_size: int], [heartbeat_acks: bool]]
     geometry = {engine_id, tp_size, tp_rank, [pp_size, pp_rank, layers], memory: [[address, nbytes], ...], device_id, mem_type,
                 region_classes: [{strategy, num_blocks, block_stride, page, [page_parts], facts}, ...],
                 region_columns: {name: [str], base: [int], group: [int], class: [int]}}
     request  = [schema_version: int]
+
+``heartbeat_acks``: the engine answers acknowledged heartbeats (``liveness``); absent (an earlier
+nixlkv) means it does not, and D sends it plain ones. An earlier reader ignores the field.
 
 A pipeline-parallel engine lists ``tp_size`` ranks of each of its ``pp_size`` stages, each rank
 with its stage, and each rank's geometry names its stage and the layers it holds; a TP-only
@@ -80,6 +83,7 @@ class EnginePayload(msgspec.Struct, array_like=True):
     tp_size: int
     ranks: list[RankPayload]
     pp_size: int = 1  # pipeline stages: ``ranks`` lists tp_size ranks of each
+    heartbeat_acks: bool = False  # answers acknowledged heartbeats (an earlier nixlkv sends no such field)
 
 
 class Request(msgspec.Struct, array_like=True):
@@ -97,6 +101,7 @@ class RemoteEngine:
     geometry: dict[int, RankGeometry]
     agent_metadata: dict[int, bytes]
     pp_size: int = 1
+    heartbeat_acks: bool = False  # its workers acknowledge heartbeats (liveness): D can prove its holds
 
     def stage(self, pp_rank: int) -> dict[int, RankGeometry]:
         """TP rank -> geometry of the ranks of one pipeline stage whose geometry was parsed."""
@@ -156,15 +161,17 @@ def _short(value: Any) -> str:
 
 def encode_reply(
     engine_id: str, tp_size: int, ranks: Mapping[int, tuple[bytes, RankGeometry]], hash_: str,
-    inputs: Mapping[str, Any] | None = None, pp_size: int = 1,
+    inputs: Mapping[str, Any] | None = None, pp_size: int = 1, heartbeat_acks: bool = True,
 ) -> bytes:
     """``ranks``: by :func:`global_rank`. ``inputs``: what ``hash_`` was made of
-    (:func:`compat_hash`), sent so that a peer refusing it can say which setting differs."""
+    (:func:`compat_hash`), sent so that a peer refusing it can say which setting differs.
+    ``heartbeat_acks``: this nixlkv's workers acknowledge heartbeats (False: an earlier peer's reply)."""
     payload = EnginePayload(
         engine_id=engine_id,
         tp_size=tp_size,
         ranks=[RankPayload(r % tp_size, meta, geo.to_wire(), r // tp_size) for r, (meta, geo) in sorted(ranks.items())],
         pp_size=pp_size,
+        heartbeat_acks=heartbeat_acks,
     )
     sent = None if inputs is None else wire_inputs(inputs)
     return msgspec.msgpack.encode(Reply(SCHEMA_VERSION, hash_, msgspec.msgpack.encode(payload), sent))
@@ -281,7 +288,7 @@ def _validate(
         _check_regions_in_memory(geo, rp.tp_rank)
         geometry[g] = geo
         agents[g] = bytes(rp.agent_metadata)
-    return RemoteEngine(payload.engine_id, tp, geometry, agents, pp)
+    return RemoteEngine(payload.engine_id, tp, geometry, agents, pp, payload.heartbeat_acks)
 
 
 def _check_regions_in_memory(geo: RankGeometry, rank: int) -> None:

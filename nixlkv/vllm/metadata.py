@@ -155,15 +155,19 @@ class NixlkvStats(KVConnectorStats):
     # handshakes by how their plan was made: the strategies asked, another engine's plan at these
     # addresses, or another engine's segments with these block counts), lapsed_holds (loads not
     # read because P's hold may have ended: queued past the lease, or reached D after the end P
-    # published, a late decode leg or the hosts' clocks apart);
+    # published, a late decode leg or the hosts' clocks apart), lapsed_reads (loads whose READs
+    # ended after the hold D can prove, not taken as loaded), hold_acks (holds P's acknowledgements
+    # confirmed extended), ignored_acks (acknowledgements malformed, unknown or from another agent);
     # P: expired_leases, ignored_notifications (not nixlkv's or malformed), lease_extensions (a
-    # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held).
+    # heartbeat kept a hold alive), stale_heartbeats (a heartbeat named a request no longer held),
+    # failed_acks (acknowledgements that could not be sent).
     # Push mode: push_writes (P: WRITEs that ended done), push_abandoned (D: requests whose orders
     # were not written within transfer_timeout_s), stale_push_answers (D: an answer for no order out).
     COUNTERS = ("failed_transfers", "failed_handshakes", "expired_leases", "ignored_notifications",
                 "heartbeats_sent", "lease_extensions", "stale_heartbeats", "remotes_released",
                 "unreleased_transfers", "release_retries", "staged_loads",
                 "handshakes_planned", "handshakes_rebased", "handshakes_recounted", "lapsed_holds",
+                "lapsed_reads", "hold_acks", "ignored_acks", "failed_acks",
                 "push_writes", "push_abandoned", "stale_push_answers")
 
     def reset(self) -> None:

@@ -49,6 +49,11 @@ COUNTERS = {
     "push_writes": "WRITEs that ended done in push mode (prefill side).",
     "push_abandoned": "Push-mode loads not written within transfer_timeout_s: abandoned, blocks held until answered (decode side).",
     "stale_push_answers": "Push-mode answers for no order out (decode side).",
+    "lapsed_reads": "Loads whose READs ended after the prefill engine's hold this engine could prove (its "
+                    "heartbeats unacknowledged, e.g. the link down): not taken as loaded (decode side).",
+    "hold_acks": "Holds the prefill engine acknowledged extending, per request id and rank (decode side).",
+    "ignored_acks": "Heartbeat acknowledgements ignored: malformed, unknown or from another agent (decode side).",
+    "failed_acks": "Heartbeat acknowledgements that could not be sent to the decode engine (prefill side).",
 }
 
 

@@ -287,6 +287,10 @@ class PushWriter:
         self.peers[(sender, hello.plan)] = _Peer(agent, local, remote, descriptor_count(hello.prefill_rows),
                                                  descriptor_count(hello.decode_rows))
 
+    def agents(self) -> set[str]:
+        """The decode agents some plan of which is prepared here."""
+        return {peer.agent for peer in self.peers.values()}
+
     def knows(self, sender: str, plan: int) -> bool:
         return (sender, plan) in self.peers
 

@@ -12,7 +12,10 @@ that errors or times out fails its request and reports its blocks as invalid.
 Liveness (``liveness``): D sends the heartbeats the scheduler asks for to the P ranks it reads
 from, and never reads a request P may no longer hold (lease possibly expired) or that a previous
 incarnation of P prefilled (generation changed: the remote is handshaken again). P extends a hold
-by its lease on each heartbeat naming it, on its own clock.
+by its lease on each heartbeat naming it, on its own clock, and acknowledges it to the sender. D
+counts a hold extended only by an acknowledged heartbeat, by every P rank it tells (every stage),
+from the heartbeat's send on D's clock; a READ posted after, or ending after, the end of the hold
+D can prove is not taken as loaded.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from . import damage
 from .kvdump import DumpOrder, dump_request, write_failure
 from . import handshake
 from .config import ConfigError, ConnectorConfig
-from .liveness import engine_generation, heartbeat_messages, is_heartbeat, parse_heartbeat
+from .liveness import (
+    ACKED_HEARTBEAT_PREFIX, AckedHeartbeat, acked_heartbeat_messages, encode_ack, encode_acked_heartbeat,
+    engine_generation, heartbeat_messages, is_ack, is_heartbeat, parse_ack, parse_acked_heartbeat, parse_heartbeat,
+)
 from . import push
-from .metadata import LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, RemoteKey
+from .metadata import LEASE_SAFETY, LeaseView, NixlkvMetadata, NixlkvStats, RecvRequest, RemoteKey
 
 # A LeaseView read on this worker's clock: (lease_s, held at least until).
 Held = tuple[float, float]
@@ -43,6 +49,9 @@ Held = tuple[float, float]
 # step), remembered until lease_s passes. Bounded: a peer sending distinct unknown ids cannot grow
 # it without end; past the bound the oldest is forgotten (its request then frees by its lease).
 MAX_EARLY_REQUESTS = 4096
+# P: decode agents loaded to acknowledge their heartbeats; one not heard from for two leases is
+# forgotten (a decode engine that restarted has a new agent), the oldest beyond this bound too.
+MAX_ACK_PEERS = 1024
 
 logger = logging.getLogger("nixlkv.connector")
 
@@ -69,6 +78,7 @@ class _Remote:
     stage_prepared: dict[int, ReaderPlan] = field(default_factory=dict)
     stage_agents: dict[int, dict[int, str]] = field(default_factory=dict)
     generation: str | None = None
+    acks: bool = False  # its workers acknowledge heartbeats (handshake): holds are proven, not assumed
     pending_heartbeats: dict[str, Held | None] = field(default_factory=dict)  # sent once handshaken
     # push mode: this handshake's plan numbers (one per remote stage read; each prefill rank prepares
     # its plan once), and the (stage, remote rank) pairs said hello to
@@ -128,6 +138,16 @@ class _Flight:
     flight: InFlight | StagedFlight | _StageFlights
 
 
+@dataclass(frozen=True)
+class _SentBeat:
+    """An acknowledged heartbeat D sent, until its acknowledgements are of no more use."""
+
+    key: RemoteKey
+    sent_at: float  # this worker's monotonic clock, read before sending: P extended after it
+    leases: Mapping[str, float]  # P request id -> its lease, for the ids whose hold D judges
+    agents: frozenset[str]  # the P agents it went to: only their acknowledgements count
+
+
 @dataclass
 class _Hold:
     deadline: float
@@ -148,6 +168,18 @@ def lapsed_hold_reason(lease_s: float | None) -> str:
         "apart by more than a tenth of the lease); not reading them. If decode legs may reach this engine later "
         "than that after the prefill engine answered, raise lease_s in the prefill engine's "
         'kv_connector_extra_config (docs/configuration.md, "The lease"); if the clocks disagree, synchronise them'
+    )
+
+
+def lapsed_read_reason(lease_s: float | None) -> str:
+    """Why a load whose READs completed is not taken as loaded, and the fix (D's log for the request)."""
+    lease = f"lease_s={lease_s:g} s" if lease_s is not None else "its lease_s"
+    return (
+        f"its READs ended after the last moment this engine can prove the prefill engine still held the blocks "
+        f"({lease} from the last heartbeat it acknowledged): the link to it was down or stalled for longer, so it "
+        "may have freed and reused them and what was read may be another request's KV; not taking it as loaded. "
+        "If the link to the prefill engine may be down longer than lease_s less transfer_timeout_s, raise lease_s "
+        "in the prefill engine's kv_connector_extra_config (docs/configuration.md, \"The lease\")"
     )
 
 
@@ -186,7 +218,14 @@ class NixlkvWorker:
         self._remotes: dict[RemoteKey, _Remote] = {}
         self._generations: dict[RemoteKey, str] = {}  # last handshaken incarnation of each remote
         self._retired: dict[RemoteKey, set[str]] = {}  # its previous incarnations
-        self._held_until: dict[tuple[RemoteKey, str], float] = {}  # P request -> held at least until
+        # P request -> held at least until, from heartbeats sent to a remote that does not acknowledge
+        self._held_until: dict[tuple[RemoteKey, str], float] = {}
+        # P request -> P agent -> held at least until, proven by that agent's acknowledgement
+        self._proven: dict[tuple[RemoteKey, str], dict[str, float]] = {}
+        self._beats: dict[int, _SentBeat] = {}  # acknowledged heartbeats sent, by sequence number
+        self._seq = 0
+        self._unacked_warned: set[RemoteKey] = set()
+        self._ack_peers: dict[str, float] = {}  # P: decode agent -> last heartbeat from it (monotonic)
         self._waiting: dict[str, RecvRequest] = {}  # bound to a remote whose handshake is pending
         self._flights: dict[str, _Flight] = {}
         self._draining: dict[str, tuple[_Flight, str]] = {}  # given up, but NIXL may still write: (flight, why)
@@ -443,6 +482,7 @@ class NixlkvWorker:
                 remote.stages, remote.stage_prepared, remote.stage_agents = done.stages, done.stage_prepared, done.stage_agents
                 remote.nixl_seconds, remote.prepare_seconds = done.nixl_seconds, done.prepare_seconds
                 remote.generation = self._new_generation(key, engine_generation(engine.agent_metadata))
+                remote.acks = engine.heartbeat_acks
             except Exception as exc:  # noqa: BLE001 - any failure fails this remote's requests only
                 del self._remotes[key]
                 in_use = self._live_agents() | {n for r in self._retiring for n in r.agents.values()}
@@ -499,6 +539,9 @@ class NixlkvWorker:
             return
         named = {(key, rid) for key, views in heartbeats.items() for rid in views}
         self._held_until = {k: v for k, v in self._held_until.items() if k in named}
+        self._proven = {k: v for k, v in self._proven.items() if k in named}
+        clock = time.monotonic()  # an acknowledgement past a heartbeat's lease proves nothing more
+        self._beats = {seq: b for seq, b in self._beats.items() if clock < b.sent_at + max(b.leases.values(), default=0.0)}
         for key, leases in heartbeats.items():
             views = {rid: None if v is None else (v.lease_s, now + v.held_for_s) for rid, v in leases.items()}
             remote = self._remote(key)
@@ -508,9 +551,19 @@ class NixlkvWorker:
                 self._beat(remote, views)
 
     def _beat(self, remote: _Remote, views: Mapping[str, Held | None]) -> None:
-        now = time.monotonic()
+        """Send one heartbeat to every P rank of ``remote``: an acknowledged one where it answers
+        them (the hold counts from its acknowledgement, :meth:`_on_ack`), a plain one to an earlier
+        nixlkv (the hold counts from the send, as before acknowledgements)."""
+        now = time.monotonic()  # before sending: P extends at the arrival, after it
+        beats: list[AckedHeartbeat] = []
+        if remote.acks:
+            beats = acked_heartbeat_messages(views, self._seq, self.nixl.connection_metadata())
+            self._seq += len(beats)
+            msgs = [encode_acked_heartbeat(b) for b in beats]
+        else:
+            msgs = heartbeat_messages(views)
         try:
-            for msg in heartbeat_messages(views):
+            for msg in msgs:
                 for agent in remote.agents.values():
                     self.nixl.notify(agent, msg)
         except Exception as exc:  # noqa: BLE001 - the remote is gone: handshake again before reading
@@ -518,25 +571,79 @@ class NixlkvWorker:
             self._invalidate(remote.key)
             return
         self.stats.count("heartbeats_sent", len(views))
+        if remote.acks:
+            agents = frozenset(remote.agents.values())
+            for b in beats:
+                leases = {rid: views[rid][0] for rid in b.ids if views[rid] is not None}
+                self._beats[b.seq] = _SentBeat(remote.key, now, leases, agents)
+            return
+        if remote.key not in self._unacked_warned:
+            self._unacked_warned.add(remote.key)
+            logger.warning(
+                "nixlkv engine=%s remote=%s:%d does not acknowledge heartbeats (an earlier nixlkv): this engine counts "
+                "a heartbeat as arrived when it leaves, so a link to it down for longer than its lease_s less "
+                "transfer_timeout_s can go undetected (a READ of blocks it freed, taken as loaded). Upgrade the "
+                "prefill engine's nixlkv", *remote.key,
+            )
         for rid, view in views.items():
             # Still held when the heartbeat left: held a lease after it arrives.
-            if view is not None and now < self._held(remote.key, rid, view[1]):
+            if view is not None and now < self._held(remote, rid, view[1]):
                 self._held_until[(remote.key, rid)] = now + view[0]
 
-    def _held(self, key: RemoteKey, remote_rid: str, without_heartbeats: float) -> float:
-        """Until when P surely holds the request's blocks (this worker's clock)."""
-        return max(without_heartbeats, self._held_until.get((key, remote_rid), without_heartbeats))
+    def _on_ack(self, agent: str, msg: bytes) -> None:
+        """D: P's acknowledgement of an acknowledged heartbeat: the holds it names were extended
+        at its arrival, so they last ``LEASE_SAFETY`` x the lease from its send (the margin for the
+        two hosts' clock rates). Malformed acknowledgements, and those of a heartbeat never sent (to
+        that agent), are ignored and counted; a late one (its heartbeat's lease over) is dropped."""
+        try:
+            ack = parse_ack(msg)
+        except ValueError as exc:
+            self.stats.count("ignored_acks")
+            logger.warning("nixlkv ignored a malformed heartbeat acknowledgement from %s (%s): %r", agent, exc,
+                           bytes(msg[:64]))
+            return
+        beat = self._beats.get(ack.seq)
+        if beat is None and ack.seq < self._seq:  # late: past its lease (a link back up), it proves nothing more
+            logger.debug("nixlkv acknowledgement of heartbeat %d from %s came after its lease", ack.seq, agent)
+            return
+        if beat is None or agent not in beat.agents:
+            self.stats.count("ignored_acks")
+            logger.warning("nixlkv ignored an acknowledgement of heartbeat %d from %s: %s", ack.seq, agent,
+                           "never sent" if beat is None else "not sent to that agent")
+            return
+        for rid in ack.ids:
+            lease = beat.leases.get(rid)
+            if lease is None:  # not named in that heartbeat, or no lease to judge
+                continue
+            ends = self._proven.setdefault((beat.key, rid), {})
+            end = beat.sent_at + LEASE_SAFETY * lease
+            if end > ends.get(agent, float("-inf")):
+                ends[agent] = end
+        self.stats.count("hold_acks", len(ack.ids))
 
-    def _lease_lapsed(self, req: RecvRequest) -> bool:
+    def _held(self, remote: _Remote, remote_rid: str, without_heartbeats: float) -> float:
+        """Until when P surely holds the request's blocks (this worker's clock): where P
+        acknowledges heartbeats, the latest end every P rank told of the request acknowledged (each
+        stage's ranks hold their own layers' blocks), else the end the heartbeats sent promise."""
+        key = (remote.key, remote_rid)
+        if remote.acks:
+            ends = self._proven.get(key)
+            if not ends or not remote.agents:
+                return without_heartbeats
+            proven = min(ends.get(a, float("-inf")) for a in remote.agents.values())
+            return max(without_heartbeats, proven)
+        return max(without_heartbeats, self._held_until.get(key, without_heartbeats))
+
+    def _lease_lapsed(self, req: RecvRequest, remote: _Remote) -> bool:
         """True when P may have freed the blocks (no heartbeat kept the hold alive in time)."""
         if req.held_for_s is None:
             return False
         received = time.monotonic() if req.received_at is None else req.received_at
-        return time.monotonic() > self._held(req.key, req.remote_request_id, received + req.held_for_s)
+        return time.monotonic() > self._held(remote, req.remote_request_id, received + req.held_for_s)
 
     def _post(self, rid: str, req: RecvRequest, remote: _Remote) -> None:
         plan = remote.prepared.plan if remote.stages is None else remote.stages
-        if any(req.local_block_ids) and self._lease_lapsed(req):
+        if any(req.local_block_ids) and self._lease_lapsed(req, remote):
             self.stats.count("lapsed_holds")
             self._fail(rid, req, lapsed_hold_reason(req.lease_s))
             return
@@ -626,6 +733,11 @@ class NixlkvWorker:
                 continue
             if done:
                 del self._flights[rid]
+                if any(f.request.local_block_ids) and self._lease_lapsed(f.request, f.owner):
+                    # ended after the hold D can prove: P may have freed and reused the blocks meanwhile
+                    self.stats.count("lapsed_reads")
+                    self._fail(rid, f.request, lapsed_read_reason(f.request.lease_s))
+                    continue
                 self._loaded(rid, f.request, f.owner.key[0], f.flight.nbytes, f.flight.descriptors,
                              now - f.flight.posted_at, f.flight.post_seconds, f.flight.mode)
             elif now - f.flight.posted_at > self.config.transfer_timeout_s:
@@ -691,7 +803,7 @@ class NixlkvWorker:
             return  # a handshake in progress may have re-added a retiring remote's agent name
         busy = {id(f.owner) for f in self._flights.values()} | {id(f.owner) for f, _ in self._draining.values()} \
             | {id(remote) for _, remote, _ in self._pushes.values()}  # its agents still answer our orders
-        live = self._live_agents()
+        live = self._live_agents() | set(self._ack_peers)  # a decode agent this worker also acknowledges
         keep = []
         for remote in self._retiring:
             if id(remote) in busy:
@@ -715,6 +827,7 @@ class NixlkvWorker:
                 logger.warning("nixlkv could not note the failed load of req=%s in %s: %s", rid,
                                self.config.dump_kv_dir, exc)
         self._held_until.pop((req.key, req.remote_request_id), None)
+        self._proven.pop((req.key, req.remote_request_id), None)
         blocks = sorted({b for g in req.local_block_ids for b in g})
         logger.error(
             "nixlkv recv failed req=%s engine=%s remote=%s:%d blocks=%d reason=%s",
@@ -733,12 +846,16 @@ class NixlkvWorker:
     def _read_notifications(self) -> None:
         if self.nixl is None:
             return
-        now = time.monotonic()
-        for agent, msgs in self.nixl.notifications().items():
+        notifications = self.nixl.notifications()
+        now = time.monotonic()  # after they arrived: a hold extended from now outlasts the heartbeat's send by lease_s
+        for agent, msgs in notifications.items():
             agent = agent.decode() if isinstance(agent, bytes) else str(agent)
             for msg in msgs:
                 if is_heartbeat(msg):
-                    self._on_heartbeat(msg, now)
+                    self._on_heartbeat(agent, msg, now)
+                    continue
+                if is_ack(msg):
+                    self._on_ack(agent, msg)
                     continue
                 kind = push.kind(msg)
                 if kind is not None:
@@ -775,13 +892,18 @@ class NixlkvWorker:
             MAX_EARLY_REQUESTS, oldest, count,
         )
 
-    def _on_heartbeat(self, msg: bytes, now: float) -> None:
+    def _on_heartbeat(self, agent: str, msg: bytes, now: float) -> None:
+        """P: extend the hold of every request a heartbeat names that this worker still holds, by
+        its lease from ``now``; answer an acknowledged heartbeat with the ids extended."""
+        acked = bytes(msg[: len(ACKED_HEARTBEAT_PREFIX)]) == ACKED_HEARTBEAT_PREFIX
         try:
-            rids = parse_heartbeat(msg)
+            beat = parse_acked_heartbeat(msg) if acked else None
+            rids = beat.ids if beat is not None else parse_heartbeat(msg)
         except ValueError as exc:
             self.stats.count("ignored_notifications")
             logger.warning("nixlkv ignored a malformed heartbeat (%s): %r", exc, bytes(msg[:64]))
             return
+        extended = []
         for rid in rids:
             hold = self._holds.get(rid)
             if hold is None:  # already freed (read, expired) or never held here
@@ -789,7 +911,49 @@ class NixlkvWorker:
                 logger.debug("nixlkv heartbeat for request %s not held by this worker", rid)
                 continue
             hold.deadline = max(hold.deadline, now + hold.lease)
+            extended.append(rid)
             self.stats.count("lease_extensions")
+        if beat is not None:
+            self._acknowledge(agent, beat, extended, now)
+
+    def _acknowledge(self, agent: str, beat: AckedHeartbeat, extended: list[str], now: float) -> None:
+        """P: tell the decode agent which holds its heartbeat ``beat`` extended (an empty list too:
+        it then knows those holds ended). Its agent is loaded from ``beat.reply_to`` the first time."""
+        if agent not in self._ack_peers and agent not in self._live_agents() and agent not in self._writer_agents():
+            try:
+                name = self.nixl.add_remote(beat.reply_to)
+            except Exception as exc:  # noqa: BLE001 - nixl raises its own types for metadata it cannot load
+                self.stats.count("failed_acks")
+                logger.warning("nixlkv cannot acknowledge heartbeats of %s: its reply_to did not load: %s: %s",
+                               agent, type(exc).__name__, exc)
+                return
+            if name != agent:  # metadata of another agent: not loaded for it
+                if name not in self._live_agents() and name not in self._ack_peers:
+                    self.nixl.remove_remote(name)
+                self.stats.count("failed_acks")
+                logger.warning("nixlkv cannot acknowledge heartbeats of %s: its reply_to names agent %s", agent, name)
+                return
+        self._ack_peers.pop(agent, None)
+        self._ack_peers[agent] = now  # last: the oldest peer is first
+        try:
+            self.nixl.notify(agent, encode_ack(beat.seq, extended))
+        except Exception as exc:  # noqa: BLE001 - D gone or unreachable: its holds end by their lease
+            self.stats.count("failed_acks")
+            logger.warning("nixlkv could not acknowledge a heartbeat of %s: %s: %s", agent, type(exc).__name__, exc)
+            self._forget_ack_peer(agent)
+            return
+        while len(self._ack_peers) > MAX_ACK_PEERS:
+            self._forget_ack_peer(next(iter(self._ack_peers)))
+
+    def _forget_ack_peer(self, agent: str) -> None:
+        """P: drop a decode agent loaded only to acknowledge its heartbeats (not one this worker reads from)."""
+        self._ack_peers.pop(agent, None)
+        if agent not in self._live_agents() and agent not in self._writer_agents():
+            self.nixl.remove_remote(agent)
+
+    def _writer_agents(self) -> set[str]:
+        """P in push mode: the decode agents this worker writes to (loaded whole from their hellos)."""
+        return self._writer.agents() if self._writer is not None else set()
 
     def _expire_holds(self) -> None:
         now = time.monotonic()
@@ -806,6 +970,11 @@ class NixlkvWorker:
                     "kv_connector_extra_config (docs/configuration.md, \"The lease\")",
                     rid, hold.count, hold.consumers if hold.consumers is not None else "?", f"{hold.lease:g}",
                 )
+        for agent, heard in list(self._ack_peers.items()):
+            if now - heard > 2 * self.config.lease_s:  # ordered by last heard: the rest are newer
+                self._forget_ack_peer(agent)
+            else:
+                break
         for rid, (count, _, seen) in list(self._early.items()):
             if now - seen > self.config.lease_s:
                 del self._early[rid]
