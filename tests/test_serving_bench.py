@@ -133,3 +133,33 @@ def test_push_variants_get_their_connector_and_the_same_agent_settings() -> None
            "ratios": {"128": {"ttft_push_over_pull": 1.0, "ttft_push_over_vllm_push": 1.0}}}
     lines = bench.push_markdown([row]).strip().splitlines()
     assert len(lines) == 3 and lines[2].count("100 (99-101)") == 4
+
+
+def test_a_push_connector_that_does_not_serve_is_reported_and_the_rest_measured(monkeypatch) -> None:
+    """vLLM's NixlPushConnector may not start on a vLLM build: its variant records why, the other
+    variants are measured, the ratio against it is left out; a pull variant failing still fails."""
+    from nixlkv.serving.check import Case
+    from nixlkv.serving.launch import ServeError
+
+    def fake_measure(case, opts, plan, progress=None):  # type: ignore[no-untyped-def]
+        if case.connector == "vllm-push":
+            raise ServeError("decode exited with 1 before it was ready")
+        push = dict(case.connector_config).get("transfer_mode") == "push"
+        ttft = {"nixlkv": 200.0, "vllm": 250.0}[case.connector] * (0.5 if push else 1.0)
+        return {"lengths": {"128": {"ttft_ms_median": ttft, "ttft_ms": [ttft], "xfer_ms_per_request": 1.0,
+                                    "bytes_per_request": 0.0}}}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    out = bench.run(Case(model="tiny-llama"), None, BenchPlan(lengths=(128,), push=True))
+    assert "ServeError" in out["vllm-push"]["error"]
+    assert out["ratios"]["128"]["ttft_push_over_pull"] == pytest.approx(0.5)
+    assert "ttft_push_over_vllm_push" not in out["ratios"]["128"]
+    line = bench.push_markdown([out]).strip().splitlines()[2]
+    assert "did not serve: ServeError" in line and "| 0.50 | - |" in line
+
+    def pull_fails(case, opts, plan, progress=None):  # type: ignore[no-untyped-def]
+        raise ServeError("prefill exited")
+
+    monkeypatch.setattr(bench, "measure", pull_fails)
+    with pytest.raises(ServeError):
+        bench.run(Case(model="tiny-llama"), None, BenchPlan(lengths=(128,), push=True))

@@ -28,7 +28,8 @@ import numpy as np
 from . import models
 from .ceiling import VLLM_AGENT, AgentSettings, read_ceiling
 from .check import FIRST_ID, Case, Options, Servers
-from .client import complete, delta, scrape
+from .client import CompletionError, complete, delta, scrape
+from .launch import ServeError
 
 CONNECTORS = ("nixlkv", "vllm")
 # with ``push``, each connector's push mode too: nixlkv's transfer_mode push, vLLM's NixlPushConnector
@@ -179,7 +180,15 @@ def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dic
     out: dict[str, Any] = {"model": case.model, "shape": case.label.rsplit(" ", 1)[0], "plan": asdict(plan),
                            "kv_bytes_per_token": models.kv_bytes_per_token(models.recipe(case.model))}
     for variant in plan.variants:
-        out[variant] = measure(variant_case(case, variant, plan.agent), opts, plan, progress)
+        try:
+            out[variant] = measure(variant_case(case, variant, plan.agent), opts, plan, progress)
+        except (ServeError, CompletionError, OSError) as exc:
+            if variant not in PUSH_VARIANTS:  # the pull comparison is the run's point: no half result
+                raise
+            # a push connector that does not serve here is reported, and the other variants measured
+            out[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            if progress:
+                progress(f"{variant}: {out[variant]['error']}")
     out["ceiling"] = {}
     out["ratios"] = {}
     out["goals"] = {}
@@ -196,7 +205,8 @@ def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dic
         out["ceiling"][length] = ceiling
         out["ratios"][length] = ratios(n, v, ceiling["ms_p50"] / 1000 if ceiling else None)
         if plan.push:
-            out["ratios"][length].update(push_ratios({k: out[k]["lengths"][length] for k in plan.variants}))
+            out["ratios"][length].update(push_ratios({k: out[k]["lengths"][length] for k in plan.variants
+                                                      if "lengths" in out[k]}))
         out["goals"][length] = goals(out["ratios"][length])
     return out
 
@@ -205,8 +215,12 @@ def push_ratios(by_variant: dict[str, dict[str, Any]]) -> dict[str, float]:
     """One length's TTFT in push mode: nixlkv's against its own pull mode and against vLLM's push
     connector (<= 1: as fast or faster)."""
     ttft = {k: v["ttft_ms_median"] for k, v in by_variant.items()}
-    return {"ttft_push_over_pull": ttft["nixlkv-push"] / ttft["nixlkv"],
-            "ttft_push_over_vllm_push": ttft["nixlkv-push"] / ttft["vllm-push"]}
+    out = {}
+    if "nixlkv-push" in ttft:
+        out["ttft_push_over_pull"] = ttft["nixlkv-push"] / ttft["nixlkv"]
+        if "vllm-push" in ttft:
+            out["ttft_push_over_vllm_push"] = ttft["nixlkv-push"] / ttft["vllm-push"]
+    return out
 
 
 def push_markdown(rows: list[dict[str, Any]]) -> str:
@@ -219,11 +233,15 @@ def push_markdown(rows: list[dict[str, Any]]) -> str:
         for length in map(str, r["plan"]["lengths"]):
             cells = []
             for k in ("nixlkv", "nixlkv-push", "vllm", "vllm-push"):
+                if "error" in r[k]:
+                    cells.append(f"did not serve: {r[k]['error'][:80]}")
+                    continue
                 m = r[k]["lengths"][length]
                 cells.append(f"{m['ttft_ms_median']:.0f} ({_spread(m['ttft_ms'])})")
             q = r["ratios"][length]
+            ratio = [f"{q[k]:.2f}" if k in q else "-" for k in ("ttft_push_over_pull", "ttft_push_over_vllm_push")]
             lines.append(f"| {r['model']} | {r['shape'].split(' ', 1)[-1]} | {length} | {' | '.join(cells)} | "
-                         f"{q['ttft_push_over_pull']:.2f} | {q['ttft_push_over_vllm_push']:.2f} |")
+                         f"{' | '.join(ratio)} |")
     return "\n".join(lines) + "\n"
 
 
