@@ -1133,3 +1133,17 @@ def test_a_drill_that_cannot_be_run_fails_alone_with_its_reason() -> None:
     assert attempt("x", lambda: fine) is fine
     with pytest.raises(ValueError):  # a bug in a drill is not a drill that could not be run
         attempt("y", lambda: (_ for _ in ()).throw(ValueError("bug")))
+
+
+def test_vllms_push_connector_counts_its_transfers_on_the_prefill_engine(monkeypatch, tmp_path) -> None:
+    """vLLM's NixlPushConnector records each WRITE on P: for it the check adds P's ``vllm:nixl_*``
+    transfer metrics to D's, so a row it loaded is seen as loaded; for the other connectors only
+    D's metrics count (P's transfers, if any, are not D's loads)."""
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    p_metrics = {"vllm:nixl_xfer_time_seconds_count": 3.0, "vllm:num_requests_running": 1.0}
+    d_metrics = {"vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": 31.0}
+    monkeypatch.setattr(check, "summed_metrics", lambda urls: dict(p_metrics if "8100" in urls[0] else d_metrics))
+    push = check.Servers(Case(connector="vllm-push"), check.Options(python="python", port=8100))
+    assert push.decode_metrics() == {**d_metrics, "vllm:nixl_xfer_time_seconds_count": 3.0}
+    pull = check.Servers(Case(connector="vllm"), check.Options(python="python", port=8100))
+    assert pull.decode_metrics() == d_metrics

@@ -322,8 +322,15 @@ class Servers:
         return summed_metrics(self.p_urls)
 
     def decode_metrics(self) -> dict[str, float]:
-        """Every decode engine's metrics, summed: what a request through the proxy did, wherever it went."""
-        return summed_metrics(self.d_urls)
+        """Every decode engine's metrics, summed: what a request through the proxy did, wherever it went.
+        vLLM's push connector counts its transfers where it posts them, on the prefill engines: for it
+        their ``vllm:nixl_*`` transfer metrics are added (D's own count none)."""
+        out = summed_metrics(self.d_urls)
+        if self.case.connector == "vllm-push":
+            for k, v in self.prefill_metrics().items():
+                if k.startswith("vllm:nixl_"):
+                    out[k] = out.get(k, 0.0) + v
+        return out
 
     @property
     def d_url(self) -> str:
