@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import msgspec
 
@@ -103,21 +104,23 @@ def parse_heartbeat(msg: bytes) -> tuple[str, ...]:
     """The request ids of a plain heartbeat; ValueError for anything malformed (the caller ignores it)."""
     if bytes(msg[: len(HEARTBEAT_PREFIX)]) != HEARTBEAT_PREFIX:
         raise ValueError("not a nixlkv heartbeat")
-    try:
-        ids = msgspec.msgpack.decode(bytes(msg[len(HEARTBEAT_PREFIX) :]), type=list[str])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"heartbeat body unreadable: {exc}") from None
+    ids = _body(msg, HEARTBEAT_PREFIX, list[str], "heartbeat")
     return _checked_ids(ids, "heartbeat", allow_empty=False)
+
+
+def _body(msg: bytes, prefix: bytes, typ: Any, what: str) -> Any:
+    """The msgpack body after ``prefix``, as ``typ``; ValueError naming ``what`` for anything else."""
+    try:
+        return msgspec.msgpack.decode(bytes(msg[len(prefix) :]), type=typ)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"{what} body unreadable: {exc}") from None
 
 
 def parse_acked_heartbeat(msg: bytes) -> AckedHeartbeat:
     """An acknowledged heartbeat, checked; ValueError for anything malformed (the caller ignores it)."""
     if bytes(msg[: len(ACKED_HEARTBEAT_PREFIX)]) != ACKED_HEARTBEAT_PREFIX:
         raise ValueError("not a nixlkv acknowledged heartbeat")
-    try:
-        beat = msgspec.msgpack.decode(bytes(msg[len(ACKED_HEARTBEAT_PREFIX) :]), type=AckedHeartbeat)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"heartbeat body unreadable: {exc}") from None
+    beat = _body(msg, ACKED_HEARTBEAT_PREFIX, AckedHeartbeat, "heartbeat")
     _check_seq(beat.seq, "heartbeat")
     _checked_ids(beat.ids, "heartbeat", allow_empty=False)
     if not 0 < len(beat.reply_to) <= MAX_REPLY_TO_BYTES:
@@ -129,10 +132,7 @@ def parse_ack(msg: bytes) -> HeartbeatAck:
     """A heartbeat acknowledgement, checked; ValueError for anything malformed (the caller ignores it)."""
     if not is_ack(msg):
         raise ValueError("not a nixlkv heartbeat acknowledgement")
-    try:
-        ack = msgspec.msgpack.decode(bytes(msg[len(ACK_PREFIX) :]), type=HeartbeatAck)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"acknowledgement body unreadable: {exc}") from None
+    ack = _body(msg, ACK_PREFIX, HeartbeatAck, "acknowledgement")
     _check_seq(ack.seq, "acknowledgement")
     _checked_ids(ack.ids, "acknowledgement", allow_empty=True)  # P held none of the heartbeat's
     return ack
