@@ -56,7 +56,7 @@ def test_control_a_load_reported_before_its_writes_landed_is_caught(monkeypatch:
     without sending its orders (so nothing is ever written) is caught the moment it reports."""
 
     def report_at_once(self, rid, req, remote, resolved):  # type: ignore[no-untyped-def]
-        self._pushes[rid] = (req, remote, push.PushWait({}, time.perf_counter(), 0, 0, remote.generation))
+        self._pushes[rid] = (req, remote, push.PushWait({}, time.perf_counter(), 0, 0))
 
     monkeypatch.setattr(NixlkvWorker, "_order", report_at_once)
     with pytest.raises(AssertionError, match="loaded before its bytes landed"):

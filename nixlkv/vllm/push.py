@@ -243,14 +243,12 @@ class _Peer:
 
 @dataclass
 class Write:
-    """One order's WRITE in flight (or refused before posting: ``handle`` None)."""
+    """One order's WRITE in flight."""
 
     sender: str
     order: Order
-    handle: object | None
+    handle: object
     posted_at: float
-    nbytes: int = 0
-    abandoned: bool = False
 
 
 @dataclass
@@ -323,12 +321,6 @@ class PushWriter:
         """Give the WRITE's handle back; False while NIXL may still write it (kept)."""
         return self.nixl.release_handle(write.handle)
 
-    def forget_peer(self, sender: str) -> None:
-        """A decode rank's lists, once it is gone (its agent is removed by the worker)."""
-        for key in [k for k in self.peers if k[0] == sender]:
-            peer = self.peers.pop(key)
-            self.nixl.release_lists([peer.local, peer.remote])
-
 
 # ---------------------------------------------------------------------------------------- decode side
 @dataclass
@@ -339,6 +331,5 @@ class PushWait:
     posted_at: float
     nbytes: int
     descriptors: int
-    generation: str | None  # of the prefill engine that took the orders
     errors: list[str] = field(default_factory=list)
     abandoned: bool = False

@@ -240,7 +240,7 @@ class NixlkvWorker:
         self.push_mode = config.transfer_mode == "push"
         self._pushes: dict[str, tuple[RecvRequest, _Remote, push.PushWait]] = {}
         self._writer: push.PushWriter | None = None
-        self._early_orders: dict[str, list[tuple[str, push.Order, float]]] = {}  # by D agent: not postable yet
+        self._early_orders: dict[str, list[tuple[push.Order, float]]] = {}  # by D agent: (order, seen), not postable yet
         self._writing: dict[str, int] = {}  # P request -> its WRITEs in flight
         self._probes: dict[RemoteKey, tuple[concurrent.futures.Future, float]] = {}  # D: is a silent P gone?
         self._push_plans = 0
@@ -1002,7 +1002,7 @@ class NixlkvWorker:
             parts = [(0, remote.prepared.plan, remote.agents, resolved)]
         else:
             parts = [(s, remote.stages.plans.get(s), remote.stage_agents[s], r) for s, r in resolved.items()]
-        wait = push.PushWait({}, time.perf_counter(), 0, 0, remote.generation)
+        wait = push.PushWait({}, time.perf_counter(), 0, 0)
         try:
             for stage, plan, agents, part in parts:
                 if plan is None:  # a stage this rank reads nothing from: told, so it frees the request
@@ -1063,19 +1063,17 @@ class NixlkvWorker:
                                self.config.transfer_timeout_s)
                 self._abandon(rid, wait)
             elif wait.abandoned:
-                self._probe(remote.key, wait.generation)
+                self._probe(remote.key, remote.generation)  # the handshake that took the orders
 
     def _probe(self, key: RemoteKey, generation: str | None) -> None:
         """D: ask (on the handshake thread, at most once per handshake_timeout_s) whether the silent
         prefill engine ``key`` is gone; if so, fail every push still waiting on it."""
         now = time.monotonic()
         probe = self._probes.get(key)
-        if probe is None or (probe[0].done() and now - probe[1] > self.config.handshake_timeout_s):
-            if probe is not None and probe[0].done():
-                self._settle(key, probe[0])
-            self._probes[key] = (self._executor.submit(self._gone, key, generation), now)
-        elif probe[0].done():
+        if probe is not None and probe[0].done():
             self._settle(key, probe[0])
+        if probe is None or (probe[0].done() and now - probe[1] > self.config.handshake_timeout_s):
+            self._probes[key] = (self._executor.submit(self._gone, key, generation), now)
 
     def _settle(self, key: RemoteKey, probe: concurrent.futures.Future) -> None:
         reason = probe.result() if probe.exception() is None else None
@@ -1127,7 +1125,7 @@ class NixlkvWorker:
             elif kind == push.HELLO:
                 self._writer.hello(agent, push.Hello.decode(msg))
             elif kind == push.ORDER:
-                self._early_orders.setdefault(agent, []).append((agent, push.Order.decode(msg), now))
+                self._early_orders.setdefault(agent, []).append((push.Order.decode(msg), now))
             elif kind == push.ABANDON:
                 self._drop_order(agent, push.parse_abandon(msg))
         except (NixlkvError, ValueError) as exc:
@@ -1147,16 +1145,14 @@ class NixlkvWorker:
             entry[2].errors.append(error)
 
     def _drop_order(self, agent: str, rid: str) -> None:
-        """P: D gave up on an order: dropped if not posted (answered failed), else answered when it ends."""
+        """P: D gave up on an order: dropped if not posted (answered failed); a posted WRITE is
+        answered when it ends (:meth:`_poll_writes`), as it would have been."""
         queued = self._early_orders.get(agent, [])
-        for i, (_, order, _seen) in enumerate(queued):
+        for i, (order, _seen) in enumerate(queued):
             if order.decode_request_id == rid:
                 del queued[i]
                 self._refuse(agent, order, "abandoned by the decode engine before it was written")
                 return
-        write = self._writer.writes.get((agent, rid))
-        if write is not None:
-            write.abandoned = True
 
     def _refuse(self, agent: str, order: push.Order, why: str) -> None:
         """P: answer an order that is not (or no longer) written; its decode rank counts as done."""
@@ -1173,7 +1169,7 @@ class NixlkvWorker:
         for agent, queued in list(self._early_orders.items()):
             keep = []
             for entry in queued:
-                _, order, seen = entry
+                order, seen = entry
                 if order.prefill_request_id in self._holds and self._writer.knows(agent, order.plan):
                     self._write(agent, order)
                 elif now - seen > self.config.lease_s:
@@ -1184,7 +1180,7 @@ class NixlkvWorker:
                     keep.append(entry)
             if keep:
                 self._early_orders[agent] = keep[-MAX_EARLY_REQUESTS:]
-                for _, order, _ in keep[:-MAX_EARLY_REQUESTS]:
+                for order, _ in keep[:-MAX_EARLY_REQUESTS]:
                     self._refuse(agent, order, "too many orders waiting for their requests")
             else:
                 del self._early_orders[agent]
