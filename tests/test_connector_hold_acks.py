@@ -29,7 +29,7 @@ from nixlkv.vllm.metadata import LeaseView, NixlkvMetadata, NixlkvStats
 from connector_helpers import blocks, filled_pair
 from pd_harness import PDCase, PDEngine, prompt
 from test_connector_lifecycle import SIDE, clean, prefill
-from test_connector_liveness import lease_from_heartbeat_turns, lease_from_steps
+from test_connector_liveness import lease_from_heartbeat_turns, lease_from_steps, step_both_for_leases
 from test_connector_worker import drive, recv
 
 pytestmark = pytest.mark.nixl
@@ -228,11 +228,7 @@ def test_heartbeats_that_never_reach_p_fail_the_load(monkeypatch, case: str) -> 
         p = PDEngine(PDCase(num_blocks=8, p_pp=pp), "prefill", "P", {**SIDE, "lease_s": lease_s})
         params = prefill(p, "r", 40)  # 3 of P's 7 usable blocks
         d.add("r", prompt(1, 40), 2, params)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 2.5 * lease_s:
-            d.step()
-            p.step()
-            time.sleep(lease_s / 10)
+        step_both_for_leases(d, p, lease_s)
         assert "r" not in d.recv_blocks, "the request was not queued behind the local one"
         if case in ("dropped", "control-dropped-counted-when-sent"):
             assert p.finished_sending == {"r"} and dropped  # freed by its lease: no heartbeat reached P

@@ -135,6 +135,16 @@ def lease_from_steps(engine: PDEngine, steps: int = 5, factor: float = 6.0, floo
     return max(floor_s, factor * 2 * slowest)  # one turn steps two engines
 
 
+def step_both_for_leases(d: PDEngine, p: PDEngine, lease_s: float, leases: float = 2.5) -> None:
+    """Step D and P in turn for ``leases`` leases, ten turns a lease (~25 turns whatever the lease: a
+    local request D decodes meanwhile grows a token a turn and must not outgrow D's blocks)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < leases * lease_s:
+        d.step()
+        p.step()
+        time.sleep(lease_s / 10)
+
+
 def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
     """vLLM's real Schedulers: P holds for lease_s (1 s, or more where this machine's steps are
     slow: :func:`lease_from_steps`); D has no free blocks for the request for 2.5 leases (a local
@@ -153,12 +163,7 @@ def _queue_longer_than_the_lease(heartbeat_interval_s: float) -> None:
         p = PDEngine(PDCase(), "prefill", "P", {**SIDE, "lease_s": lease_s})
         params = prefill(p, "r", 40)  # 3 blocks; D has 7 usable
         d.add("r", prompt(1, 40), 2, params)
-        t0 = time.monotonic()
-        # ~25 turns whatever the lease: the hog grows a token a turn and must not outgrow D's blocks
-        while time.monotonic() - t0 < 2.5 * lease_s:
-            d.step()
-            p.step()
-            time.sleep(lease_s / 10)
+        step_both_for_leases(d, p, lease_s)
         assert "r" not in d.recv_blocks, "the request was not queued behind the local one"
         d.scheduler.finish_requests("hog", RequestStatus.FINISHED_ABORTED)
         deadline = time.monotonic() + 30 * lease_s
