@@ -13,8 +13,8 @@ import pytest
 from nixlkv.testing import oracle
 from nixlkv.vllm import push
 from nixlkv.vllm.worker import NixlkvWorker
-from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, load_from_a_healthy_prefill, prompt, publish,
-                        run_decode, run_pd, spawn_prefill, stop)
+from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, assert_no_leaks, load_from_a_healthy_prefill, prompt,
+                        keep_blocks, publish, run_decode, run_pd, spawn_prefill, stop)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -118,3 +118,55 @@ def test_push_across_pipeline_stages_is_byte_exact(p_pp: int, p_tp: int, d_pp: i
     blocks = sum(-(-n // 16) for n in prompts.values())
     assert run.transfers["bytes"] == blocks * 4 * 16 * 8 * 32 * 2 * 2, run.transfers  # every layer's bytes once
     assert orders(run) >= len(prompts) * p_pp
+
+
+def test_an_order_for_a_request_already_written_is_refused_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """P remembers the requests whose holds it ended, so an order that comes later for one (the
+    same kv_transfer_params sent to a second decode engine, as a router retrying elsewhere would)
+    is answered failed at once, naming why, instead of after P's lease_s of waiting for a hand-over
+    that will not come. The request fails (its blocks reported invalid), nothing more is written,
+    and nothing leaks. (One decode engine given the same params twice reads them once by itself;
+    a decode leg that reaches D after P's published hold ended is failed by D before it orders.)"""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="nixlkv")
+    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
+    p = PDEngine(PDCase(), "prefill", "P", {**channel, "lease_s": 60.0, **PUSH})
+    engines = [p]
+    try:
+        d = PDEngine(PDCase(), "decode", "D", {**channel, **PUSH})
+        engines.append(d)
+        again = PDEngine(PDCase(), "decode", "D2", {**channel, "transfer_timeout_s": 120.0, **PUSH})
+        engines.append(again)
+        for engine in (d, again):
+            oracle.fill_decode(engine.ranks[0])
+        p.add("a", prompt(0, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        while "a" not in p.outputs:
+            p.step()
+        params = dict(p.outputs["a"].kv_transfer_params)
+        d.add("a", prompt(0, 40), 2, dict(params))
+        deadline = time.monotonic() + 60
+        while ("a" not in p.finished_sending or "a" not in d.outputs) and time.monotonic() < deadline:
+            d.step()
+            p.step()
+        assert "a" in d.finished_recving and "a" in p.finished_sending
+        again.add("a", prompt(0, 40), 2, dict(params))
+        deadline = time.monotonic() + 30  # half P's lease_s, which the order waited before
+        while "a" not in again.outputs and time.monotonic() < deadline:
+            again.step()
+            p.step()
+            time.sleep(0.002)
+        assert "a" in again.outputs, "the second decode engine's order was not answered within half P's lease"
+        assert again.failed_recving == {"a"} and again.invalid_blocks == set(again.recv_blocks["a"][0])
+        assert sum(s.reduce()["push_writes"] for s in p.stats) == 1
+        refusals = [r.getMessage() for r in caplog.records if "freed here already" in r.getMessage()]
+        assert refusals and "has read it or had it written" in refusals[0], [r.getMessage() for r in caplog.records]
+        expected = again.expected(0, {})
+        keep_blocks(expected, again.ranks[0], set(again.recv_blocks["a"][0]))
+        assert oracle.compare(again.ranks[0], expected) is None  # nothing written outside the failed blocks
+        assert oracle.compare(d.ranks[0], d.expected(0, {"a": d.recv_blocks["a"]})) is None
+        for engine in engines:
+            assert_no_leaks(engine.leaks(), engine.role)
+    finally:
+        for engine in reversed(engines):
+            engine.close()

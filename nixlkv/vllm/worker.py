@@ -242,6 +242,7 @@ class NixlkvWorker:
         self._writer: push.PushWriter | None = None
         self._early_orders: dict[str, list[tuple[push.Order, float]]] = {}  # by D agent: (order, seen), not postable yet
         self._writing: dict[str, int] = {}  # P request -> its WRITEs in flight
+        self._freed: dict[str, str] = {}  # P: holds ended here -> why (bounded), so a late order is refused at once
         self._probes: dict[RemoteKey, tuple[concurrent.futures.Future, float]] = {}  # D: is a silent P gone?
         self._push_plans = 0
         self.stats = NixlkvStats()
@@ -308,9 +309,10 @@ class NixlkvWorker:
                 if early is not None:  # D read before this worker heard of the request
                     hold.count, hold.consumers = early[0], early[1]
                     if hold.count >= hold.consumers:
-                        self._done_send.add(rid)
+                        self._freed_here(rid, "every decode rank was done with it before the hand-over")
                         logger.info("nixlkv notifications arrived before the hand-over req=%s: freed", rid)
                         continue
+                self._freed.pop(rid, None)
                 self._holds[rid] = hold
             for rid, order in meta.reqs_to_dump.items():
                 if order.role == "decode":  # written when its READs complete (or noted failed)
@@ -960,7 +962,7 @@ class NixlkvWorker:
         for rid, hold in list(self._holds.items()):
             if now >= hold.deadline and rid not in self._writing:  # a WRITE reads the blocks: held until it ends
                 del self._holds[rid]
-                self._done_send.add(rid)
+                self._freed_here(rid, f"its lease (lease_s={hold.lease:g} s) expired with no decode engine reading it")
                 self.stats.count("expired_leases")
                 logger.warning(
                     "nixlkv lease expired req=%s notifications=%d/%s: freeing its blocks, held lease_s=%s s with no "
@@ -991,7 +993,17 @@ class NixlkvWorker:
         hold.consumers = consumers
         if hold.count >= consumers and rid not in self._writing:
             del self._holds[rid]
-            self._done_send.add(rid)
+            self._freed_here(rid, "every decode rank it was handed to has read it or had it written")
+
+    def _freed_here(self, rid: str, why: str) -> None:
+        """P: request ``rid``'s blocks go back to vLLM. In push mode the id is remembered (the
+        latest MAX_EARLY_REQUESTS), so that an order arriving for it later is refused at once, not
+        after waiting lease_s for a hand-over that will not come."""
+        self._done_send.add(rid)
+        if self.push_mode:
+            self._freed[rid] = why
+            if len(self._freed) > MAX_EARLY_REQUESTS:
+                del self._freed[next(iter(self._freed))]
 
     # ------------------------------------------------------------------ push mode (nixlkv.vllm.push)
     def _order(self, rid: str, req: RecvRequest, remote: _Remote, resolved: Any) -> None:
@@ -1172,6 +1184,8 @@ class NixlkvWorker:
                 order, seen = entry
                 if order.prefill_request_id in self._holds and self._writer.knows(agent, order.plan):
                     self._write(agent, order)
+                elif order.prefill_request_id in self._freed:
+                    self._refuse(agent, order, f"freed here already: {self._freed[order.prefill_request_id]}")
                 elif now - seen > self.config.lease_s:
                     self._refuse(agent, order, f"not held here (freed, or never handed over) within lease_s={self.config.lease_s:g} s")
                 elif not self._writer.knows(agent, order.plan) and now - seen > self.config.handshake_timeout_s:
