@@ -170,3 +170,68 @@ def test_an_order_for_a_request_already_written_is_refused_at_once(caplog: pytes
     finally:
         for engine in reversed(engines):
             engine.close()
+
+
+def test_orders_lost_on_the_way_are_answered_once_the_prefill_engine_answers_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A link that drops and comes back can lose notifications in flight (served across hosts: a
+    decode engine waited for ever). Fault injection: D's order and its first abandon never reach P.
+    D abandons after transfer_timeout_s and probes P's side channel; P answers as itself, so D asks
+    again, and P, which has no such order, answers failed at once. The request fails, not hangs.
+    Then the lost order arrives after all: P refuses it (never writes into blocks D freed)."""
+    import logging
+
+    from nixlkv.transport.nixl_rank import NixlRank
+
+    caplog.set_level(logging.WARNING, logger="nixlkv")
+    real_notify = NixlRank.notify
+    lost: list[tuple[NixlRank, str, bytes]] = []
+
+    def lossy_notify(self, agent: str, msg: bytes) -> None:  # type: ignore[no-untyped-def]
+        kinds = [push.kind(m) for _, _, m in lost]
+        if push.kind(msg) in (push.ORDER, push.ABANDON) and push.kind(msg) not in kinds:
+            lost.append((self, agent, bytes(msg)))
+            return
+        real_notify(self, agent, msg)
+
+    monkeypatch.setattr(NixlRank, "notify", lossy_notify)
+    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
+    p = PDEngine(PDCase(), "prefill", "P", {**channel, "lease_s": 60.0, **PUSH})
+    engines = [p]
+    try:
+        d = PDEngine(PDCase(), "decode", "D", {**channel, "transfer_timeout_s": 2.0, "handshake_timeout_s": 1.0,
+                                               **PUSH})
+        engines.append(d)
+        oracle.fill_decode(d.ranks[0])
+        p.add("a", prompt(0, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        while "a" not in p.outputs:
+            p.step()
+        d.add("a", prompt(0, 40), 2, dict(p.outputs["a"].kv_transfer_params))
+        deadline = time.monotonic() + 30
+        while "a" not in d.outputs and time.monotonic() < deadline:
+            d.step()
+            p.step()
+            time.sleep(0.002)
+        assert [push.kind(m) for _, _, m in lost] == [push.ORDER, push.ABANDON]
+        assert "a" in d.outputs, "the decode engine hung on orders lost on the way"
+        assert d.failed_recving == {"a"} and d.invalid_blocks == set(d.recv_blocks["a"][0])
+        assert any("no order for it is here" in r.getMessage() for r in caplog.records)
+        rank, agent, order = lost[0]
+        real_notify(rank, agent, order)  # the lost order arrives after all
+        deadline = time.monotonic() + 10
+        while not any("before it arrived" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            p.step()
+            d.step()
+        assert any("abandoned by the decode engine before it arrived" in r.getMessage() for r in caplog.records)
+        assert sum(s.reduce()["push_writes"] for s in p.stats) == 0
+        expected = d.expected(0, {})
+        keep_blocks(expected, d.ranks[0], set(d.recv_blocks["a"][0]))
+        assert oracle.compare(d.ranks[0], expected) is None
+        deadline = time.monotonic() + 10  # the refused order freed P's hold: nothing left on either engine
+        while "a" not in p.finished_sending and time.monotonic() < deadline:
+            p.step()
+        for engine in engines:
+            assert_no_leaks(engine.leaks(), engine.role)
+    finally:
+        for engine in reversed(engines):
+            engine.close()

@@ -148,6 +148,14 @@ class _SentBeat:
     agents: frozenset[str]  # the P agents it went to: only their acknowledgements count
 
 
+@dataclass(frozen=True)
+class _ProbeResult:
+    """D, push mode: what asking a silent prefill engine's side channel found."""
+
+    gone: str | None  # why nothing more can be written, or None while something may be
+    answers: bool  # the same incarnation answered: it is alive and reachable again
+
+
 @dataclass
 class _Hold:
     deadline: float
@@ -243,6 +251,7 @@ class NixlkvWorker:
         self._early_orders: dict[str, list[tuple[push.Order, float]]] = {}  # by D agent: (order, seen), not postable yet
         self._writing: dict[str, int] = {}  # P request -> its WRITEs in flight
         self._freed: dict[str, str] = {}  # P: holds ended here -> why (bounded), so a late order is refused at once
+        self._abandoned: dict[tuple[str, str], None] = {}  # P: (D agent, D request) given up (bounded): never written
         self._probes: dict[RemoteKey, tuple[concurrent.futures.Future, float]] = {}  # D: is a silent P gone?
         self._push_plans = 0
         self.stats = NixlkvStats()
@@ -1050,6 +1059,10 @@ class NixlkvWorker:
     def _abandon(self, rid: str, wait: push.PushWait) -> None:
         wait.abandoned = True
         self.stats.count("push_abandoned")
+        self._tell_abandon(rid, wait)
+
+    def _tell_abandon(self, rid: str, wait: push.PushWait) -> None:
+        """D: ask every prefill rank that has not answered ``rid`` to answer it now."""
         for agent in wait.pending:
             try:
                 self.nixl.notify(agent, push.abandon(rid))
@@ -1088,32 +1101,35 @@ class NixlkvWorker:
             self._probes[key] = (self._executor.submit(self._gone, key, generation), now)
 
     def _settle(self, key: RemoteKey, probe: concurrent.futures.Future) -> None:
-        reason = probe.result() if probe.exception() is None else None
-        if reason is None:
+        result = probe.result() if probe.exception() is None else _ProbeResult(None, False)
+        waiting = [(rid, wait) for rid, (_, remote, wait) in self._pushes.items() if remote.key == key and wait.pending]
+        if result.gone is None:
+            if result.answers:  # reachable again: an order, its abandon or the answer may have been lost on the way
+                for rid, wait in waiting:
+                    self._tell_abandon(rid, wait)
             return
         self._invalidate(key)
-        for rid, (req, remote, wait) in self._pushes.items():
-            if remote.key == key and wait.pending:
-                logger.warning("nixlkv push of req=%s: %s; nothing more can be written, failing it", rid, reason)
-                wait.errors.append(reason)
-                wait.pending.clear()
+        for rid, wait in waiting:
+            logger.warning("nixlkv push of req=%s: %s; nothing more can be written, failing it", rid, result.gone)
+            wait.errors.append(result.gone)
+            wait.pending.clear()
 
-    def _gone(self, key: RemoteKey, generation: str | None) -> str | None:
-        """On the handshake thread: why the prefill engine ``key`` that took an order can no longer
-        write, or None while it may. Gone: its side channel refuses connections (its host answers, so
-        the link works and anything its dead process sent has landed), or another incarnation answers.
-        Not gone: it answers as itself (it will answer the order), or its host is silent (a link down
-        may still deliver a WRITE when it comes back)."""
+    def _gone(self, key: RemoteKey, generation: str | None) -> _ProbeResult:
+        """On the handshake thread: whether the prefill engine ``key`` that took an order can still
+        write. Gone: its side channel refuses connections (its host answers, so the link works and
+        anything its dead process sent has landed), or another incarnation answers. Not gone: its
+        host is silent (a link down may still deliver a WRITE when it comes back), or it answers as
+        itself: then it is asked again to answer (it answers an order it never received at once)."""
         engine_id, host, port = key
         seen = handshake.tcp_connect(host, port, self.config.handshake_timeout_s)
         if seen == "refused":
-            return f"the prefill engine is gone (nothing listens on its side channel {host}:{port})"
+            return _ProbeResult(f"the prefill engine is gone (nothing listens on its side channel {host}:{port})", False)
         if seen != "open":
-            return None
+            return _ProbeResult(None, False)
         try:
             raw = handshake.fetch(host, port, self.config.handshake_timeout_s, self.config.max_handshake_bytes)
         except NixlkvError:
-            return None
+            return _ProbeResult(None, False)
         try:
             engine = handshake.decode_reply(
                 raw, self.compat, self.config.enforce_compat_hash, self.config.max_handshake_bytes, engine_id,
@@ -1121,9 +1137,11 @@ class NixlkvWorker:
                 expected_inputs=self.compat_inputs,
             )
         except NixlkvError as exc:
-            return f"another engine answers on {host}:{port} ({exc})"
+            return _ProbeResult(f"another engine answers on {host}:{port} ({exc})", False)
         now = engine_generation(engine.agent_metadata)
-        return None if now == generation else f"the prefill engine restarted (generation {generation} -> {now})"
+        if now == generation:
+            return _ProbeResult(None, True)
+        return _ProbeResult(f"the prefill engine restarted (generation {generation} -> {now})", False)
 
     def _on_push(self, agent: str, kind: bytes, msg: bytes, now: float) -> None:
         try:
@@ -1137,7 +1155,11 @@ class NixlkvWorker:
             elif kind == push.HELLO:
                 self._writer.hello(agent, push.Hello.decode(msg))
             elif kind == push.ORDER:
-                self._early_orders.setdefault(agent, []).append((push.Order.decode(msg), now))
+                order = push.Order.decode(msg)
+                if (agent, order.decode_request_id) in self._abandoned:  # came after its abandon: never written
+                    self._refuse(agent, order, "abandoned by the decode engine before it arrived")
+                else:
+                    self._early_orders.setdefault(agent, []).append((order, now))
             elif kind == push.ABANDON:
                 self._drop_order(agent, push.parse_abandon(msg))
         except (NixlkvError, ValueError) as exc:
@@ -1158,13 +1180,26 @@ class NixlkvWorker:
 
     def _drop_order(self, agent: str, rid: str) -> None:
         """P: D gave up on an order: dropped if not posted (answered failed); a posted WRITE is
-        answered when it ends (:meth:`_poll_writes`), as it would have been."""
+        answered when it ends (:meth:`_poll_writes`), as it would have been; one never received (lost
+        on the way) or answered already is answered failed at once. Remembered, so that the order
+        arriving after its abandon is refused, never written into blocks D may have freed."""
+        self._abandoned[(agent, rid)] = None
+        if len(self._abandoned) > MAX_EARLY_REQUESTS:
+            del self._abandoned[next(iter(self._abandoned))]
         queued = self._early_orders.get(agent, [])
         for i, (order, _seen) in enumerate(queued):
             if order.decode_request_id == rid:
                 del queued[i]
                 self._refuse(agent, order, "abandoned by the decode engine before it was written")
                 return
+        if (agent, rid) in self._writer.writes:
+            return
+        why = "no order for it is here: it never arrived (lost on the way?) or was answered already"
+        try:  # nothing is or will be written for it: the decode rank may free its blocks
+            self.nixl.notify(agent, push.failed(rid, why))
+        except Exception as exc:  # noqa: BLE001 - the decode rank is gone
+            logger.warning("nixlkv could not answer %s for req=%s: %s", agent, rid, exc)
+        logger.warning("nixlkv answered an abandon from %s for req=%s: %s", agent, rid, why)
 
     def _refuse(self, agent: str, order: push.Order, why: str) -> None:
         """P: answer an order that is not (or no longer) written; its decode rank counts as done."""
