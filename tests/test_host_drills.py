@@ -115,3 +115,37 @@ def test_serve_drill_hosts_netns_selects_the_separate_hosts_group(monkeypatch) -
     assert seen[1][2] is drills.run_drills and seen[1][1] == ("recompute", "fail")
     with pytest.raises(SystemExit):
         cli.main(["serve-drill", "--hosts", "cluster"])
+
+
+def test_a_request_d_never_answers_fails_its_drill_and_the_others_still_run(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """A decode engine that hangs (the client's timeout ends the request) fails that drill, past
+    its bound, instead of ending the whole group as a set-up error (served in push mode across
+    hosts before the fix: every drill's verdict was lost to one hung request)."""
+    from types import SimpleNamespace
+
+    from nixlkv.serving import check
+
+    calls = []
+
+    def complete(url, model, prompt, max_tokens, kv_transfer_params=None, timeout_s=None):  # noqa: ANN001, ANN202
+        calls.append(kv_transfer_params)
+        if kv_transfer_params is not None:
+            raise TimeoutError("timed out")
+        return _answer(D_ALONE)
+
+    monkeypatch.setattr(hd, "complete", complete)
+    monkeypatch.setattr(hd, "scrape", lambda url: {})
+    monkeypatch.setattr(hd, "settled_kv_usage", lambda url: 0.0)
+    monkeypatch.setattr(hd, "named_in_log", lambda *a: True)
+    clock = iter(range(0, 10_000, 145))  # the client gives up at the bound plus 120 s
+    monkeypatch.setattr(hd, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
+    log = tmp_path / "decode.log"
+    log.write_text("")
+    srv = SimpleNamespace(model_dir=tmp_path, d_url="http://d", d=SimpleNamespace(log=log), network=object(),
+                          recipe=SimpleNamespace(block_size=32))
+    drills = hd._Drills(srv, check.Case(model="tiny-llama", hosts="netns"), "fail")
+    facts, faults = drills.faulted({"remote_host": "10.0.0.3"}, [1, 2, 3], 25.0, ())
+    assert calls == [None, {"remote_host": "10.0.0.3"}]
+    assert facts["answered"] is False and facts["status"] == "none (the client gave up)"
+    assert faults == ["D took 145.0 s, past its bound of 25 s"], faults

@@ -151,6 +151,8 @@ class _Drills:
             facts["answered"] = True
         except CompletionError as exc:
             facts["answered"], facts["status"] = False, exc.status
+        except TimeoutError:  # no answer at all: judged past its bound below, the other drills still run
+            facts["answered"], facts["status"] = False, "none (the client gave up)"
         facts["answer_s"] = round(time.monotonic() - t0, 2)
         if during is not None:
             during.join()
