@@ -235,3 +235,64 @@ def test_orders_lost_on_the_way_are_answered_once_the_prefill_engine_answers_aga
     finally:
         for engine in reversed(engines):
             engine.close()
+
+
+def test_an_idle_prefill_engine_that_let_the_hold_go_is_asked_over_its_side_channel(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The link is down while D orders: the order, its abandon and D's heartbeats are lost, so P's
+    lease ends the hold and P, with nothing else to do, stops stepping; an idle vLLM engine reads no
+    notification, so no abandon D sends again is answered (served across hosts, drill 11: D waited
+    for ever). Once the link is back, D's probe asks P's side channel, which a thread of P's
+    scheduler answers whether P steps or not, whether P still holds the request: it does not, so
+    nothing of it can be written any more, and D fails the request."""
+    import logging
+
+    from nixlkv.transport.nixl_rank import NixlRank
+    from nixlkv.vllm.liveness import ACKED_HEARTBEAT_PREFIX, HEARTBEAT_PREFIX
+
+    caplog.set_level(logging.WARNING, logger="nixlkv")
+    real_notify = NixlRank.notify
+    link = {"down": False}
+
+    def link_notify(self, agent: str, msg: bytes) -> None:  # type: ignore[no-untyped-def]
+        from_d = push.kind(msg) in (push.ORDER, push.ABANDON, push.HELLO) or bytes(msg).startswith(
+            (HEARTBEAT_PREFIX, ACKED_HEARTBEAT_PREFIX))
+        if not (link["down"] and from_d):
+            real_notify(self, agent, msg)
+
+    monkeypatch.setattr(NixlRank, "notify", link_notify)
+    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
+    p = PDEngine(PDCase(), "prefill", "P", {**channel, "lease_s": 3.0, **PUSH})
+    engines = [p]
+    try:
+        d = PDEngine(PDCase(), "decode", "D", {**channel, "transfer_timeout_s": 2.0, "handshake_timeout_s": 1.0,
+                                               **PUSH})
+        engines.append(d)
+        oracle.fill_decode(d.ranks[0])
+        p.add("a", prompt(0, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        while "a" not in p.outputs:
+            p.step()
+        link["down"] = True
+        d.add("a", prompt(0, 40), 2, dict(p.outputs["a"].kv_transfer_params))
+        deadline = time.monotonic() + 30
+        while "a" not in p.finished_sending and time.monotonic() < deadline:  # P's lease ends its hold
+            d.step()
+            p.step()
+            time.sleep(0.002)
+        assert "a" in p.finished_sending and not d.outputs
+        link["down"] = False  # back; P is idle from here on (never stepped again)
+        deadline = time.monotonic() + 30
+        while "a" not in d.outputs and time.monotonic() < deadline:
+            d.step()
+            time.sleep(0.002)
+        assert "a" in d.outputs, "the decode engine hung on an idle prefill engine that let the hold go"
+        assert d.failed_recving == {"a"} and d.invalid_blocks == set(d.recv_blocks["a"][0])
+        assert any("no longer holds request" in r.getMessage() for r in caplog.records)
+        assert sum(s.reduce()["push_writes"] for s in p.stats) == 0
+        expected = d.expected(0, {})
+        keep_blocks(expected, d.ranks[0], set(d.recv_blocks["a"][0]))
+        assert oracle.compare(d.ranks[0], expected) is None
+        assert_no_leaks(d.leaks(), "decode")
+    finally:
+        for engine in reversed(engines):
+            engine.close()

@@ -85,3 +85,29 @@ def test_transfer_mode_is_checked_and_push_refuses_staged_reads() -> None:
     for mode in ("staged", "auto"):
         with pytest.raises(ConfigError, match="descriptor_mode 'direct'"):
             ConnectorConfig.parse({"transfer_mode": "push", "descriptor_mode": mode}, env={})
+
+
+def test_the_side_channel_answers_which_requests_are_still_held() -> None:
+    """A prefill engine's side channel answers a held query from its own thread (an idle engine
+    too); a server that answers no held query refuses it (D then keeps its orders waiting), and an
+    answer that is not a HeldReply for every id asked is named."""
+    import msgspec
+
+    from nixlkv.vllm import handshake as hs
+
+    held = {"p-1", "p-3"}
+    answers = {"good": lambda ids: msgspec.msgpack.encode(hs.HeldReply("P", [i in held for i in ids])),
+               "short": lambda ids: msgspec.msgpack.encode(hs.HeldReply("P", [True])),
+               "other": lambda ids: b"handshake"}
+    servers = {k: hs.SideChannelServer("127.0.0.1", 0, lambda: b"handshake", f) for k, f in answers.items()}
+    servers["old"] = hs.SideChannelServer("127.0.0.1", 0, lambda: b"handshake")
+    try:
+        reply = hs.fetch_held("127.0.0.1", servers["good"].port, 5.0, ["p-1", "p-2", "p-3"], 1 << 16)
+        assert reply.engine_id == "P" and reply.held == [True, False, True]
+        assert hs.fetch("127.0.0.1", servers["good"].port, 5.0, 1 << 16) == b"handshake"  # plain: the handshake
+        for name, match in (("old", "refused"), ("short", "answered 1 of 3"), ("other", "something else")):
+            with pytest.raises(hs.HandshakeError, match=match):
+                hs.fetch_held("127.0.0.1", servers[name].port, 5.0, ["p-1", "p-2", "p-3"], 1 << 16)
+    finally:
+        for server in servers.values():
+            server.close()

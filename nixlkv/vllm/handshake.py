@@ -39,7 +39,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,16 @@ class EnginePayload(msgspec.Struct, array_like=True):
 
 class Request(msgspec.Struct, array_like=True):
     schema_version: int
+    # push mode: asks instead which of these prefill request ids the engine still holds (HeldReply)
+    held: tuple[str, ...] = ()
+
+
+class HeldReply(msgspec.Struct, array_like=True):
+    """A prefill engine's answer to a held query: for each id asked about, whether its blocks are
+    still held. Not held means freed, or never held: no WRITE of it is in flight or will be posted."""
+
+    engine_id: str
+    held: list[bool]
 
 
 @dataclass(frozen=True)
@@ -365,10 +375,12 @@ def _plain(value: Any, depth: int) -> bool:
 class SideChannelServer:
     """Answers handshake requests on ``tcp://host:port`` from a thread (ZMQ ROUTER)."""
 
-    def __init__(self, host: str, port: int, reply: Callable[[], bytes]) -> None:
+    def __init__(self, host: str, port: int, reply: Callable[[], bytes],
+                 held: Callable[[tuple[str, ...]], bytes] | None = None) -> None:
         import zmq
 
         self._reply = reply
+        self._held = held
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -399,8 +411,10 @@ class SideChannelServer:
                 continue
             ident, body = frames[0], frames[-1]
             try:
-                msgspec.msgpack.decode(body, type=Request)
-                answer = self._reply()
+                request = msgspec.msgpack.decode(body, type=Request)
+                if request.held and self._held is None:
+                    raise ValueError("this engine answers no held query")
+                answer = self._held(request.held) if request.held else self._reply()
                 self.served += 1
             except Exception:  # a malformed request gets an empty answer, never a crash
                 answer = b""
@@ -472,8 +486,21 @@ def unanswered(host: str, port: int, timeout_s: float, seen: str | None = None) 
     return f"no handshake answer from the prefill engine's side channel {host}:{port} within {timeout_s} s{probed}: {where}"
 
 
-def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
-    """One handshake request; HandshakeError when nobody answers in ``timeout_s``."""
+def fetch_held(host: str, port: int, timeout_s: float, ids: Sequence[str], max_bytes: int) -> HeldReply:
+    """Ask a prefill engine which of ``ids`` it still holds; HandshakeError when it does not answer
+    (or is a nixlkv that answers no such query)."""
+    raw = fetch(host, port, timeout_s, max_bytes, Request(SCHEMA_VERSION, tuple(ids)))
+    try:
+        reply = msgspec.msgpack.decode(raw, type=HeldReply)
+    except msgspec.DecodeError as exc:
+        raise HandshakeError(f"{host}:{port} answered a held query with something else: {exc}") from None
+    if len(reply.held) != len(ids):
+        raise HandshakeError(f"{host}:{port} answered {len(reply.held)} of {len(ids)} ids of a held query")
+    return reply
+
+
+def fetch(host: str, port: int, timeout_s: float, max_bytes: int, request: Request | None = None) -> bytes:
+    """One handshake request (or ``request``); HandshakeError when nobody answers in ``timeout_s``."""
     import zmq
 
     ctx = zmq.Context.instance()
@@ -486,7 +513,7 @@ def fetch(host: str, port: int, timeout_s: float, max_bytes: int) -> bytes:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.connect(f"tcp://{host}:{port}")
         try:
-            sock.send(msgspec.msgpack.encode(Request(SCHEMA_VERSION)))
+            sock.send(msgspec.msgpack.encode(request or Request(SCHEMA_VERSION)))
             raw = sock.recv()
         except zmq.Again:
             raise HandshakeError(unanswered(host, port, timeout_s, probe(host, port))) from None

@@ -23,9 +23,11 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
 from .config import ConnectorConfig
 from . import damage
-from .handshake import SideChannelServer
+from .handshake import HeldReply, SideChannelServer
 from .kvdump import DumpOrder, write_expectation
 from .metadata import (
     LeaseView, NixlkvMetadata, RecvRequest, RemoteKey, block_id_groups, lease_view, recv_from_params,
@@ -149,7 +151,8 @@ class NixlkvScheduler:
         self._reply = reply
         self.generation = generation
         if self._server is None:
-            self._server = SideChannelServer(self.side_channel_host, self.side_channel_port, lambda: self._reply)
+            self._server = SideChannelServer(self.side_channel_host, self.side_channel_port, lambda: self._reply,
+                                             self._held_reply)
             self.side_channel_port = self._server.port
             logger.info("nixlkv side channel engine=%s listening on %s", self.engine_id, self._server.endpoint)
 
@@ -204,6 +207,13 @@ class NixlkvScheduler:
             self._loading.discard(rid)
         for rid in finished_sending or ():
             self._held.discard(rid)
+
+    def _held_reply(self, ids: tuple[str, ...]) -> bytes:
+        """P, on the side-channel thread: which of ``ids`` are still held for a push. A request
+        leaves the set only once every worker freed it, which a worker does only with no WRITE of it
+        in flight, and a freed request is never written: so "not held" is final."""
+        held = self._held
+        return msgspec.msgpack.encode(HeldReply(self.engine_id, [rid in held for rid in ids]))
 
     def holds_for_push(self) -> bool:
         """P in push mode: blocks held for a decode engine to order written (the engine keeps stepping)."""

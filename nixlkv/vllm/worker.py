@@ -154,6 +154,7 @@ class _ProbeResult:
 
     gone: str | None  # why nothing more can be written, or None while something may be
     answers: bool  # the same incarnation answered: it is alive and reachable again
+    released: frozenset[str] = frozenset()  # prefill request ids it no longer holds: never written now
 
 
 @dataclass
@@ -1098,28 +1099,38 @@ class NixlkvWorker:
         if probe is not None and probe[0].done():
             self._settle(key, probe[0])
         if probe is None or (probe[0].done() and now - probe[1] > self.config.handshake_timeout_s):
-            self._probes[key] = (self._executor.submit(self._gone, key, generation), now)
+            ids = tuple(sorted({req.remote_request_id for req, remote, wait in self._pushes.values()
+                                if remote.key == key and wait.pending}))
+            self._probes[key] = (self._executor.submit(self._gone, key, generation, ids), now)
 
     def _settle(self, key: RemoteKey, probe: concurrent.futures.Future) -> None:
         result = probe.result() if probe.exception() is None else _ProbeResult(None, False)
-        waiting = [(rid, wait) for rid, (_, remote, wait) in self._pushes.items() if remote.key == key and wait.pending]
+        waiting = [(rid, req, wait) for rid, (req, remote, wait) in self._pushes.items()
+                   if remote.key == key and wait.pending]
         if result.gone is None:
-            if result.answers:  # reachable again: an order, its abandon or the answer may have been lost on the way
-                for rid, wait in waiting:
+            for rid, req, wait in waiting:
+                if req.remote_request_id in result.released:  # final: nothing of it can be written any more
+                    why = (f"the prefill engine {key[1]}:{key[2]} no longer holds request {req.remote_request_id} "
+                           f"(its hold ended unwritten: lease_s there, or the order never reached it)")
+                    logger.warning("nixlkv push of req=%s: %s; failing it", rid, why)
+                    wait.errors.append(why)
+                    wait.pending.clear()
+                elif result.answers:  # reachable again: an order, its abandon or the answer may have been lost
                     self._tell_abandon(rid, wait)
             return
         self._invalidate(key)
-        for rid, wait in waiting:
+        for rid, _, wait in waiting:
             logger.warning("nixlkv push of req=%s: %s; nothing more can be written, failing it", rid, result.gone)
             wait.errors.append(result.gone)
             wait.pending.clear()
 
-    def _gone(self, key: RemoteKey, generation: str | None) -> _ProbeResult:
+    def _gone(self, key: RemoteKey, generation: str | None, ids: tuple[str, ...]) -> _ProbeResult:
         """On the handshake thread: whether the prefill engine ``key`` that took an order can still
         write. Gone: its side channel refuses connections (its host answers, so the link works and
         anything its dead process sent has landed), or another incarnation answers. Not gone: its
         host is silent (a link down may still deliver a WRITE when it comes back), or it answers as
-        itself: then it is asked again to answer (it answers an order it never received at once)."""
+        itself: then it says which of the prefill requests ``ids`` it still holds (one it does not
+        hold is never written any more), and is asked again to answer the others."""
         engine_id, host, port = key
         seen = handshake.tcp_connect(host, port, self.config.handshake_timeout_s)
         if seen == "refused":
@@ -1140,7 +1151,14 @@ class NixlkvWorker:
             return _ProbeResult(f"another engine answers on {host}:{port} ({exc})", False)
         now = engine_generation(engine.agent_metadata)
         if now == generation:
-            return _ProbeResult(None, True)
+            try:
+                reply = handshake.fetch_held(host, port, self.config.handshake_timeout_s, ids,
+                                             self.config.max_handshake_bytes) if ids else None
+            except NixlkvError:  # an earlier nixlkv answers no held query: the orders are asked again only
+                reply = None
+            if reply is None or reply.engine_id != engine_id:
+                return _ProbeResult(None, True)
+            return _ProbeResult(None, True, frozenset(i for i, held in zip(ids, reply.held) if not held))
         return _ProbeResult(f"the prefill engine restarted (generation {generation} -> {now})", False)
 
     def _on_push(self, agent: str, kind: bytes, msg: bytes, now: float) -> None:
