@@ -1108,6 +1108,8 @@ class NixlkvWorker:
         waiting = [(rid, req, wait) for rid, (req, remote, wait) in self._pushes.items()
                    if remote.key == key and wait.pending]
         if result.gone is None:
+            if any(req.remote_request_id in result.released for _, req, _ in waiting):
+                self._invalidate(key)  # orders were lost on the way: the next request connects afresh
             for rid, req, wait in waiting:
                 if req.remote_request_id in result.released:  # final: nothing of it can be written any more
                     why = (f"the prefill engine {key[1]}:{key[2]} no longer holds request {req.remote_request_id} "
