@@ -1,0 +1,77 @@
+"""vLLM 0.33's own push connector (``NixlPushConnector``) with a pipeline-parallel prefill engine,
+run beside nixlkv on the same fabricated caches and judged by the same byte oracle.
+
+vLLM's push connector accepts a prefill engine at pipeline_parallel_size 2 for an attention-only
+model: each P stage's worker (over only its stage's layers, under their real names) WRITEs its
+layers into D's whole-model caches, and D waits for one notification per stage. The harness
+(``vllm_baseline.run_baseline`` with an ``EngineLayout``) drives vLLM's scheduler- and
+worker-role connectors with the hooks its model runner calls, in its order; nixlkv's side is the
+pipeline rehearsal (``pipeline.rehearse_pipeline``, pull: nixlkv's push has no rehearsal of its
+own; it is proven with pipeline stages under vLLM's real scheduler in test_connector_push.py).
+
+Each vLLM case builds a P and a D engine in two processes (about 25 to 50 s each on the loaded
+2-core machine): the default run takes P PP 2 -> D PP 1 and its negative control; the others,
+including the cases vLLM refuses, with NIXLKV_PIPELINE=all (``make test-pipeline``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from nixlkv.testing.engines import layer_name
+from nixlkv.testing.pipeline import rehearse_pipeline, stage_layers
+from nixlkv.testing.scenario import load
+from nixlkv.testing.vllm_baseline import EngineLayout, run_baseline
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+ALL = os.environ.get("NIXLKV_PIPELINE") == "all"
+
+pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
+
+TINY_LLAMA = "captured-tiny-llama-p1-d1"  # GQA full attention, 2 layers: stage 0 holds layer 0, stage 1 layer 1
+
+
+def test_vllm_push_with_a_pp2_prefill_is_byte_exact_and_so_is_nixlkv() -> None:
+    scenario = load(SCENARIOS / f"{TINY_LLAMA}.yaml")
+    vllm = run_baseline(scenario, timeout=90, requests=2, layout=EngineLayout("push", prefill_pp=2, decode_pp=1))
+    assert vllm.outcome == "byte-exact", vllm.message
+    assert vllm.bytes_checked > 0 and vllm.first_request_s > 0
+    nixlkv = rehearse_pipeline(scenario, 2, 1)
+    assert nixlkv.outcome == "byte-exact", nixlkv.message
+    assert nixlkv.bytes_checked == vllm.bytes_checked  # the same D caches judged
+
+
+def test_a_wrong_byte_in_one_prefill_stage_is_caught() -> None:
+    """Negative control: one byte of the request's first block, in the first layer of P's last
+    stage, is flipped after the fill; vLLM WRITEs it as it is and the oracle names that layer."""
+    scenario = load(SCENARIOS / f"{TINY_LLAMA}.yaml")
+    result = run_baseline(scenario, timeout=90, requests=1, corrupt="last-stage-byte",
+                          layout=EngineLayout("push", prefill_pp=2, decode_pp=1))
+    assert result.outcome == "wrong-bytes", result.message
+    last_stage_first_layer = layer_name(stage_layers(2, 2)[1][0])
+    assert result.message.startswith("decode rank 0: 1 wrong bytes"), result.message
+    assert f"layer {last_stage_first_layer}" in result.message, result.message
+
+
+if ALL:  # defined only for `make test-pipeline` (not collected, rather than skipped, by default)
+
+    def test_vllm_push_pp2_tp2_prefill_to_tp1_decode_beside_nixlkv() -> None:
+        scenario = load(SCENARIOS / "captured-tiny-llama-p2-d1.yaml")
+        vllm = run_baseline(scenario, timeout=90, requests=2, layout=EngineLayout("push", prefill_pp=2, decode_pp=1))
+        assert vllm.outcome == "byte-exact", vllm.message
+        assert rehearse_pipeline(scenario, 2, 1).outcome == "byte-exact"
+
+    @pytest.mark.parametrize(("name", "prefill_pp", "decode_pp", "refusal"), [
+        (TINY_LLAMA, 1, 2, "consumer (decode) does not support pipeline_parallel_size > 1"),
+        ("captured-tiny-mamba2-hybrid-p1-d1", 2, 1, "Mamba/SSM hybrid"),
+    ], ids=["tiny-llama-d-pp2", "mamba2-hybrid-p-pp2"])
+    def test_what_vllm_push_refuses_nixlkv_moves(name: str, prefill_pp: int, decode_pp: int, refusal: str) -> None:
+        scenario = load(SCENARIOS / f"{name}.yaml")
+        vllm = run_baseline(scenario, timeout=90, requests=1,
+                            layout=EngineLayout("push", prefill_pp=prefill_pp, decode_pp=decode_pp))
+        assert vllm.outcome == "rejected", vllm.message
+        assert refusal in vllm.message, vllm.message
+        assert rehearse_pipeline(scenario, prefill_pp, decode_pp).outcome == "byte-exact"
