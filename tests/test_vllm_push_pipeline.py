@@ -9,9 +9,10 @@ worker-role connectors with the hooks its model runner calls, in its order; nixl
 pipeline rehearsal (``pipeline.rehearse_pipeline``, pull: nixlkv's push has no rehearsal of its
 own; it is proven with pipeline stages under vLLM's real scheduler in test_connector_push.py).
 
-Each vLLM case builds a P and a D engine in two processes (about 25 to 50 s each on the loaded
-2-core machine): the default run takes P PP 2 -> D PP 1 and its negative control; the others,
-including the cases vLLM refuses, with NIXLKV_PIPELINE=all (``make test-pipeline``).
+Each vLLM case builds a P and a D engine in two processes (6 to 50 s each on the loaded 2-core
+machine): the default run takes P PP 2 -> D PP 1 and its negative control (40 s together); the
+others, including the cases vLLM refuses and its pull connector, with NIXLKV_PIPELINE=all
+(``make test-pipeline``, about 3 min).
 """
 
 from __future__ import annotations
@@ -57,21 +58,27 @@ def test_a_wrong_byte_in_one_prefill_stage_is_caught() -> None:
 
 
 if ALL:  # defined only for `make test-pipeline` (not collected, rather than skipped, by default)
+    MORE = [
+        # (scenario, vLLM connector, P PP, D PP, vLLM's outcome, in vLLM's message); TP sizes are the scenario's
+        ("captured-tiny-llama-p2-d1", "push", 2, 1, "byte-exact", ""),  # P PP 2 x TP 2 -> D TP 1
+        ("captured-tiny-llama-p1-d2", "push", 2, 1, "byte-exact", ""),  # P PP 2 -> D TP 2
+        ("captured-tiny-llama4-p1-d1", "push", 2, 1, "byte-exact", ""),  # chunked-local + full attention (two groups)
+        (TINY_LLAMA, "push", 1, 2, "rejected", "consumer (decode) does not support pipeline_parallel_size > 1"),
+        ("captured-tiny-mamba2-hybrid-p1-d1", "push", 2, 1, "rejected", "Mamba/SSM hybrid"),
+        # vLLM's pull connector: a PP prefill engine fails the first request at D's handshake (one
+        # stage's layers against D's whole model); a PP decode engine is refused at start-up, with
+        # the push connector's message (the check is in the base worker both share)
+        (TINY_LLAMA, "pull", 2, 1, "rejected", "Number of KV layers must match between prefill and decode"),
+        (TINY_LLAMA, "pull", 1, 2, "rejected", "consumer (decode) does not support pipeline_parallel_size > 1"),
+    ]
 
-    def test_vllm_push_pp2_tp2_prefill_to_tp1_decode_beside_nixlkv() -> None:
-        scenario = load(SCENARIOS / "captured-tiny-llama-p2-d1.yaml")
-        vllm = run_baseline(scenario, timeout=90, requests=2, layout=EngineLayout("push", prefill_pp=2, decode_pp=1))
-        assert vllm.outcome == "byte-exact", vllm.message
-        assert rehearse_pipeline(scenario, 2, 1).outcome == "byte-exact"
-
-    @pytest.mark.parametrize(("name", "prefill_pp", "decode_pp", "refusal"), [
-        (TINY_LLAMA, 1, 2, "consumer (decode) does not support pipeline_parallel_size > 1"),
-        ("captured-tiny-mamba2-hybrid-p1-d1", 2, 1, "Mamba/SSM hybrid"),
-    ], ids=["tiny-llama-d-pp2", "mamba2-hybrid-p-pp2"])
-    def test_what_vllm_push_refuses_nixlkv_moves(name: str, prefill_pp: int, decode_pp: int, refusal: str) -> None:
+    @pytest.mark.parametrize(("name", "connector", "prefill_pp", "decode_pp", "outcome", "says"), MORE,
+                             ids=[f"{m[1]}-{m[0]}-pp{m[2]}-pp{m[3]}" for m in MORE])
+    def test_vllm_beside_nixlkv_across_pipeline_stages(name: str, connector: str, prefill_pp: int, decode_pp: int,
+                                                        outcome: str, says: str) -> None:
         scenario = load(SCENARIOS / f"{name}.yaml")
         vllm = run_baseline(scenario, timeout=90, requests=1,
-                            layout=EngineLayout("push", prefill_pp=prefill_pp, decode_pp=decode_pp))
-        assert vllm.outcome == "rejected", vllm.message
-        assert refusal in vllm.message, vllm.message
+                            layout=EngineLayout(connector, prefill_pp=prefill_pp, decode_pp=decode_pp))
+        assert vllm.outcome == outcome, vllm.message
+        assert says in vllm.message, vllm.message
         assert rehearse_pipeline(scenario, prefill_pp, decode_pp).outcome == "byte-exact"
