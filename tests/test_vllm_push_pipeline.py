@@ -62,6 +62,7 @@ if ALL:  # defined only for `make test-pipeline` (not collected, rather than ski
         # (scenario, vLLM connector, P PP, D PP, vLLM's outcome, in vLLM's message); TP sizes are the scenario's
         ("captured-tiny-llama-p2-d1", "push", 2, 1, "byte-exact", ""),  # P PP 2 x TP 2 -> D TP 1
         ("captured-tiny-llama-p1-d2", "push", 2, 1, "byte-exact", ""),  # P PP 2 -> D TP 2
+        ("captured-tiny-llama-p2-d2", "push", 2, 1, "byte-exact", ""),  # P PP 2 x TP 2 -> D TP 2
         ("captured-tiny-llama4-p1-d1", "push", 2, 1, "byte-exact", ""),  # chunked-local + full attention (two groups)
         (TINY_LLAMA, "push", 1, 2, "rejected", "consumer (decode) does not support pipeline_parallel_size > 1"),
         ("captured-tiny-mamba2-hybrid-p1-d1", "push", 2, 1, "rejected", "Mamba/SSM hybrid"),

@@ -1,11 +1,14 @@
-"""vLLM 0.33's own ``NixlConnector`` through the nixlkv rehearsal: the baseline nixlkv is compared with.
+"""vLLM 0.33's own ``NixlConnector`` (or ``NixlPushConnector``) through the nixlkv rehearsal: the
+baseline nixlkv is compared with.
 
 The caches, their fill, the decode sentinel and the request's block ids are the rehearsal's
 (``engines.build_rank``, ``oracle.fill_prefill`` / ``fill_decode``, ``rehearsal.request_blocks``);
 what differs is who plans and moves the bytes. Here vLLM does, with its own classes: one
 worker-role ``NixlConnector`` per rank, a scheduler-role one per engine (side channel, block-id
 clipping, ``request_finished`` on P, ``update_state_after_alloc`` + ``build_connector_meta`` on
-D), P and D in separate processes. Then the same byte oracle judges D.
+D), P and D in separate processes. Then the same byte oracle judges D. :class:`EngineLayout`
+picks the push connector instead, and pipeline stages on either engine: one worker per (stage,
+TP rank) over only its stage's layers (``pipeline.stage_layers``).
 
 This is the only module that reaches into vLLM connector internals, so it is pinned to vLLM
 0.33.x (:func:`check_vllm_version`). What it sets up around vLLM's code, and nothing else:
@@ -13,6 +16,8 @@ This is the only module that reaches into vLLM connector internals, so it is pin
 - the model config vLLM reads model-wide facts from (KV head count, MLA or not), written as
   the model's real ``config.json`` would declare them (:func:`model_config_json`);
 - TP rank and size while a worker is built, and no NUMA pinning (one process hosts all ranks);
+  with pipeline stages, the parallel config's global rank (stage x TP + TP rank), from which
+  vLLM's worker learns its stage's layers;
 - the kernel block sizes of the attention-backend lookup when vLLM's CPU fallback (CPU_ATTN,
   multiples of 32 only) would refuse the scenario's block size: FlashAttention's declared
   ``MultipleOf(16)``, or the scenario's ``kernel_block_size`` (:func:`kernel_lookup`).
@@ -179,7 +184,9 @@ class EngineLayout:
         if self.connector not in CONNECTORS:
             raise ValueError(f"connector {self.connector!r}: use one of {sorted(CONNECTORS)}")
         if self.prefill_pp < 1 or self.decode_pp < 1:
-            raise ValueError(f"pipeline sizes must be >= 1, got prefill_pp={self.prefill_pp}, decode_pp={self.decode_pp}")
+            raise ValueError(
+                f"pipeline sizes must be >= 1, got prefill_pp={self.prefill_pp}, decode_pp={self.decode_pp}"
+            )
 
     def pp(self, role: str) -> int:
         return self.prefill_pp if role == "prefill" else self.decode_pp
@@ -401,6 +408,7 @@ def _vllm_config(scenario: Scenario, role: str, layout: EngineLayout | None = No
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
     side = scenario.prefill if role == "prefill" else scenario.decode
+    layout = layout or EngineLayout()
     cfg, _ = model_config_json(scenario, role)
     mla = [k for k in scenario.layer_kinds(role) if k.kind in ("mla", "sliding_window_mla")]
     cache_dtype = mla[0].params["cache_dtype"] if mla and mla[0].params["cache_dtype"] != "auto" else "auto"
@@ -409,9 +417,9 @@ def _vllm_config(scenario: Scenario, role: str, layout: EngineLayout | None = No
                                  max_model_len=65536),
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=side.block_size, cache_dtype=cache_dtype),
-        parallel_config=ParallelConfig(tensor_parallel_size=side.tp, pipeline_parallel_size=(layout or EngineLayout()).pp(role)),
+        parallel_config=ParallelConfig(tensor_parallel_size=side.tp, pipeline_parallel_size=layout.pp(role)),
         kv_transfer_config=KVTransferConfig(
-            kv_connector=CONNECTORS[(layout or EngineLayout()).connector], kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+            kv_connector=CONNECTORS[layout.connector], kv_role="kv_producer" if role == "prefill" else "kv_consumer",
             engine_id=P_ENGINE if role == "prefill" else D_ENGINE, kv_buffer_device="cpu",
             kv_connector_extra_config={"num_threads": 1},
         ),
