@@ -225,7 +225,8 @@ def run_baseline(
     ``requests``: the first (with handshake) plus ``requests - 1`` timed repeats. ``corrupt``
     (tests only) proves the check can fail: ``"prefill-byte"`` flips one P byte of the request
     after the fill, ``"block-ids"`` hands vLLM P's block ids reversed, ``"last-stage-byte"``
-    flips one byte of the request's first block in the first layer of P's last pipeline stage.
+    flips one byte of the request's first block in the first layer of P's last pipeline stage,
+    ``"idle-last-stage"`` leaves that stage's caches unfilled (it never computed its layers).
     ``layout``: which of vLLM's connectors, and each engine's pipeline size (default: pull, PP 1).
     """
     check_vllm_version()
@@ -574,8 +575,10 @@ def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, 
     engine = None
     try:
         engine = _Engine(scenario, "prefill", layout)
-        for rank in engine.ranks:
-            oracle.fill_prefill(rank, engine.p_blocks, scenario.request.seed)
+        idle_stage = max(s for s, _ in engine.places) if corrupt == "idle-last-stage" else None
+        for (stage, _), rank in zip(engine.places, engine.ranks):
+            if stage != idle_stage:  # an idle stage's caches keep the bytes they were built with
+                oracle.fill_prefill(rank, engine.p_blocks, scenario.request.seed)
         if corrupt == "prefill-byte":
             _flip_one_request_byte(engine, engine.ranks[0])
         if corrupt == "last-stage-byte":
