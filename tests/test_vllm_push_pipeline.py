@@ -12,7 +12,7 @@ own; it is proven with pipeline stages under vLLM's real scheduler in test_conne
 Each vLLM case builds a P and a D engine in two processes (6 to 50 s each on the loaded 2-core
 machine): the default run takes P PP 2 -> D PP 1 and its negative controls (about 40 s together); the
 others, including the cases vLLM refuses and its pull connector, with NIXLKV_PIPELINE=all
-(``make test-pipeline``, about 3 min).
+(``make test-pipeline``, about 2.5 min).
 """
 
 from __future__ import annotations
