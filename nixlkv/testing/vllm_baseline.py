@@ -255,7 +255,11 @@ def run_baseline(
         p_parent.send("stop")
         sent = _recv(p_parent, procs[0], time.monotonic() + 15, "prefill")
         if "error" in done:
-            return _from_failure(result, done)
+            result = _from_failure(result, done)
+            if sent.get("reason", "no message") != "no message" and result.outcome in ("hang", "rejected"):
+                # in push mode P's workers fail on their own threads: their reason is in P's log only
+                result.notes.append(f"the prefill engine's vLLM said: {sent['reason']}")
+            return result
         result.__dict__.update({k: v for k, v in done.items() if k in result.__dict__})
         if layout.connector == "push" and sent.get("descriptors"):  # posted by P, per request
             result.descriptors = sent["descriptors"] // requests
@@ -608,7 +612,7 @@ def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, 
                                          or time.monotonic() > stopping + RELEASE_GRACE_SECONDS):
                 break
         conn.send({"done_sending": {_place_name("P", place, engine): len(s) for place, s in done.items()},
-                   "descriptors": posted, "log": logs.lines[-5:]})
+                   "descriptors": posted, "log": logs.lines[-5:], "reason": logs.reason()})
         while conn.poll(15) and conn.recv() != "bye":
             pass
     except (EOFError, BrokenPipeError, OSError):
