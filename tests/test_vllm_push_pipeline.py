@@ -10,7 +10,7 @@ pipeline rehearsal (``pipeline.rehearse_pipeline``, pull: nixlkv's push has no r
 own; it is proven with pipeline stages under vLLM's real scheduler in test_connector_push.py).
 
 Each vLLM case builds a P and a D engine in two processes (6 to 50 s each on the loaded 2-core
-machine): the default run takes P PP 2 -> D PP 1 and its negative controls (about 40 s together); the
+machine): the default run takes P PP 2 -> D PP 1 and its negative controls (40 to 85 s together, by load); the
 others, including the cases vLLM refuses and its pull connector, with NIXLKV_PIPELINE=all
 (``make test-pipeline``, about 4 min).
 """
