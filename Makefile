@@ -50,10 +50,11 @@ test: venv serve-venv
 	NIXLKV_SERVE_PYTHON=$(CURDIR)/$(SERVE_BIN)/python $(BIN)/python -m pytest -q
 
 # Pipeline-parallel engines through vLLM's real scheduler, every case (tests/test_connector_pipeline.py:
-# 1.5 to 6 min each on 2 cores; the default run takes one of them).
+# 1.5 to 6 min each on 2 cores; the default run takes one of them), and vLLM 0.33's own connectors
+# beside nixlkv across pipeline stages (tests/test_vllm_push_pipeline.py: 10-30 s each).
 .PHONY: test-pipeline
 test-pipeline: venv
-	NIXLKV_PIPELINE=all $(BIN)/python -m pytest -q tests/test_connector_pipeline.py
+	NIXLKV_PIPELINE=all $(BIN)/python -m pytest -q tests/test_connector_pipeline.py tests/test_vllm_push_pipeline.py
 
 rehearse: venv
 	$(BIN)/nixlkv rehearse

@@ -1,11 +1,14 @@
-"""vLLM 0.33's own ``NixlConnector`` through the nixlkv rehearsal: the baseline nixlkv is compared with.
+"""vLLM 0.33's own ``NixlConnector`` (or ``NixlPushConnector``) through the nixlkv rehearsal: the
+baseline nixlkv is compared with.
 
 The caches, their fill, the decode sentinel and the request's block ids are the rehearsal's
 (``engines.build_rank``, ``oracle.fill_prefill`` / ``fill_decode``, ``rehearsal.request_blocks``);
 what differs is who plans and moves the bytes. Here vLLM does, with its own classes: one
 worker-role ``NixlConnector`` per rank, a scheduler-role one per engine (side channel, block-id
 clipping, ``request_finished`` on P, ``update_state_after_alloc`` + ``build_connector_meta`` on
-D), P and D in separate processes. Then the same byte oracle judges D.
+D), P and D in separate processes. Then the same byte oracle judges D. :class:`EngineLayout`
+picks the push connector instead, and pipeline stages on either engine: one worker per (stage,
+TP rank) over only its stage's layers (``pipeline.stage_layers``).
 
 This is the only module that reaches into vLLM connector internals, so it is pinned to vLLM
 0.33.x (:func:`check_vllm_version`). What it sets up around vLLM's code, and nothing else:
@@ -13,6 +16,8 @@ This is the only module that reaches into vLLM connector internals, so it is pin
 - the model config vLLM reads model-wide facts from (KV head count, MLA or not), written as
   the model's real ``config.json`` would declare them (:func:`model_config_json`);
 - TP rank and size while a worker is built, and no NUMA pinning (one process hosts all ranks);
+  with pipeline stages, the parallel config's global rank (stage x TP + TP rank), from which
+  vLLM's worker learns its stage's layers;
 - the kernel block sizes of the attention-backend lookup when vLLM's CPU fallback (CPU_ATTN,
   multiples of 32 only) would refuse the scenario's block size: FlashAttention's declared
   ``MultipleOf(16)``, or the scenario's ``kernel_block_size`` (:func:`kernel_lookup`).
@@ -162,6 +167,34 @@ def kernel_lookup(original: Callable[..., list[type]], side: Side, attention_blo
     return lookup
 
 
+# ---------------------------------------------------------------- which connector, which pipeline sizes
+CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Which vLLM connector moves the KV, and each engine's pipeline-parallel size (the TP sizes
+    are the scenario's). Each stage's workers hold only that stage's layers, as vLLM gives them."""
+
+    connector: str = "pull"  # a key of CONNECTORS
+    prefill_pp: int = 1
+    decode_pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"connector {self.connector!r}: use one of {sorted(CONNECTORS)}")
+        if self.prefill_pp < 1 or self.decode_pp < 1:
+            raise ValueError(
+                f"pipeline sizes must be >= 1, got prefill_pp={self.prefill_pp}, decode_pp={self.decode_pp}"
+            )
+
+    def pp(self, role: str) -> int:
+        return self.prefill_pp if role == "prefill" else self.decode_pp
+
+    def __str__(self) -> str:
+        return f"{self.connector} P PP{self.prefill_pp} -> D PP{self.decode_pp}"
+
+
 # ---------------------------------------------------------------- results
 @dataclass
 class BaselineResult:
@@ -184,16 +217,21 @@ class BaselineResult:
 
 # ---------------------------------------------------------------- running it
 def run_baseline(
-    scenario: Scenario, timeout: float = 90.0, requests: int = 4, corrupt: str | None = None
+    scenario: Scenario, timeout: float = 90.0, requests: int = 4, corrupt: str | None = None,
+    layout: EngineLayout | None = None,
 ) -> BaselineResult:
     """P and D in two processes, vLLM's connector between them, the oracle on D.
 
     ``requests``: the first (with handshake) plus ``requests - 1`` timed repeats. ``corrupt``
     (tests only) proves the check can fail: ``"prefill-byte"`` flips one P byte of the request
-    after the fill, ``"block-ids"`` hands vLLM P's block ids reversed.
+    after the fill, ``"block-ids"`` hands vLLM P's block ids reversed, ``"last-stage-byte"``
+    flips one byte of the request's first block in the first layer of P's last pipeline stage,
+    ``"idle-last-stage"`` leaves that stage's caches unfilled (it never computed its layers).
+    ``layout``: which of vLLM's connectors, and each engine's pipeline size (default: pull, PP 1).
     """
     check_vllm_version()
-    result = BaselineResult(scenario.name, "not-run")
+    layout = layout or EngineLayout()
+    result = BaselineResult(scenario.name if layout == EngineLayout() else f"{scenario.name} {layout}", "not-run")
     try:
         for role in ("prefill", "decode"):
             model_config_json(scenario, role)
@@ -203,7 +241,7 @@ def run_baseline(
     ctx = _context()
     p_parent, p_child = ctx.Pipe()
     d_parent, d_child = ctx.Pipe()
-    args = (scenario, requests, corrupt, timeout)
+    args = (scenario, requests, corrupt, timeout, layout)
     procs = [engine_process(_prefill_main, (p_child, *args)), engine_process(_decode_main, (d_child, *args))]
     for p in procs:
         p.start()
@@ -217,8 +255,14 @@ def run_baseline(
         p_parent.send("stop")
         sent = _recv(p_parent, procs[0], time.monotonic() + 15, "prefill")
         if "error" in done:
-            return _from_failure(result, done)
+            result = _from_failure(result, done)
+            if sent.get("reason", "no message") != "no message" and result.outcome in ("hang", "rejected"):
+                # in push mode P's workers fail on their own threads: their reason is in P's log only
+                result.notes.append(f"the prefill engine's vLLM said: {sent['reason']}")
+            return result
         result.__dict__.update({k: v for k, v in done.items() if k in result.__dict__})
+        if layout.connector == "push" and sent.get("descriptors"):  # posted by P, per request
+            result.descriptors = sent["descriptors"] // requests
         missing = {r: n for r, n in sent.get("done_sending", {}).items() if n < requests}
         if result.outcome == "byte-exact" and missing:
             result.notes.append(f"prefill ranks never released the request (done_sending counts {missing})")
@@ -365,10 +409,11 @@ def model_dir(cfg: dict[str, Any]) -> Path:
     return path
 
 
-def _vllm_config(scenario: Scenario, role: str) -> Any:
+def _vllm_config(scenario: Scenario, role: str, layout: EngineLayout | None = None) -> Any:
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
     side = scenario.prefill if role == "prefill" else scenario.decode
+    layout = layout or EngineLayout()
     cfg, _ = model_config_json(scenario, role)
     mla = [k for k in scenario.layer_kinds(role) if k.kind in ("mla", "sliding_window_mla")]
     cache_dtype = mla[0].params["cache_dtype"] if mla and mla[0].params["cache_dtype"] != "auto" else "auto"
@@ -377,9 +422,9 @@ def _vllm_config(scenario: Scenario, role: str) -> Any:
                                  max_model_len=65536),
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=side.block_size, cache_dtype=cache_dtype),
-        parallel_config=ParallelConfig(tensor_parallel_size=side.tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=side.tp, pipeline_parallel_size=layout.pp(role)),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="NixlConnector", kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+            kv_connector=CONNECTORS[layout.connector], kv_role="kv_producer" if role == "prefill" else "kv_consumer",
             engine_id=P_ENGINE if role == "prefill" else D_ENGINE, kv_buffer_device="cpu",
             kv_connector_extra_config={"num_threads": 1},
         ),
@@ -402,47 +447,77 @@ def _deploy_conv_layout(scenario: Scenario, role: str) -> None:
 
 
 class _Engine:
-    """One side: the rehearsal's fabricated ranks, and vLLM's connectors over them."""
+    """One side: the rehearsal's fabricated ranks, and vLLM's connectors over them.
 
-    def __init__(self, scenario: Scenario, role: str) -> None:
+    With pipeline stages, one worker per (stage, TP rank) over only its stage's layers (the
+    rehearsal's stage ranks, ``pipeline.stage_layers``), built while vLLM's parallel config
+    names its global rank (stage x TP + TP rank), as each of vLLM's worker processes has it; the
+    scheduler-role connector sees the whole model's groups, as vLLM's scheduler does.
+    """
+
+    def __init__(self, scenario: Scenario, role: str, layout: EngineLayout | None = None) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl_connector
 
         from .engines import build_rank
+        from .pipeline import stage_layers
         from .rehearsal import Engines, request_blocks
 
         self.scenario, self.role = scenario, role
+        self.layout = layout or EngineLayout()
+        self.push = self.layout.connector == "push"
+        pp = self.layout.pp(role)
         _deploy_conv_layout(scenario, role)
         self.side = scenario.prefill if role == "prefill" else scenario.decode
         peer_role = "decode" if role == "prefill" else "prefill"
-        self.ranks = [build_rank(scenario, role, r) for r in range(self.side.tp)]
+        whole = build_rank(scenario, role, 0)  # block IDs are the scheduler's, one space for every stage
         peer = build_rank(scenario, peer_role, 0)
-        pair = Engines(self.ranks, [peer], []) if role == "prefill" else Engines([peer], self.ranks, [])
+        pair = Engines([whole], [peer], []) if role == "prefill" else Engines([peer], [whole], [])
         self.p_blocks, self.d_blocks = request_blocks(scenario, pair)
         del peer, pair
-        self.vc = _vllm_config(scenario, role)
+        if pp == 1:
+            self.places = [(0, r) for r in range(self.side.tp)]
+            self.ranks = [whole] + [build_rank(scenario, role, r) for r in range(1, self.side.tp)]
+        else:
+            ranges = stage_layers(len(scenario.layer_kinds(role)), pp)
+            self.places = [(s, r) for s in range(pp) for r in range(self.side.tp)]
+            self.ranks = [build_rank(scenario, role, r, stage_layers=ranges[s]) for s, r in self.places]
+        self.vc = _vllm_config(scenario, role, self.layout)
         self.notes = [n for n in (model_config_json(scenario, role)[1],) if n]
+        cls = getattr(nixl_connector, CONNECTORS[self.layout.connector])
         self.workers = []
-        for rank in self.ranks:
-            with _worker_patches(rank.tp_rank, self.side, _attention_block(rank), self.notes), \
+        for (stage, tp_rank), rank in zip(self.places, self.ranks):
+            with _worker_patches(tp_rank, self.side, _attention_block(rank), self.notes), \
+                    mock.patch.object(self.vc.parallel_config, "rank", stage * self.side.tp + tp_rank), \
                     set_current_vllm_config(self.vc):
-                w = NixlConnector(self.vc, KVConnectorRole.WORKER, rank.kv_cache_config)
+                w = cls(self.vc, KVConnectorRole.WORKER, rank.kv_cache_config)
                 w.register_kv_caches(rank.kv_caches)
             self.workers.append(w)
         with set_current_vllm_config(self.vc):
-            self.scheduler = NixlConnector(self.vc, KVConnectorRole.SCHEDULER, self.ranks[0].kv_cache_config)
-        if role == "prefill":  # what the engine core does once the workers registered: serve the side channel
+            self.scheduler = cls(self.vc, KVConnectorRole.SCHEDULER, whole.kv_cache_config)
+        if role == "prefill" or self.push:
+            # what the engine core does once the workers registered: serve the side channel (in push
+            # mode D's too: P's workers handshake with D before they WRITE)
             self.scheduler.set_xfer_handshake_metadata_pp_aware(
-                {(0, r.tp_rank): w.get_handshake_metadata() for r, w in zip(self.ranks, self.workers)}
+                {place: w.get_handshake_metadata() for place, w in zip(self.places, self.workers)}
             )
 
-    def step(self, meta: Any) -> list[Any]:
-        """What the model runner does with the connector each step, without a forward pass."""
+    def step(self, meta: Any, forward: bool = False) -> list[Any]:
+        """What the model runner does with the connector each step, without a forward pass. With
+        ``forward`` (push: the step that computed the request), the per-layer hook each attention
+        layer calls, with the worker's own layers, then ``wait_for_save``, in the runner's order."""
         out = []
-        for w in self.workers:
+        for w, rank in zip(self.workers, self.ranks):
             w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
+            if self.push:
+                if forward:
+                    for name, tensor in rank.kv_caches.items():
+                        w.save_kv_layer(name, tensor, None)
+                w.start_load_kv(None)  # async loads start after the forward
+                w.wait_for_save()
+            else:
+                w.start_load_kv(None)
             out.append(w.get_transfer_results(set()))
             w.clear_connector_metadata()
         return out
@@ -495,18 +570,23 @@ def _free_port() -> int:
 RELEASE_GRACE_SECONDS = 10.0
 
 
-def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
+def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float,
+                  layout: EngineLayout) -> None:
     _stdout_to_stderr()
     _environment()
     logs = _capture_logs()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())  # read when the scheduler is built
     engine = None
     try:
-        engine = _Engine(scenario, "prefill")
-        for rank in engine.ranks:
-            oracle.fill_prefill(rank, engine.p_blocks, scenario.request.seed)
+        engine = _Engine(scenario, "prefill", layout)
+        idle_stage = max(s for s, _ in engine.places) if corrupt == "idle-last-stage" else None
+        for (stage, _), rank in zip(engine.places, engine.ranks):
+            if stage != idle_stage:  # an idle stage's caches keep the bytes they were built with
+                oracle.fill_prefill(rank, engine.p_blocks, scenario.request.seed)
         if corrupt == "prefill-byte":
-            _flip_one_request_byte(engine)
+            _flip_one_request_byte(engine, engine.ranks[0])
+        if corrupt == "last-stage-byte":
+            _flip_one_request_byte(engine, engine.ranks[-1])
         block_ids = _ids(engine.p_blocks)
         if corrupt == "block-ids":
             block_ids = tuple(list(reversed(g)) for g in block_ids)
@@ -518,18 +598,21 @@ def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, 
         return
     conn.send({"params": params, "notes": engine.notes})
     deadline = time.monotonic() + SETUP_SECONDS + timeout  # D may still be building its workers
-    done: dict[int, set[str]] = {r.tp_rank: set() for r in engine.ranks}
+    done: dict[tuple[int, int], set[str]] = {place: set() for place in engine.places}
+    posted = 0  # push: P's workers post the WRITEs, and their telemetry counts the descriptors
     try:
         stopping = None  # when D is done: the notifications it sent may still be on their way
         while time.monotonic() < deadline:
-            for rank, res in zip(engine.ranks, engine.step(engine.scheduler.build_connector_meta(None))):
-                done[rank.tp_rank] |= set(res.finished_sending)
+            for place, res in zip(engine.places, engine.step(engine.scheduler.build_connector_meta(None))):
+                done[place] |= set(res.finished_sending)
+            posted += engine.descriptors()
             if stopping is None and conn.poll(0.002) and conn.recv() in ("stop", "bye"):
                 stopping = time.monotonic()
             if stopping is not None and (all(len(s) >= requests for s in done.values())
                                          or time.monotonic() > stopping + RELEASE_GRACE_SECONDS):
                 break
-        conn.send({"done_sending": {f"P{r}": len(s) for r, s in done.items()}, "log": logs.lines[-5:]})
+        conn.send({"done_sending": {_place_name("P", place, engine): len(s) for place, s in done.items()},
+                   "descriptors": posted, "log": logs.lines[-5:], "reason": logs.reason()})
         while conn.poll(15) and conn.recv() != "bye":
             pass
     except (EOFError, BrokenPipeError, OSError):
@@ -540,16 +623,20 @@ def _prefill_main(conn, scenario: Scenario, requests: int, corrupt: str | None, 
 
 def _prefill_requests(engine: _Engine, requests: int, block_ids: tuple[list[int], ...]) -> dict[str, dict[str, Any]]:
     """Every request through P's scheduler-role connector, as vLLM's scheduler calls it: allocated
-    (joins the batch), prefilled, finished (its blocks held for D), then one step's metadata."""
+    (joins the batch), prefilled, finished (its blocks held for D), then one step's metadata. Push:
+    the prefill is a step of its own (the workers see the request in the batch and each layer's
+    save hook), and the finished blocks reach the workers in the next step's metadata."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import RequestStatus
 
     sched = engine.scheduler
     out = {}
     for i in range(requests):
-        rid = f"p-req-{i}"
+        rid = _request_id("prefill", i, engine.push)
         req = _request(rid, engine.scenario.request.num_tokens, {"do_remote_decode": True, "do_remote_prefill": False})
         sched.update_state_after_alloc(req, KVCacheBlocks(tuple([] for _ in block_ids)), 0)
+        if engine.push:
+            engine.step(sched.build_connector_meta(None), forward=True)
         req.num_computed_tokens = engine.scenario.request.num_tokens
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         delay, params = sched.request_finished_all_groups(req, block_ids)
@@ -560,9 +647,22 @@ def _prefill_requests(engine: _Engine, requests: int, block_ids: tuple[list[int]
     return out
 
 
-def _flip_one_request_byte(engine: _Engine) -> None:
-    """Flip one byte of the request's first block in P rank 0's first layer."""
-    rank = engine.ranks[0]
+def _request_id(role: str, i: int, push: bool) -> str:
+    """Request ``i``'s id on one engine. Push: P and D name it as a proxy does, one id with each
+    engine's random ``-<8 hex>`` suffix (P's worker matches D's registration by the id without it)."""
+    if push:
+        return f"req-{i}-{'0000000a' if role == 'prefill' else '0000000d'}"
+    return f"{role[0]}-req-{i}"
+
+
+def _place_name(engine_letter: str, place: tuple[int, int], engine: _Engine) -> str:
+    """``P1`` for TP rank 1 of a one-stage engine, ``P1.0`` for stage 1's TP rank 0."""
+    stage, tp_rank = place
+    return f"{engine_letter}{stage}.{tp_rank}" if engine.layout.pp(engine.role) > 1 else f"{engine_letter}{tp_rank}"
+
+
+def _flip_one_request_byte(engine: _Engine, rank: Any) -> None:
+    """Flip one byte of the request's first block in ``rank``'s first layer (of its first group)."""
     name = rank.group_layers(0)[0]
     block = int(next(i for i in engine.p_blocks[0].ids if i))
     import torch
@@ -571,14 +671,15 @@ def _flip_one_request_byte(engine: _Engine) -> None:
     view[block].view(-1)[0] ^= 0xFF
 
 
-def _decode_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float) -> None:
+def _decode_main(conn, scenario: Scenario, requests: int, corrupt: str | None, timeout: float,
+                 layout: EngineLayout) -> None:
     _stdout_to_stderr()
     _environment()
     logs = _capture_logs()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
     engine = None
     try:
-        engine = _Engine(scenario, "decode")
+        engine = _Engine(scenario, "decode", layout)
         for rank in engine.ranks:
             oracle.fill_decode(rank)
     except Exception as exc:  # noqa: BLE001
@@ -632,32 +733,33 @@ def _decode_requests(
     times, descriptors, mismatch = [], [], None
     notes = list(dict.fromkeys([*notes, *engine.notes]))
     for i, (p_rid, p_params) in enumerate(params.items()):
-        rid = f"d-req-{i}"
+        rid = _request_id("decode", i, engine.push)
         req = _request(rid, num_tokens, p_params)
         blocks, cached = _decode_blocks(engine)
         computed = sum(b.block_hash is not None for b in blocks.blocks[0]) if blocks.blocks else 0
         external = num_tokens - computed * engine.ranks[0].group_block_size(0)
         sched.update_state_after_alloc(req, blocks, max(external, 1))
         t0 = time.perf_counter()
-        pending = {r.tp_rank for r in engine.ranks}
-        failed: set[int] = set()
+        pending = set(engine.places)
+        failed: set[tuple[int, int]] = set()
         meta = sched.build_connector_meta(None)
         while pending:
             if time.monotonic() > deadline:
-                return {"outcome": "hang", "error": f"request {i}: decode ranks {sorted(pending)} never finished "
+                return {"outcome": "hang", "error": f"request {i}: decode ranks "
+                        f"{[_place_name('D', p, engine) for p in sorted(pending)]} never finished "
                         f"receiving; vLLM said: {logs.reason()}", "notes": notes}
-            for rank, res in zip(engine.ranks, engine.step(meta)):
+            for place, res in zip(engine.places, engine.step(meta)):
                 if rid in res.finished_recving:
-                    pending.discard(rank.tp_rank)
+                    pending.discard(place)
                 if rid in res.failed_recving:
-                    failed.add(rank.tp_rank)
+                    failed.add(place)
             meta = sched.build_connector_meta(None)
             time.sleep(0.0005)
         times.append(time.perf_counter() - t0)
         descriptors.append(engine.descriptors())
         if failed:
             return {"outcome": "rejected", "notes": notes, "error": f"vLLM failed the request on decode ranks "
-                    f"{sorted(failed)}: {logs.reason()}"}
+                    f"{[_place_name('D', p, engine) for p in sorted(failed)]}: {logs.reason()}"}
         if i == 0 or i == len(params) - 1:
             mismatch = mismatch or _check(engine)
     result = {
@@ -669,7 +771,7 @@ def _decode_requests(
         "bytes_checked": sum(r.buffer.numel() for r in engine.ranks),
         "notes": notes,
     }
-    if descriptors[0] == 0:
+    if descriptors[0] == 0 and not engine.push:  # push: P posts them (run_baseline reads P's count)
         result["notes"].append("vLLM's telemetry reported no descriptors")
     return result
 
