@@ -49,6 +49,13 @@ Held = tuple[float, float]
 # step), remembered until lease_s passes. Bounded: a peer sending distinct unknown ids cannot grow
 # it without end; past the bound the oldest is forgotten (its request then frees by its lease).
 MAX_EARLY_REQUESTS = 4096
+
+
+def remember_latest(memory: dict, key: Any, value: Any, limit: int = MAX_EARLY_REQUESTS) -> None:
+    """Note ``key`` in an insertion-ordered ``memory`` that keeps only its latest ``limit`` keys."""
+    memory[key] = value
+    if len(memory) > limit:
+        del memory[next(iter(memory))]
 # P: decode agents loaded to acknowledge their heartbeats; one not heard from for two leases is
 # forgotten (a decode engine that restarted has a new agent), the oldest beyond this bound too.
 MAX_ACK_PEERS = 1024
@@ -1011,9 +1018,7 @@ class NixlkvWorker:
         after waiting lease_s for a hand-over that will not come."""
         self._done_send.add(rid)
         if self.push_mode:
-            self._freed[rid] = why
-            if len(self._freed) > MAX_EARLY_REQUESTS:
-                del self._freed[next(iter(self._freed))]
+            remember_latest(self._freed, rid, why)
 
     # ------------------------------------------------------------------ push mode (nixlkv.vllm.push)
     def _order(self, rid: str, req: RecvRequest, remote: _Remote, resolved: Any) -> None:
@@ -1099,14 +1104,12 @@ class NixlkvWorker:
         if probe is not None and probe[0].done():
             self._settle(key, probe[0])
         if probe is None or (probe[0].done() and now - probe[1] > self.config.handshake_timeout_s):
-            ids = tuple(sorted({req.remote_request_id for req, remote, wait in self._pushes.values()
-                                if remote.key == key and wait.pending}))
+            ids = tuple(sorted({req.remote_request_id for _, req, _ in self._waiting_on(key)}))
             self._probes[key] = (self._executor.submit(self._gone, key, generation, ids), now)
 
     def _settle(self, key: RemoteKey, probe: concurrent.futures.Future) -> None:
         result = probe.result() if probe.exception() is None else _ProbeResult(None, False)
-        waiting = [(rid, req, wait) for rid, (req, remote, wait) in self._pushes.items()
-                   if remote.key == key and wait.pending]
+        waiting = self._waiting_on(key)
         if result.gone is None:
             if any(req.remote_request_id in result.released for _, req, _ in waiting):
                 self._invalidate(key)  # orders were lost on the way: the next request connects afresh
@@ -1125,6 +1128,11 @@ class NixlkvWorker:
             logger.warning("nixlkv push of req=%s: %s; nothing more can be written, failing it", rid, result.gone)
             wait.errors.append(result.gone)
             wait.pending.clear()
+
+    def _waiting_on(self, key: RemoteKey) -> list[tuple[str, RecvRequest, push.PushWait]]:
+        """D: the requests whose orders prefill engine ``key`` has still to answer."""
+        return [(rid, req, wait) for rid, (req, remote, wait) in self._pushes.items()
+                if remote.key == key and wait.pending]
 
     def _gone(self, key: RemoteKey, generation: str | None, ids: tuple[str, ...]) -> _ProbeResult:
         """On the handshake thread: whether the prefill engine ``key`` that took an order can still
@@ -1203,9 +1211,7 @@ class NixlkvWorker:
         answered when it ends (:meth:`_poll_writes`), as it would have been; one never received (lost
         on the way) or answered already is answered failed at once. Remembered, so that the order
         arriving after its abandon is refused, never written into blocks D may have freed."""
-        self._abandoned[(agent, rid)] = None
-        if len(self._abandoned) > MAX_EARLY_REQUESTS:
-            del self._abandoned[next(iter(self._abandoned))]
+        remember_latest(self._abandoned, (agent, rid), None)
         queued = self._early_orders.get(agent, [])
         for i, (order, _seen) in enumerate(queued):
             if order.decode_request_id == rid:
@@ -1215,20 +1221,21 @@ class NixlkvWorker:
         if (agent, rid) in self._writer.writes:
             return
         why = "no order for it is here: it never arrived (lost on the way?) or was answered already"
-        try:  # nothing is or will be written for it: the decode rank may free its blocks
-            self.nixl.notify(agent, push.failed(rid, why))
-        except Exception as exc:  # noqa: BLE001 - the decode rank is gone
-            logger.warning("nixlkv could not answer %s for req=%s: %s", agent, rid, exc)
+        self._answer_failed(agent, rid, why)  # nothing is or will be written for it: D may free its blocks
         logger.warning("nixlkv answered an abandon from %s for req=%s: %s", agent, rid, why)
 
     def _refuse(self, agent: str, order: push.Order, why: str) -> None:
         """P: answer an order that is not (or no longer) written; its decode rank counts as done."""
-        try:
-            self.nixl.notify(agent, push.failed(order.decode_request_id, why))
-        except Exception as exc:  # noqa: BLE001 - the decode rank is gone
-            logger.warning("nixlkv could not answer %s for req=%s: %s", agent, order.decode_request_id, exc)
+        self._answer_failed(agent, order.decode_request_id, why)
         logger.warning("nixlkv did not write req=%s for %s: %s", order.prefill_request_id, agent, why)
         self._consumed(order.prefill_request_id, order.consumers)
+
+    def _answer_failed(self, agent: str, decode_request_id: str, why: str) -> None:
+        """P: tell decode rank ``agent`` that nothing is written for its request, and why."""
+        try:
+            self.nixl.notify(agent, push.failed(decode_request_id, why))
+        except Exception as exc:  # noqa: BLE001 - the decode rank is gone
+            logger.warning("nixlkv could not answer %s for req=%s: %s", agent, decode_request_id, exc)
 
     def _poll_writes(self) -> None:
         """P: post the orders whose plan and hold are known, count the WRITEs that ended."""
