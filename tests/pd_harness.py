@@ -11,7 +11,7 @@ import functools
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -512,21 +512,42 @@ def assert_failed_not_hung(d: PDEngine, rid: str, timeout_s: float = 30.0) -> No
     assert d.invalid_blocks == set(d.recv_blocks[rid][0])
 
 
+LOOPBACK_CHANNEL = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}  # any free port
+
+
+def prefilled(p: PDEngine, rid: str, index: int, tokens: int) -> dict[str, Any]:
+    """Prefill ``prompt(index, tokens)`` on the in-process prefill engine ``p`` for a remote
+    decode; returns (a copy of) the kv_transfer_params it published."""
+    p.add(rid, prompt(index, tokens), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    while rid not in p.outputs:
+        p.step()
+    return dict(p.outputs[rid].kv_transfer_params)
+
+
+def step_until(done: Callable[[], bool], engines: Sequence[PDEngine], timeout_s: float, pause_s: float = 0.0) -> bool:
+    """Step ``engines`` in turn until ``done()`` or ``timeout_s`` passed; returns ``done()``."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        for engine in engines:
+            engine.step()
+        if pause_s:
+            time.sleep(pause_s)
+    return done()
+
+
+def counted(engine: PDEngine, key: str) -> int:
+    """One of an engine's connector counters, summed over its workers."""
+    return sum(s.reduce()[key] for s in engine.stats)
+
+
 def load_from_a_healthy_prefill(d: PDEngine, failed: str, extra: dict[str, Any] | None = None) -> None:
     """After D's request "a" loaded and ``failed`` failed: a fresh prefill engine prefills "c" and D
     loads it byte-exact; "a" is intact, the failed request's blocks hold whatever they hold (vLLM
     treats them as invalid), and neither engine holds a request or block afterwards."""
-    healthy = PDEngine(PDCase(), "prefill", "P2",
-                       {"side_channel_host": "127.0.0.1", "side_channel_port": 0, **(extra or {})})
+    healthy = PDEngine(PDCase(), "prefill", "P2", {**LOOPBACK_CHANNEL, **(extra or {})})
     try:
-        healthy.add("c", prompt(2, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
-        while "c" not in healthy.outputs:
-            healthy.step()
-        d.add("c", prompt(2, 40), 2, dict(healthy.outputs["c"].kv_transfer_params))
-        deadline = time.monotonic() + 30
-        while ("c" not in d.outputs or "c" not in healthy.finished_sending) and time.monotonic() < deadline:
-            d.step()
-            healthy.step()
+        d.add("c", prompt(2, 40), 2, prefilled(healthy, "c", 2, 40))
+        step_until(lambda: "c" in d.outputs and "c" in healthy.finished_sending, (d, healthy), 30)
         assert "c" in d.finished_recving and "c" not in d.failed_recving
         assert healthy.finished_sending == {"c"}
         expected = d.expected(0, {"a": d.recv_blocks["a"], "c": d.recv_blocks["c"]})

@@ -13,8 +13,9 @@ import pytest
 from nixlkv.testing import oracle
 from nixlkv.vllm import push
 from nixlkv.vllm.worker import NixlkvWorker
-from pd_harness import (PDCase, PDEngine, assert_failed_not_hung, assert_no_leaks, load_from_a_healthy_prefill, prompt,
-                        keep_blocks, publish, run_decode, run_pd, spawn_prefill, stop)
+from pd_harness import (LOOPBACK_CHANNEL, PDCase, PDEngine, assert_failed_not_hung, assert_no_leaks, counted, keep_blocks,
+                        load_from_a_healthy_prefill, prefilled, prompt, publish, run_decode, run_pd, spawn_prefill,
+                        step_until, stop)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -130,35 +131,24 @@ def test_an_order_for_a_request_already_written_is_refused_at_once(caplog: pytes
     import logging
 
     caplog.set_level(logging.WARNING, logger="nixlkv")
-    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
-    p = PDEngine(PDCase(), "prefill", "P", {**channel, "lease_s": 60.0, **PUSH})
+    p = PDEngine(PDCase(), "prefill", "P", {**LOOPBACK_CHANNEL, "lease_s": 60.0, **PUSH})
     engines = [p]
     try:
-        d = PDEngine(PDCase(), "decode", "D", {**channel, **PUSH})
+        d = PDEngine(PDCase(), "decode", "D", {**LOOPBACK_CHANNEL, **PUSH})
         engines.append(d)
-        again = PDEngine(PDCase(), "decode", "D2", {**channel, "transfer_timeout_s": 120.0, **PUSH})
+        again = PDEngine(PDCase(), "decode", "D2", {**LOOPBACK_CHANNEL, "transfer_timeout_s": 120.0, **PUSH})
         engines.append(again)
         for engine in (d, again):
             oracle.fill_decode(engine.ranks[0])
-        p.add("a", prompt(0, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
-        while "a" not in p.outputs:
-            p.step()
-        params = dict(p.outputs["a"].kv_transfer_params)
+        params = prefilled(p, "a", 0, 40)
         d.add("a", prompt(0, 40), 2, dict(params))
-        deadline = time.monotonic() + 60
-        while ("a" not in p.finished_sending or "a" not in d.outputs) and time.monotonic() < deadline:
-            d.step()
-            p.step()
+        step_until(lambda: "a" in p.finished_sending and "a" in d.outputs, (d, p), 60)
         assert "a" in d.finished_recving and "a" in p.finished_sending
         again.add("a", prompt(0, 40), 2, dict(params))
-        deadline = time.monotonic() + 30  # half P's lease_s, which the order waited before
-        while "a" not in again.outputs and time.monotonic() < deadline:
-            again.step()
-            p.step()
-            time.sleep(0.002)
-        assert "a" in again.outputs, "the second decode engine's order was not answered within half P's lease"
+        answered = step_until(lambda: "a" in again.outputs, (again, p), 30, 0.002)  # 30 s: half P's lease_s
+        assert answered, "the second decode engine's order was not answered within half P's lease"
         assert again.failed_recving == {"a"} and again.invalid_blocks == set(again.recv_blocks["a"][0])
-        assert sum(s.reduce()["push_writes"] for s in p.stats) == 1
+        assert counted(p, "push_writes") == 1
         refusals = [r.getMessage() for r in caplog.records if "freed here already" in r.getMessage()]
         assert refusals and "has read it or had it written" in refusals[0], [r.getMessage() for r in caplog.records]
         expected = again.expected(0, {})
@@ -195,41 +185,28 @@ def test_orders_lost_on_the_way_are_answered_once_the_prefill_engine_answers_aga
         real_notify(self, agent, msg)
 
     monkeypatch.setattr(NixlRank, "notify", lossy_notify)
-    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
-    p = PDEngine(PDCase(), "prefill", "P", {**channel, "lease_s": 60.0, **PUSH})
+    p = PDEngine(PDCase(), "prefill", "P", {**LOOPBACK_CHANNEL, "lease_s": 60.0, **PUSH})
     engines = [p]
     try:
-        d = PDEngine(PDCase(), "decode", "D", {**channel, "transfer_timeout_s": 2.0, "handshake_timeout_s": 1.0,
-                                               **PUSH})
+        d = PDEngine(PDCase(), "decode", "D", {**LOOPBACK_CHANNEL, "transfer_timeout_s": 2.0,
+                                               "handshake_timeout_s": 1.0, **PUSH})
         engines.append(d)
         oracle.fill_decode(d.ranks[0])
-        p.add("a", prompt(0, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
-        while "a" not in p.outputs:
-            p.step()
-        d.add("a", prompt(0, 40), 2, dict(p.outputs["a"].kv_transfer_params))
-        deadline = time.monotonic() + 30
-        while "a" not in d.outputs and time.monotonic() < deadline:
-            d.step()
-            p.step()
-            time.sleep(0.002)
+        d.add("a", prompt(0, 40), 2, prefilled(p, "a", 0, 40))
+        answered = step_until(lambda: "a" in d.outputs, (d, p), 30, 0.002)
         assert [push.kind(m) for _, _, m in lost] == [push.ORDER, push.ABANDON]
-        assert "a" in d.outputs, "the decode engine hung on orders lost on the way"
+        assert answered, "the decode engine hung on orders lost on the way"
         assert d.failed_recving == {"a"} and d.invalid_blocks == set(d.recv_blocks["a"][0])
         assert any("no order for it is here" in r.getMessage() for r in caplog.records)
         rank, agent, order = lost[0]
         real_notify(rank, agent, order)  # the lost order arrives after all
-        deadline = time.monotonic() + 10
-        while not any("before it arrived" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
-            p.step()
-            d.step()
+        step_until(lambda: any("before it arrived" in r.getMessage() for r in caplog.records), (p, d), 10)
         assert any("abandoned by the decode engine before it arrived" in r.getMessage() for r in caplog.records)
-        assert sum(s.reduce()["push_writes"] for s in p.stats) == 0
+        assert counted(p, "push_writes") == 0
         expected = d.expected(0, {})
         keep_blocks(expected, d.ranks[0], set(d.recv_blocks["a"][0]))
         assert oracle.compare(d.ranks[0], expected) is None
-        deadline = time.monotonic() + 10  # the refused order freed P's hold: nothing left on either engine
-        while "a" not in p.finished_sending and time.monotonic() < deadline:
-            p.step()
+        step_until(lambda: "a" in p.finished_sending, (p,), 10)  # the refused order freed P's hold
         for engine in engines:
             assert_no_leaks(engine.leaks(), engine.role)
     finally:
@@ -261,47 +238,30 @@ def test_an_idle_prefill_engine_that_let_the_hold_go_is_asked_over_its_side_chan
             real_notify(self, agent, msg)
 
     monkeypatch.setattr(NixlRank, "notify", link_notify)
-    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
-    p = PDEngine(PDCase(), "prefill", "P", {**channel, "lease_s": 3.0, **PUSH})
+    p = PDEngine(PDCase(), "prefill", "P", {**LOOPBACK_CHANNEL, "lease_s": 3.0, **PUSH})
     engines = [p]
     try:
-        d = PDEngine(PDCase(), "decode", "D", {**channel, "transfer_timeout_s": 2.0, "handshake_timeout_s": 1.0,
-                                               **PUSH})
+        d = PDEngine(PDCase(), "decode", "D", {**LOOPBACK_CHANNEL, "transfer_timeout_s": 2.0,
+                                               "handshake_timeout_s": 1.0, **PUSH})
         engines.append(d)
         oracle.fill_decode(d.ranks[0])
-        p.add("a", prompt(0, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
-        while "a" not in p.outputs:
-            p.step()
+        params = prefilled(p, "a", 0, 40)
         link["down"] = True
-        d.add("a", prompt(0, 40), 2, dict(p.outputs["a"].kv_transfer_params))
-        deadline = time.monotonic() + 30
-        while "a" not in p.finished_sending and time.monotonic() < deadline:  # P's lease ends its hold
-            d.step()
-            p.step()
-            time.sleep(0.002)
+        d.add("a", prompt(0, 40), 2, params)
+        step_until(lambda: "a" in p.finished_sending, (d, p), 30, 0.002)  # P's lease ends its hold
         assert "a" in p.finished_sending and not d.outputs
         link["down"] = False  # back; P is idle from here on (never stepped again)
-        deadline = time.monotonic() + 30
-        while "a" not in d.outputs and time.monotonic() < deadline:
-            d.step()
-            time.sleep(0.002)
-        assert "a" in d.outputs, "the decode engine hung on an idle prefill engine that let the hold go"
+        answered = step_until(lambda: "a" in d.outputs, (d,), 30, 0.002)
+        assert answered, "the decode engine hung on an idle prefill engine that let the hold go"
         assert d.failed_recving == {"a"} and d.invalid_blocks == set(d.recv_blocks["a"][0])
         assert any("no longer holds request" in r.getMessage() for r in caplog.records)
-        assert sum(s.reduce()["push_writes"] for s in p.stats) == 0
+        assert counted(p, "push_writes") == 0
         # the next request connects afresh (a connection that lost orders may still be in TCP's
         # back-off), and is written byte-exact
-        p.add("b", prompt(1, 40), 1, {"do_remote_decode": True, "do_remote_prefill": False})
-        while "b" not in p.outputs:
-            p.step()
-        d.add("b", prompt(1, 40), 2, dict(p.outputs["b"].kv_transfer_params))
-        deadline = time.monotonic() + 30
-        while ("b" not in d.outputs or "b" not in p.finished_sending) and time.monotonic() < deadline:
-            d.step()
-            p.step()
+        d.add("b", prompt(1, 40), 2, prefilled(p, "b", 1, 40))
+        step_until(lambda: "b" in d.outputs and "b" in p.finished_sending, (d, p), 30)
         assert "b" in d.finished_recving and "b" not in d.failed_recving
-        handshakes = sum(s.reduce()[k] for s in d.stats for k in ("handshakes_planned", "handshakes_rebased",
-                                                                    "handshakes_recounted"))
+        handshakes = sum(counted(d, k) for k in ("handshakes_planned", "handshakes_rebased", "handshakes_recounted"))
         assert handshakes == 2, handshakes
         expected = d.expected(0, {"b": d.recv_blocks["b"]})
         keep_blocks(expected, d.ranks[0], set(d.recv_blocks["a"][0]) - set(d.recv_blocks["b"][0]))
