@@ -908,6 +908,38 @@ def test_a_client_that_hangs_up_is_told_where_it_got() -> None:
     assert asyncio.run(_against("/v1/completions", slow, calls)) == ["before", "during", "whole"]
 
 
+def test_a_hang_up_client_answered_on_a_closing_connection() -> None:
+    """An answer that closes its connection (``Connection: close``, as an erroring proxy's 500): an
+    error status is a failed request (CompletionError), not a hang-up, and a stream on such a
+    connection is still read until the client gives up (the client once broke on it instead)."""
+    from nixlkv.serving.client import CompletionError
+    from nixlkv.serving.drills import hang_up
+
+    async def closing(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["prompt"] == [500]:
+            out = web.Response(status=500, text="Internal Server Error")
+            out.force_close()
+            return out
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        stream.force_close()
+        await stream.prepare(request)
+        for i in range(5):
+            await stream.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.1)
+        return stream
+
+    def failed(url: str) -> str:
+        try:
+            hang_up(url, {"prompt": [500]}, 2.0)
+        except CompletionError as exc:
+            return f"failed {exc.status}"
+        return "not failed"
+
+    calls = [failed, lambda url: hang_up(url, {"prompt": [1]}, 0.25), lambda url: hang_up(url, {"prompt": [1]}, 5.0)]
+    assert asyncio.run(_against("/v1/completions", closing, calls)) == ["failed 500", "during", "whole"]
+
+
 def test_a_client_that_hangs_up_stops_the_proxys_request_upstream() -> None:
     """The proxy as a real command: a client that gives up while P prefills cancels P's request
     (vLLM then aborts it) and D never gets one, rather than both engines computing for nobody."""

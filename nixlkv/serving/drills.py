@@ -204,15 +204,19 @@ FINISHED = "vllm:request_success_total"  # an engine's finished requests, per fi
 def hang_up(url: str, body: dict[str, Any], after_s: float) -> str:
     """Send ``body`` streamed and close the connection ``after_s`` seconds later, or when the answer
     ends first: what a client that gives up does. Where it got: ``before`` the answer began,
-    ``during`` it, or the ``whole`` answer."""
+    ``during`` it, or the ``whole`` answer. An error status answered first is a failed request, not
+    a hang-up: it raises ``CompletionError``."""
     conn = http.client.HTTPConnection(*host_port(url), timeout=after_s)
     t0 = time.monotonic()
     got = 0
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        sock = conn.sock  # an answer that closes its connection takes it from conn: keep our hold
         resp = conn.getresponse()
+        if resp.status != 200:
+            raise CompletionError(url, resp.status, resp.read(4096).decode(errors="replace"))
         while (left := after_s - (time.monotonic() - t0)) > 0:
-            conn.sock.settimeout(left)
+            sock.settimeout(left)
             chunk = resp.read1(4096)
             if not chunk:
                 return "whole"
