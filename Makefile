@@ -104,7 +104,8 @@ serve-matrix: serve-venv
 
 # The soak across hosts (docs/serving.md, "The soak"): 2 prefill and 2 decode engines, 1,000 requests,
 # 16 in flight, clients that cancel, a prefill engine killed and restarted and a link dropped mid-run,
-# each connector in turn (root: network namespaces). soak-short: the 100-request version, nixlkv only;
+# each connector in turn (root: network namespaces). soak-short: the 100-request version, nixlkv only
+# (`make test` runs it too: tests/test_serving_soak_short.py);
 # the command's exit status is the verdict (non-zero on any hung, broken or wrong request).
 SOAK_REQUESTS ?= 1000
 soak: serve-venv
