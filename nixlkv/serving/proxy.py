@@ -10,7 +10,9 @@ Both requests carry one ``X-Request-Id`` (the client's, or a new one), so a requ
 lines in P's and D's logs share its id (vLLM adds its own suffix inside each engine).
 Streaming answers are passed through as they come. Engines are taken in turn, each
 kind round-robin, and over every P x D requests every (P, D) pair once (:func:`pairings`), so that
-every decode engine meets every prefill engine.
+every decode engine meets every prefill engine. An engine the proxy cannot connect to (stopped,
+restarting, its host unreachable) never received the request, so the next engine of its kind
+takes it; an engine that drops a request it did receive fails that request (502, naming it).
 It speaks only the keys vLLM's NixlConnector uses, so it drives either connector.
 """
 
@@ -25,13 +27,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectorError, ClientError, ClientResponse, ClientSession, ClientTimeout, ConnectionTimeoutError, web
 
 logger = logging.getLogger("nixlkv.proxy")
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+UNREACHED = (ClientConnectorError, ConnectionTimeoutError)  # no connection made: the engine never saw the request
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -62,6 +65,14 @@ def pairings(num_prefill: int, num_decode: int) -> list[tuple[int, int]]:
     pair (the ``gcd`` offsets between the two indices, ``lcm`` pairs each)."""
     cycle = math.lcm(num_prefill, num_decode)
     return [(s % num_prefill, (s + s // cycle) % num_decode) for s in range(num_prefill * num_decode)]
+
+
+class EngineUnavailable(Exception):
+    """A request no engine of a kind answered: ``status`` is what the proxy answers the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Proxy:
@@ -111,11 +122,13 @@ class Proxy:
         headers.setdefault("X-Request-Id", uuid.uuid4().hex)  # one id on P and D, as vLLM's own proxy sends
         if self._session is None:
             return self._error(503, "the proxy is starting")
-        p_url, d_url = next(self._pairs)
-        async with self._session.post(f"{p_url}{request.path}", json=prefill_body(body), headers=headers) as p:
-            p_text = await p.text()
-            if p.status != 200:
-                return self._error(p.status, f"prefill engine {p_url} answered {p.status}: {p_text[:500]}")
+        p_first, d_first = next(self._pairs)
+        try:
+            p_url, p_status, p_text = await self._prefill(p_first, request.path, prefill_body(body), headers)
+        except EngineUnavailable as exc:
+            return self._error(exc.status, str(exc))
+        if p_status != 200:
+            return self._error(p_status, f"prefill engine {p_url} answered {p_status}: {p_text[:500]}")
         try:
             params = json.loads(p_text).get("kv_transfer_params")
         except (json.JSONDecodeError, AttributeError):
@@ -123,10 +136,16 @@ class Proxy:
         if not isinstance(params, dict):
             return self._error(502, f"prefill engine {p_url} returned no kv_transfer_params (is its "
                                     f"kv_role kv_producer and its connector NIXL-compatible?)")
-        d_req = self._session.post(f"{d_url}{request.path}", json=decode_body(body, params), headers=headers)
-        async with d_req as d:
+        try:  # any decode engine can read P's KV: the params name P, not the reader
+            d_url, d = await self._connect("decode", d_first, request.path, decode_body(body, params), headers)
+        except EngineUnavailable as exc:
+            return self._error(exc.status, str(exc))
+        async with d:
             if not body.get("stream"):
-                data = await d.read()
+                try:
+                    data = await d.read()
+                except ClientError as exc:
+                    return self._error(502, f"decode engine {d_url} dropped the request: {type(exc).__name__}: {exc}")
                 if d.status != 200:
                     self.failures += 1
                 return web.Response(body=data, status=d.status, content_type=d.content_type)
@@ -136,6 +155,36 @@ class Proxy:
                 await out.write(chunk)
             await out.write_eof()
             return out
+
+    async def _prefill(self, first: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> tuple[str, int, str]:
+        """P's whole answer: (engine, status, text)."""
+        url, p = await self._connect("prefill", first, path, body, headers)
+        async with p:
+            try:
+                return url, p.status, await p.text()
+            except ClientError as exc:
+                raise EngineUnavailable(502, f"prefill engine {url} dropped the request: "
+                                             f"{type(exc).__name__}: {exc}") from exc
+
+    async def _connect(self, kind: str, first: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> tuple[str, ClientResponse]:
+        """The response of ``first``, or, where no connection to it could be made, of the next engine
+        of its kind in turn (the request reached none of those). EngineUnavailable: 503 naming every
+        engine tried when none could be reached, 502 naming the one that took the request and broke
+        the connection before answering."""
+        engines = self.prefill if kind == "prefill" else self.decode
+        start = engines.index(first)
+        tried = []
+        for url in engines[start:] + engines[:start]:
+            try:
+                return url, await self._session.post(f"{url}{path}", json=body, headers=headers)  # type: ignore[union-attr]
+            except UNREACHED as exc:
+                tried.append(f"{url} ({exc})")
+                logger.warning("nixlkv proxy: %s engine %s unreachable (%s)", kind, url, exc)
+            except ClientError as exc:
+                raise EngineUnavailable(502, f"{kind} engine {url} dropped the request: {type(exc).__name__}: {exc}") from exc
+        raise EngineUnavailable(503, f"no {kind} engine reachable: {'; '.join(tried)}")
 
     def _error(self, status: int, message: str) -> web.Response:
         self.failures += 1
