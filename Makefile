@@ -73,7 +73,9 @@ bench: venv
 
 # Served transfers at Llama-3-8B's KV size (128 KiB/token), both connectors in one run with vLLM's
 # own NIXL agent settings, P1->D1 and P2->D1, then the plot (docs/performance.md, "Served transfers
-# at Llama-3-8B's KV size"). Long: an 8k prefill takes tens of seconds on a loaded 2-core machine.
+# at Llama-3-8B's KV size"). Long: on a quiet 2-core machine a 2,048-token prefill takes ~48 s and
+# 128 to 2,048 tokens ~40 min for both shapes and connectors; 4k and 8k need a larger machine
+# (KV_LENGTHS=...).
 KV_LENGTHS ?= 128 512 1024 2048 4096 8192
 KV_LOAD_LENGTHS ?= 128 1024
 KV_OUT ?= build/serve-bench-kv
