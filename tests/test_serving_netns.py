@@ -134,3 +134,31 @@ def test_networks_made_side_by_side_get_subnets_of_their_own_and_a_taken_one_is_
         with other:
             assert other.subnet != one.subnet
     assert "nxt7-" not in _namespaces() and "nxt5-" not in _namespaces()
+
+
+def test_an_interrupt_while_stopping_still_stops_every_engine_and_removes_the_hosts(tmp_path, monkeypatch) -> None:
+    """Ctrl-C twice: the second interrupt lands while the first engine winds down (its 20 s grace).
+    Every other engine is still stopped and the hosts removed, then the interrupt is raised. Once,
+    an engine outlived such a run (the stop loop ended at the second interrupt)."""
+    monkeypatch.setattr(check, "build_model", lambda name, root, python: tmp_path)
+    srv = check.Servers(Case(hosts="netns", prefills=2), check.Options(python="python"))
+    stopped: list[tuple[str, float | None]] = []
+
+    class Engine:
+        def __init__(self, name: str, interrupts: bool = False) -> None:
+            self.name, self.interrupts = name, interrupts
+
+        def stop(self, grace_s: float | None = None) -> None:
+            stopped.append((self.name, grace_s))
+            if self.interrupts and grace_s is None:
+                raise KeyboardInterrupt
+
+    closed: list[bool] = []
+    monkeypatch.setattr(srv.network, "close", lambda: closed.append(True))
+    srv.proxy, srv.d, srv.p = Engine("proxy", interrupts=True), Engine("d"), Engine("p")
+    srv.more_d, srv.more_p = [], [Engine("p1")]
+    with pytest.raises(KeyboardInterrupt):
+        srv.stop()
+    assert [name for name, _ in stopped] == ["proxy", "proxy", "d", "p", "p1"]
+    assert all(grace == 0.0 for _, grace in stopped[1:])  # after the interrupt: no more grace
+    assert closed == [True]

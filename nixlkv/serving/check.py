@@ -448,13 +448,26 @@ class Servers:
         return proc, proc.wait_ready(self.opts.start_timeout_s)
 
     def stop(self) -> None:
+        """Every engine and the proxy stopped, then the hosts removed, whatever stopped the case. An
+        interrupt while one engine winds down (Ctrl-C again) stops the rest at once, then is raised."""
+        interrupt: KeyboardInterrupt | None = None
         try:
             for proc in (self.proxy, self.d, *self.more_d, self.p, *self.more_p):
-                if proc is not None:
-                    proc.stop()
+                if proc is None:
+                    continue
+                try:
+                    if interrupt is None:
+                        proc.stop()
+                    else:
+                        proc.stop(grace_s=0.0)
+                except KeyboardInterrupt as exc:
+                    interrupt = exc
+                    proc.stop(grace_s=0.0)
         finally:
             if self.network is not None:  # the hosts go too, whatever stopped the case
                 self.network.close()
+        if interrupt is not None:
+            raise interrupt
 
     def __enter__(self) -> Servers:
         return self
