@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -548,17 +549,37 @@ async def _serve(app: web.Application, **kwargs: object) -> tuple[web.AppRunner,
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _run_proxy(stand: StandIns, requests: list[dict], headers: dict[str, str] | None = None) -> list[tuple[int, str]]:
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as sock:  # a port just freed: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def _run_proxy(stand: StandIns, requests: list[dict], headers: dict[str, str] | None = None,
+                     p_urls: Sequence[str | None] = ("live",), d_urls: Sequence[str | None] = ("live",),
+                     drop_p: bool = False) -> list[tuple[int, str]]:
+    """The proxy in front of stand-in engines, one per entry of ``p_urls`` and ``d_urls`` (None: an
+    engine nothing listens for); ``drop_p``: the live prefill stand-in closes the connection
+    without answering. Each request's (status, text), sent one after another."""
     from aiohttp import ClientSession
 
-    papp, dapp = web.Application(), web.Application()
-    papp.router.add_post("/v1/completions", stand.prefill)
-    dapp.router.add_post("/v1/completions", stand.decode)
-    runners = []
-    pr, purl = await _serve(papp)
-    dr, durl = await _serve(dapp)
-    xr, xurl = await _serve(Proxy([purl], [durl]).app())
-    runners += [pr, dr, xr]
+    async def dropping(request: web.Request) -> web.Response:
+        stand.seen["p"].append(await request.json())
+        request.transport.close()  # type: ignore[union-attr]
+        return web.Response()
+
+    runners, urls = [], {}
+    for kind, handler in (("p", dropping if drop_p else stand.prefill), ("d", stand.decode)):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner, urls[kind] = await _serve(app)
+        runners.append(runner)
+    prefill = [urls["p"] if u is not None else _closed_port_url() for u in p_urls]
+    decode = [urls["d"] if u is not None else _closed_port_url() for u in d_urls]
+    xr, xurl = await _serve(Proxy(prefill, decode).app())
+    runners.append(xr)
     out = []
     try:
         async with ClientSession() as s:
@@ -628,64 +649,22 @@ def test_the_proxy_pairs_every_prefill_with_every_decode_engine_and_takes_each_k
             == [(0, 0), (1, 1), (0, 0), (1, 1)] and (0, 1) in cycle
 
 
-def _closed_port_url() -> str:
-    import socket
-
-    with socket.socket() as sock:  # a port just freed: nothing listens on it
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-async def _proxy_over(p_urls: list[str | None], d_urls: list[str | None], stand: StandIns,
-                      bodies: list[dict], drop_p: bool = False) -> list[tuple[int, str]]:
-    """The proxy in front of stand-in engines; None in a list: an engine nothing listens for.
-    ``drop_p``: each live prefill stand-in closes the connection without answering."""
-    from aiohttp import ClientSession
-
-    async def dropping(request: web.Request) -> web.Response:
-        stand.seen["p"].append(await request.json())
-        request.transport.close()  # type: ignore[union-attr]
-        return web.Response()
-
-    runners, urls = [], {}
-    for kind, handler in (("p", dropping if drop_p else stand.prefill), ("d", stand.decode)):
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        runner, url = await _serve(app)
-        runners.append(runner)
-        urls[kind] = url
-    prefill = [urls["p"] if u is not None else _closed_port_url() for u in p_urls]
-    decode = [urls["d"] if u is not None else _closed_port_url() for u in d_urls]
-    xr, xurl = await _serve(Proxy(prefill, decode).app())
-    runners.append(xr)
-    out = []
-    try:
-        async with ClientSession() as s:
-            for body in bodies:
-                async with s.post(f"{xurl}/v1/completions", json=body) as r:
-                    out.append((r.status, await r.text()))
-    finally:
-        for r in runners:
-            await r.cleanup()
-    return out
-
-
 def test_the_proxy_sends_a_request_an_engine_could_not_take_to_the_next_of_its_kind() -> None:
     """P0 and D0 stopped (nothing listens): the proxy could not connect, so the request reached
     neither, and the next engine of each kind takes it; every request is answered. The control:
     with no engine of a kind reachable the client gets a 503 naming each one tried, never a bare 500."""
     body = {"model": "m", "prompt": [1, 2], "max_tokens": 3}
     stand = StandIns()
-    got = asyncio.run(_proxy_over([None, "live"], [None, "live"], stand, [body] * 4))
+    got = asyncio.run(_run_proxy(stand, [body] * 4, p_urls=[None, "live"], d_urls=[None, "live"]))
     assert [status for status, _ in got] == [200] * 4, got
     assert len(stand.seen["p"]) == 4 and len(stand.seen["d"]) == 4  # each once, on the live engines
 
     stand = StandIns()
-    (status, text), = asyncio.run(_proxy_over([None, None], ["live"], stand, [body]))
+    (status, text), = asyncio.run(_run_proxy(stand, [body], p_urls=[None, None]))
     assert status == 503 and "no prefill engine reachable" in text and text.count("http://127.0.0.1:") == 2, text
     assert not stand.seen["p"] and not stand.seen["d"]
     stand = StandIns()
-    (status, text), = asyncio.run(_proxy_over(["live"], [None], stand, [body]))
+    (status, text), = asyncio.run(_run_proxy(stand, [body], d_urls=[None]))
     assert status == 503 and "no decode engine reachable" in text and len(stand.seen["p"]) == 1, text
 
 
@@ -694,7 +673,7 @@ def test_the_proxy_fails_a_request_an_engine_took_and_dropped_naming_it() -> Non
     request fails (502 naming the engine and what broke) and goes to no other engine."""
     body = {"model": "m", "prompt": [1, 2], "max_tokens": 3}
     stand = StandIns()
-    (status, text), = asyncio.run(_proxy_over(["live", "live"], ["live"], stand, [body], drop_p=True))
+    (status, text), = asyncio.run(_run_proxy(stand, [body], p_urls=["live", "live"], drop_p=True))
     assert status == 502 and "prefill engine http://127.0.0.1:" in text and "dropped the request" in text, text
     assert len(stand.seen["p"]) == 1 and not stand.seen["d"]
 
