@@ -74,6 +74,12 @@ class EngineUnavailable(Exception):
         super().__init__(message)
         self.status = status
 
+    @classmethod
+    def dropped(cls, kind: str, url: str, exc: BaseException) -> EngineUnavailable:
+        """The engine took the request and broke the connection: it may have started it, so the
+        request fails (502) rather than go to another engine."""
+        return cls(502, f"{kind} engine {url} dropped the request: {type(exc).__name__}: {exc}")
+
 
 class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
@@ -145,7 +151,8 @@ class Proxy:
                 try:
                     data = await d.read()
                 except ClientError as exc:
-                    return self._error(502, f"decode engine {d_url} dropped the request: {type(exc).__name__}: {exc}")
+                    dropped = EngineUnavailable.dropped("decode", d_url, exc)
+                    return self._error(dropped.status, str(dropped))
                 if d.status != 200:
                     self.failures += 1
                 return web.Response(body=data, status=d.status, content_type=d.content_type)
@@ -164,15 +171,13 @@ class Proxy:
             try:
                 return url, p.status, await p.text()
             except ClientError as exc:
-                raise EngineUnavailable(502, f"prefill engine {url} dropped the request: "
-                                             f"{type(exc).__name__}: {exc}") from exc
+                raise EngineUnavailable.dropped("prefill", url, exc) from exc
 
     async def _connect(self, kind: str, first: str, path: str, body: dict[str, Any],
                        headers: dict[str, str]) -> tuple[str, ClientResponse]:
         """The response of ``first``, or, where no connection to it could be made, of the next engine
         of its kind in turn (the request reached none of those). EngineUnavailable: 503 naming every
-        engine tried when none could be reached, 502 naming the one that took the request and broke
-        the connection before answering."""
+        engine tried when none could be reached, or :meth:`EngineUnavailable.dropped`."""
         engines = self.prefill if kind == "prefill" else self.decode
         start = engines.index(first)
         tried = []
@@ -183,7 +188,7 @@ class Proxy:
                 tried.append(f"{url} ({exc})")
                 logger.warning("nixlkv proxy: %s engine %s unreachable (%s)", kind, url, exc)
             except ClientError as exc:
-                raise EngineUnavailable(502, f"{kind} engine {url} dropped the request: {type(exc).__name__}: {exc}") from exc
+                raise EngineUnavailable.dropped(kind, url, exc) from exc
         raise EngineUnavailable(503, f"no {kind} engine reachable: {'; '.join(tried)}")
 
     def _error(self, status: int, message: str) -> web.Response:
