@@ -75,14 +75,16 @@ bench: venv
 # own NIXL agent settings, P1->D1 and P2->D1, then the plot (docs/performance.md, "Served transfers
 # at Llama-3-8B's KV size"). Long: on a quiet 2-core machine a 2,048-token prefill takes ~48 s and
 # 128 to 2,048 tokens ~40 min for both shapes and connectors; 4k and 8k need a larger machine
-# (KV_LENGTHS=...).
+# (KV_LENGTHS=...). KV_HOSTS=netns: P, D and the proxy on separate hosts (network namespaces; root),
+# NIXL over TCP, the ceiling too.
 KV_LENGTHS ?= 128 512 1024 2048 4096 8192
+KV_HOSTS ?= loopback
 KV_LOAD_LENGTHS ?= 128 1024
 KV_OUT ?= build/serve-bench-kv
 serve-bench-kv: serve-venv venv
 	$(SERVE_BIN)/nixlkv serve-bench --model tiny-llama-8b-kv --p-tp 1 --p-tp 2 \
 	  $(foreach n,$(KV_LENGTHS),--prompt-len $(n)) $(foreach n,$(KV_LOAD_LENGTHS),--load-len $(n)) \
-	  --requests 3 --load-requests 8 --concurrency 8 --max-tokens 2 --kv-cache-gib 2 \
+	  --requests 3 --load-requests 8 --concurrency 8 --max-tokens 2 --kv-cache-gib 2 --hosts $(KV_HOSTS) \
 	  --json-out $(KV_OUT).json --markdown $(KV_OUT).md $(ARGS)
 	$(BIN)/nixlkv serve-bench-plot $(KV_OUT).json $(KV_OUT).png
 

@@ -357,7 +357,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     rows = []
     for m in args.model or ["tiny-llama"]:
         for p_tp in args.p_tp or [1]:
-            rows.append(run(Case(model=m, p_tp=p_tp, d_tp=args.d_tp), opts, plan,
+            rows.append(run(Case(model=m, p_tp=p_tp, d_tp=args.d_tp, hosts=args.hosts), opts, plan,
                             progress=lambda msg: print(f"[serve-bench] {msg}", file=sys.stderr, flush=True)))
         if args.json_out:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -674,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these lengths get the load (repeatable; default every length)")
     p.add_argument("--no-load", dest="load_len", action="store_const", const=[], help="no load at any length")
     p.add_argument("--ceiling-reps", type=int, default=5, help="timed raw NIXL READs per length for the ceiling")
+    p.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                   help="netns: P, D and the proxy each on a host of its own (as serve-check --hosts; root), NIXL "
+                   "over TCP between them; the ceiling too, each agent on a host of its own")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
     p.add_argument("--warm-each-length", action="store_true", help="an untimed request before each length's")
     p.add_argument("--push", action="store_true",

@@ -163,3 +163,30 @@ def test_a_push_connector_that_does_not_serve_is_reported_and_the_rest_measured(
     monkeypatch.setattr(bench, "measure", pull_fails)
     with pytest.raises(ServeError):
         bench.run(Case(model="tiny-llama"), None, BenchPlan(lengths=(128,), push=True))
+
+
+def test_servers_on_separate_hosts_get_a_ceiling_across_hosts(monkeypatch) -> None:
+    """``--hosts netns``: the servers run across hosts, and so does each length's ceiling (NIXL over
+    TCP); on loopback it stays in one process. The row says where it ran."""
+    from nixlkv.serving.check import Case, Options
+    from nixlkv.cli import build_parser
+
+    def fake_measure(case, opts, plan, progress=None):  # type: ignore[no-untyped-def]
+        return {"lengths": {"128": {"ttft_ms_median": 1.0, "ttft_ms": [1.0], "xfer_ms_per_request": 4.0,
+                                    "bytes_per_request": 1e6}}}
+
+    calls: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "read_ceiling", lambda n, p, reps, s: calls.append(("one process", n, p)) or [0.002])
+    monkeypatch.setattr(bench, "read_ceiling_across_hosts",
+                        lambda n, p, reps, s, python: calls.append(("across hosts", n, p)) or [0.003])
+    opts = Options(python="py")
+    out = bench.run(Case(model="tiny-llama", p_tp=2, hosts="netns"), opts, BenchPlan(lengths=(128,)))
+    assert calls == [("across hosts", 1000000, 2)] and out["hosts"] == "netns" and "netns" in out["shape"]
+    assert out["ratios"]["128"]["nixlkv_of_ceiling"] == pytest.approx(3 / 4)
+    calls.clear()
+    out = bench.run(Case(model="tiny-llama"), opts, BenchPlan(lengths=(128,)))
+    assert calls == [("one process", 1000000, 1)] and out["hosts"] == "loopback"
+    args = build_parser().parse_args(["serve-bench", "--hosts", "netns"])
+    assert args.hosts == "netns"
+    assert build_parser().parse_args(["serve-bench"]).hosts == "loopback"

@@ -12,7 +12,9 @@ Per connector, P, D and the proxy are started once and warmed up; then, for each
 - **throughput** under load: a fixed number of requests kept in flight through the proxy, requests
   and generated tokens per second.
 After both connectors' servers stopped, the **ceiling**: a raw NIXL READ of each length's byte
-count between agents built with the same settings (:mod:`nixlkv.serving.ceiling`).
+count between agents built with the same settings (:mod:`nixlkv.serving.ceiling`), in one process,
+or, where the servers ran on separate hosts (``Case.hosts`` netns), each agent on a host of its own
+with NIXL over TCP as the engines had it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import models
-from .ceiling import VLLM_AGENT, AgentSettings, read_ceiling
+from .ceiling import VLLM_AGENT, AgentSettings, read_ceiling, read_ceiling_across_hosts
 from .check import FIRST_ID, Case, Options, Servers
 from .client import CompletionError, complete, delta, scrape
 from .launch import ServeError
@@ -177,7 +179,8 @@ def goals(r: dict[str, float]) -> dict[str, bool]:
 
 def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
     """Both connectors, then the ceiling at each length's byte count, then the ratios."""
-    out: dict[str, Any] = {"model": case.model, "shape": case.label.rsplit(" ", 1)[0], "plan": asdict(plan),
+    out: dict[str, Any] = {"model": case.model, "shape": case.label.rsplit(" ", 1)[0], "hosts": case.hosts,
+                           "plan": asdict(plan),
                            "kv_bytes_per_token": models.kv_bytes_per_token(models.recipe(case.model))}
     for variant in plan.variants:
         try:
@@ -197,7 +200,10 @@ def run(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) -> dic
         nbytes = int(max(n["bytes_per_request"], v["bytes_per_request"]))
         ceiling = None
         if nbytes > 0:
-            secs = read_ceiling(nbytes, case.p_tp, plan.ceiling_reps, plan.agent)
+            if case.hosts == "netns":
+                secs = read_ceiling_across_hosts(nbytes, case.p_tp, plan.ceiling_reps, plan.agent, opts.python)
+            else:
+                secs = read_ceiling(nbytes, case.p_tp, plan.ceiling_reps, plan.agent)
             ceiling = {"bytes": nbytes, "ms_p50": 1000 * statistics.median(secs), "ms": [round(1000 * s, 2) for s in secs],
                        "gbps": nbytes / statistics.median(secs) / 1e9}
             if progress:
