@@ -79,12 +79,16 @@ bench: venv
 # NIXL over TCP, the ceiling too.
 KV_LENGTHS ?= 128 512 1024 2048 4096 8192
 KV_HOSTS ?= loopback
+# Every NIXL agent's pause between progress polls, both connectors' (vLLM's through the engines'
+# environment) and the ceiling's: busy-polling agents take a core each from the engines here.
+KV_PAUSE_US ?= 1000
 KV_LOAD_LENGTHS ?= 128 1024
 KV_OUT ?= build/serve-bench-kv
 serve-bench-kv: serve-venv venv
 	$(SERVE_BIN)/nixlkv serve-bench --model tiny-llama-8b-kv --p-tp 1 --p-tp 2 \
 	  $(foreach n,$(KV_LENGTHS),--prompt-len $(n)) $(foreach n,$(KV_LOAD_LENGTHS),--load-len $(n)) \
 	  --requests 3 --load-requests 8 --concurrency 8 --max-tokens 2 --kv-cache-gib 2 --hosts $(KV_HOSTS) \
+	  --progress-delay-us $(KV_PAUSE_US) \
 	  --json-out $(KV_OUT).json --markdown $(KV_OUT).md $(ARGS)
 	$(BIN)/nixlkv serve-bench-plot $(KV_OUT).json $(KV_OUT).png
 

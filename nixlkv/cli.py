@@ -342,6 +342,7 @@ def cmd_serve_soak(args: argparse.Namespace) -> int:
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     from .serving.bench import BenchPlan, markdown, push_markdown, run
+    from .serving.ceiling import VLLM_AGENT
     from .serving.check import Case, Options
 
     extra_env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)} if args.kv_cache_gib else {}
@@ -353,6 +354,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     plan = BenchPlan(lengths=lengths, requests=args.requests, load_requests=args.load_requests,
                      concurrency=args.concurrency, ceiling_reps=args.ceiling_reps, max_tokens=args.max_tokens,
                      warm_each_length=args.warm_each_length, push=args.push,
+                     agent=replace(VLLM_AGENT, progress_delay_us=args.progress_delay_us),
                      load_lengths=None if args.load_len is None else tuple(args.load_len))
     rows = []
     for m in args.model or ["tiny-llama"]:
@@ -684,6 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "against pull, in the same run)")
     p.add_argument("--kv-cache-gib", type=int, default=None,
                    help="VLLM_CPU_KVCACHE_SPACE of every engine, GiB (default: the environment's, else 1)")
+    p.add_argument("--progress-delay-us", type=int, default=0,
+                   help="every NIXL agent's pause between progress polls, both connectors' and the ceiling's "
+                   "(default 0: NIXL's busy poll, vLLM's own; 1000 on a machine with few cores, where each "
+                   "busy-polling agent takes a core from the engines)")
     _serving_args(p)
     p.add_argument("--json-out", metavar="PATH", help="also write the rows as JSON to PATH (after each model)")
     p.add_argument("--markdown", metavar="PATH")

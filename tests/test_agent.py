@@ -77,3 +77,72 @@ def test_transfer_with_paused_progress_is_byte_exact() -> None:
 def test_bad_progress_delay_is_refused_by_name(bad: object) -> None:
     with pytest.raises(AgentConfigError, match="progress_delay_us"):
         make_agent("bad", progress_delay_us=bad)  # type: ignore[arg-type]
+
+
+_VLLM_WAY = """
+import sys, time
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # what every vLLM engine process does before it builds its connector
+from nixl._api import nixl_agent, nixl_agent_config
+from nixlkv.transport.agents import make_agent, pause_every_agent
+if sys.argv[1] == "vllm":  # as vLLM's NixlConnector builds its agent: no pause it could give
+    agent = nixl_agent("vllm-way", nixl_agent_config(num_threads=4, capture_telemetry=True))
+elif sys.argv[1] == "restored":  # the process's pause taken back: NIXL's busy poll again
+    pause_every_agent(0)
+    agent = make_agent("restored")
+else:  # an agent with a pause of its own keeps it whatever the process's
+    agent = make_agent("own", progress_delay_us=int(sys.argv[1]))
+time.sleep(0.1)
+c0 = time.process_time()
+time.sleep(1.0)
+print(time.process_time() - c0)
+"""
+
+
+def _idle_in_engine(how: str, pause: str | None) -> float:
+    """CPU seconds an idle agent made ``how`` burns in 1 s in a process that loaded vLLM's general
+    plugins with NIXLKV_NIXL_PROGRESS_DELAY_US set to ``pause`` (None: unset)."""
+    import os
+
+    from nixlkv.serving import agent_pause
+
+    env = {k: v for k, v in os.environ.items() if k != agent_pause.ENV}
+    if pause is not None:
+        env[agent_pause.ENV] = pause
+    out = subprocess.run([sys.executable, "-c", _VLLM_WAY, how], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_engine_plugin_pauses_agents_nixlkv_does_not_make() -> None:
+    """serve-bench gives vLLM's NixlConnector nixlkv's pause through the engine's environment: the
+    plugin vLLM loads in every engine process pauses every agent of it, however made."""
+    busy = _idle_in_engine("vllm", None)  # the control: unset, vLLM's agent busy-polls
+    paused = _idle_in_engine("vllm", "1000")
+    assert busy > 0.2, f"vLLM's idle agent used only {busy:.3f} s CPU in 1 s"
+    assert paused < 0.5 * busy, f"vLLM's agent under the plugin's pause used {paused:.3f} s, busy {busy:.3f} s"
+    assert _idle_in_engine("restored", "1000") > 2 * paused  # pause_every_agent(0) takes it back
+    assert _idle_in_engine("1000", None) < 0.5 * busy  # make_agent's own pause, as before
+
+
+def test_a_bad_pause_in_the_environment_is_refused_by_its_name(monkeypatch) -> None:
+    from nixlkv.serving import agent_pause
+    from nixlkv.transport.agents import pause_every_agent
+
+    for bad in ("x", "-5", "1.5"):
+        monkeypatch.setenv(agent_pause.ENV, bad)
+        with pytest.raises(AgentConfigError, match=agent_pause.ENV):
+            agent_pause.register()
+    with pytest.raises(AgentConfigError, match="NIXLKV_NIXL_PROGRESS_DELAY_US"):
+        pause_every_agent(-1, setting="NIXLKV_NIXL_PROGRESS_DELAY_US")
+    monkeypatch.delenv(agent_pause.ENV)
+    agent_pause.register()  # unset: nothing happens
+    from nixl import _api
+    assert not hasattr(_api.nixlBind.nixlAgentConfig, "nixlkv_original")
+
+
+def test_the_plugin_is_registered_for_vllm_to_load() -> None:
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("nixlkv_agent_pause") == "nixlkv.serving.agent_pause:register"

@@ -10,7 +10,7 @@ import pytest
 
 from nixlkv.serving import bench, models
 from nixlkv.serving.bench import BenchPlan, goals, markdown, ratios, transfer_of
-from nixlkv.serving.ceiling import VLLM_AGENT, AgentSettings
+from nixlkv.serving.ceiling import PAUSED_AGENT, VLLM_AGENT, AgentSettings
 
 
 def test_the_timing_model_holds_llama_3_8b_kv_per_token_and_stays_out_of_the_matrix() -> None:
@@ -75,9 +75,40 @@ def test_both_connectors_get_vllms_own_agent_settings() -> None:
     from nixlkv.vllm.config import ConnectorConfig
     cfg = ConnectorConfig.parse(VLLM_AGENT.nixlkv_config(), env={})
     assert (cfg.nixl_progress_delay_us, cfg.nixl_num_threads, cfg.nixl_telemetry) == (0, 4, True)
-    # a pause vLLM's connector cannot be given is refused, not silently run unequal
-    with pytest.raises(ValueError, match="busy-polls"):
-        AgentSettings(progress_delay_us=1000, num_threads=4, telemetry=True).vllm_config()
+    assert VLLM_AGENT.engine_env() == {}  # NIXL's own progress thread, untouched
+    # a pause reaches vLLM's agents through the engines' environment (the agent_pause plugin), so
+    # both connectors run with it; a setting vLLM's connector cannot be given is refused
+    from nixlkv.serving import agent_pause
+    assert PAUSED_AGENT.engine_env() == {agent_pause.ENV: "1000"}
+    assert PAUSED_AGENT.vllm_config() == {"num_threads": 4}
+    assert ConnectorConfig.parse(PAUSED_AGENT.nixlkv_config(), env={}).nixl_progress_delay_us == 1000
+    with pytest.raises(ValueError, match="telemetry"):
+        AgentSettings(progress_delay_us=0, num_threads=4, telemetry=False).vllm_config()
+
+
+def test_both_connectors_engines_get_the_pause_in_their_environment(monkeypatch) -> None:
+    from nixlkv.serving import agent_pause
+    from nixlkv.serving.check import Case, Options
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def servers(case, opts, tag, references):  # type: ignore[no-untyped-def]
+        seen.append((case.connector, opts.extra_env))
+        raise Stop
+
+    monkeypatch.setattr(bench, "Servers", servers)
+    for variant in ("nixlkv", "vllm"):
+        for agent in (PAUSED_AGENT, VLLM_AGENT):
+            case = bench.variant_case(Case(model="tiny-llama"), variant, agent)
+            with pytest.raises(Stop):
+                bench.measure(case, Options(extra_env={"VLLM_CPU_KVCACHE_SPACE": "2"}), BenchPlan(agent=agent))
+    assert seen == [("nixlkv", {"VLLM_CPU_KVCACHE_SPACE": "2", agent_pause.ENV: "1000"}),
+                    ("nixlkv", {"VLLM_CPU_KVCACHE_SPACE": "2"}),
+                    ("vllm", {"VLLM_CPU_KVCACHE_SPACE": "2", agent_pause.ENV: "1000"}),
+                    ("vllm", {"VLLM_CPU_KVCACHE_SPACE": "2"})]
 
 
 def test_the_engines_get_the_settings_over_launchs_defaults() -> None:
@@ -187,6 +218,7 @@ def test_servers_on_separate_hosts_get_a_ceiling_across_hosts(monkeypatch) -> No
     calls.clear()
     out = bench.run(Case(model="tiny-llama"), opts, BenchPlan(lengths=(128,)))
     assert calls == [("one process", 1000000, 1)] and out["hosts"] == "loopback"
-    args = build_parser().parse_args(["serve-bench", "--hosts", "netns"])
-    assert args.hosts == "netns"
-    assert build_parser().parse_args(["serve-bench"]).hosts == "loopback"
+    args = build_parser().parse_args(["serve-bench", "--hosts", "netns", "--progress-delay-us", "1000"])
+    assert args.hosts == "netns" and args.progress_delay_us == 1000
+    args = build_parser().parse_args(["serve-bench"])
+    assert args.hosts == "loopback" and args.progress_delay_us == 0

