@@ -592,6 +592,63 @@ async def _run_proxy(stand: StandIns, requests: list[dict], headers: dict[str, s
     return out
 
 
+async def _closing_engine(answered: list[int]) -> tuple[asyncio.AbstractServer, str]:
+    """A prefill engine that answers the first request of each connection, keeps the connection
+    open as HTTP/1.1 allows, and closes it unanswered when a second request comes on it: what a
+    vLLM server does when its keep-alive timeout (5 s) runs out as a request arrives."""
+    import re
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for n in itertools.count():
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if n:
+                    return  # the second request of this connection: closed, never read
+                answered.append(1)
+                body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "P0"}}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_proxy_never_sends_a_request_on_a_connection_the_engine_may_have_closed() -> None:
+    """An engine closes an idle connection after its keep-alive timeout; a request the proxy sent on
+    it as it closed would fail with the engine never having read it (a 502 for nothing: measured,
+    a serve-bench run stopped on it). The proxy opens a connection per request."""
+    from aiohttp import ClientSession
+
+    async def run() -> tuple[list[int], list[int]]:
+        answered: list[int] = []
+        server, p_url = await _closing_engine(answered)
+        d_app = web.Application()
+        d_app.router.add_post("/v1/completions", StandIns().decode)
+        d_runner, d_url = await _serve(d_app)
+        x_runner, x_url = await _serve(Proxy([p_url], [d_url]).app())
+        statuses = []
+        try:
+            async with ClientSession() as s:
+                for _ in range(3):
+                    async with s.post(f"{x_url}/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 2}) as r:
+                        statuses.append(r.status)
+        finally:
+            await x_runner.cleanup()
+            await d_runner.cleanup()
+            server.close()
+        return statuses, answered
+
+    statuses, answered = asyncio.run(run())
+    assert statuses == [200, 200, 200] and len(answered) == 3
+
+
 def test_proxy_prefills_on_p_then_decodes_on_d_with_ps_params() -> None:
     stand = StandIns()
     (status, text), = asyncio.run(_run_proxy(stand, [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}]))

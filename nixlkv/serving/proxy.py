@@ -27,7 +27,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from aiohttp import ClientConnectorError, ClientError, ClientResponse, ClientSession, ClientTimeout, ConnectionTimeoutError, web
+from aiohttp import (ClientConnectorError, ClientError, ClientResponse, ClientSession, ClientTimeout, ConnectionTimeoutError,
+                     TCPConnector, web)
 
 logger = logging.getLogger("nixlkv.proxy")
 
@@ -93,7 +94,10 @@ class Proxy:
         self.failures = 0
 
     async def _start(self, app: web.Application) -> None:
-        self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10))
+        # A connection per request: an engine closes an idle connection when its keep-alive timeout
+        # (vLLM's: 5 s) runs out, and a request sent on one as it closes fails unread.
+        self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10),
+                                      connector=TCPConnector(force_close=True))
 
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
