@@ -361,9 +361,9 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         for p_tp in args.p_tp or [1]:
             rows.append(run(Case(model=m, p_tp=p_tp, d_tp=args.d_tp, hosts=args.hosts), opts, plan,
                             progress=lambda msg: print(f"[serve-bench] {msg}", file=sys.stderr, flush=True)))
-        if args.json_out:
-            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_out).write_text(json.dumps(rows, indent=1, default=float) + "\n")
+            if args.json_out:  # after each row: a run stopped later keeps what it measured
+                Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json_out).write_text(json.dumps(rows, indent=1, default=float) + "\n")
     table = markdown(rows) + (push_markdown(rows) if args.push else "")
     if args.markdown:
         Path(args.markdown).write_text(table)
@@ -691,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0: NIXL's busy poll, vLLM's own; 1000 on a machine with few cores, where each "
                    "busy-polling agent takes a core from the engines)")
     _serving_args(p)
-    p.add_argument("--json-out", metavar="PATH", help="also write the rows as JSON to PATH (after each model)")
+    p.add_argument("--json-out", metavar="PATH", help="also write the rows as JSON to PATH (after each row)")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve_bench)

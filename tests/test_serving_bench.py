@@ -222,3 +222,22 @@ def test_servers_on_separate_hosts_get_a_ceiling_across_hosts(monkeypatch) -> No
     assert args.hosts == "netns" and args.progress_delay_us == 1000
     args = build_parser().parse_args(["serve-bench"])
     assert args.hosts == "loopback" and args.progress_delay_us == 0
+
+
+def test_a_run_stopped_after_its_first_row_keeps_that_row(monkeypatch, tmp_path) -> None:
+    """serve-bench writes its JSON after each row (a P TP size), so a long run stopped in its second
+    row keeps what the first measured."""
+    import json as _json
+
+    from nixlkv import cli
+
+    def fake_run(case, opts, plan, progress=None):  # type: ignore[no-untyped-def]
+        if case.p_tp == 2:
+            raise KeyboardInterrupt
+        return {"model": case.model, "p_tp": case.p_tp}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    out = tmp_path / "kv.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["serve-bench", "--model", "tiny-llama-8b-kv", "--p-tp", "1", "--p-tp", "2", "--json-out", str(out)])
+    assert _json.loads(out.read_text()) == [{"model": "tiny-llama-8b-kv", "p_tp": 1}]
